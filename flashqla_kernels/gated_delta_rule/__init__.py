@@ -1,0 +1,1 @@
+"""Gated delta rule: reference, Hopper kernels and the public API."""

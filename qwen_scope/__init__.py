@@ -1,0 +1,3 @@
+"""qwen-scope: the user's verbs — load a Qwen model with Qwen-Scope SAEs, read features, steer, collect, explore."""
+
+__version__ = "0.1.0"

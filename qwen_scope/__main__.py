@@ -1,0 +1,5 @@
+import sys
+
+from qwen_scope.cli import main
+
+sys.exit(main())

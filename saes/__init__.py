@@ -1,0 +1,1 @@
+"""Sparse autoencoders: TopK math, the Qwen-Scope release registry, loading, sae-lens interop, training."""
