@@ -1,0 +1,156 @@
+"""The Qwen-Scope release catalogue: the 14 SAE sets as data (``releases.csv``) plus a parser for repo ids.
+
+Release ids are sae-lens' (``qwen-scope-3.5-2b-base-w32k-l100``); repos are ``Qwen/SAE-Res-{model}-W{N}K-L0_{k}``
+holding ``layer{n}.sae.pt`` for n in [0, n_layers). k always comes from the name, d_sae = N * 1024.
+"""
+from __future__ import annotations
+
+import csv
+import difflib
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+_CSV = Path(__file__).with_name("releases.csv")
+_REPO_RE = re.compile(r"^(?:(?P<org>[\w.-]+)/)?SAE-Res-(?P<model>[\w.-]+?)-W(?P<width>\d+)K-L0_(?P<k>\d+)$",
+                      re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Release:
+    """One Qwen-Scope SAE set (one HF repo): a residual-stream TopK SAE for every layer of one model.
+
+    Attributes:
+        id: sae-lens release id, e.g. ``"qwen-scope-3.5-2b-base-w32k-l100"``.
+        repo_id: Hugging Face repo, e.g. ``"Qwen/SAE-Res-Qwen3.5-2B-Base-W32K-L0_100"``.
+        model_id: the checkpoint the SAEs were trained on, e.g. ``"Qwen/Qwen3.5-2B-Base"``.
+        trained_on: ``"base"`` or ``"instruct"``.
+        d_model, d_sae, k, n_layers: sizes; ``d_model``/``n_layers`` are ``None`` for a parsed, unregistered repo
+            of an unknown model, ``d_sae`` is ``None`` when the name says ``W0K``.
+        registered: whether the set is one of the 14 published ones (False = parsed from a repo id).
+    """
+
+    id: str
+    repo_id: str
+    model_id: str
+    trained_on: str
+    d_model: int | None
+    d_sae: int | None
+    k: int
+    n_layers: int | None
+    registered: bool = True
+
+    @property
+    def expansion(self) -> int | None:
+        """d_sae / d_model (16 or 64 for the published sets)."""
+        return self.d_sae // self.d_model if self.d_sae and self.d_model else None
+
+    @property
+    def file_bytes(self) -> int | None:
+        """Size of one ``layer{n}.sae.pt`` payload in fp32: 4 * (2 d_model d_sae + d_sae + d_model)."""
+        if not (self.d_sae and self.d_model):
+            return None
+        return 4 * (2 * self.d_model * self.d_sae + self.d_sae + self.d_model)
+
+    @property
+    def total_bytes(self) -> int | None:
+        """Size of the whole repo's SAE files (n_layers * file_bytes)."""
+        return self.file_bytes * self.n_layers if self.file_bytes and self.n_layers else None
+
+    @property
+    def layers(self) -> range | None:
+        return range(self.n_layers) if self.n_layers else None
+
+    @staticmethod
+    def filename(layer: int) -> str:
+        """File of ``layer`` inside the repo: ``layer{n}.sae.pt``."""
+        return f"layer{int(layer)}.sae.pt"
+
+    @staticmethod
+    def hook_name(layer: int) -> str:
+        """Canonical hook point of the SAE of ``layer``: ``resid_post.{n}`` (output of decoder block n)."""
+        return f"resid_post.{int(layer)}"
+
+    def check_layer(self, layer: int) -> int:
+        """Return ``layer`` as int or raise ``ValueError`` naming the valid range."""
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__} {layer!r}")
+        if layer < 0 or (self.n_layers is not None and layer >= self.n_layers):
+            valid = f"0..{self.n_layers - 1}" if self.n_layers else ">= 0"
+            raise ValueError(f"{self.id} has no layer {layer}; valid layers are {valid} "
+                             f"({self.n_layers or 'unknown number of'} layers of {self.model_id})")
+        return layer
+
+
+@lru_cache(maxsize=1)
+def _table() -> tuple[Release, ...]:
+    with _CSV.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    ints = ("n_layers", "d_model", "d_sae", "k")
+    return tuple(Release(**{key: int(v) if key in ints else v for key, v in row.items()}) for row in rows)
+
+
+def list_releases(model: str | None = None, trained_on: str | None = None) -> list[Release]:
+    """The 14 published sets, in table order, optionally filtered.
+
+    Args:
+        model: keep sets whose ``model_id`` contains this (case-insensitive), e.g. ``"Qwen3.5-2B"``.
+        trained_on: ``"base"`` or ``"instruct"``.
+    Returns:
+        list of ``Release``.
+    """
+    out = list(_table())
+    if model:
+        out = [r for r in out if model.lower() in r.model_id.lower()]
+    if trained_on:
+        out = [r for r in out if r.trained_on == trained_on]
+    return out
+
+
+def parse_repo_id(repo_id: str) -> Release:
+    """Parse any ``[org/]SAE-Res-{model}-W{N}K-L0_{k}`` name into a ``Release`` (k and width from the name).
+
+    Sizes known from the registry for the same model (d_model, n_layers) are filled in; otherwise ``None``.
+
+    Raises:
+        ValueError: the name does not follow the pattern.
+    """
+    m = _REPO_RE.match(repo_id.strip())
+    if m is None:
+        raise ValueError(f"could not parse {repo_id!r} as a Qwen-Scope repo id; expected "
+                         f"'Qwen/SAE-Res-<model>-W<N>K-L0_<k>', e.g. 'Qwen/SAE-Res-Qwen3.5-2B-Base-W32K-L0_100'")
+    org, model, width, k = m["org"] or "Qwen", m["model"], int(m["width"]), int(m["k"])
+    model_id = f"Qwen/{model}" if org == "Qwen" else f"{org}/{model}"
+    known = [r for r in _table() if r.model_id.lower() == f"qwen/{model}".lower()]
+    short = model.lower()[4:] if model.lower().startswith("qwen") else model.lower()
+    return Release(
+        id=f"qwen-scope-{short}-w{width}k-l{k}", repo_id=f"{org}/SAE-Res-{model}-W{width}K-L0_{k}",
+        model_id=model_id, trained_on="base" if model.lower().endswith("-base") else "instruct",
+        d_model=known[0].d_model if known else None, d_sae=width * 1024 or None, k=k,
+        n_layers=known[0].n_layers if known else None, registered=False)
+
+
+def get_release(id_or_repo: str) -> Release:
+    """Look up a set by sae-lens release id or HF repo id (with or without ``Qwen/``), case-insensitively.
+
+    Unregistered names of the ``SAE-Res-...-W<N>K-L0_<k>`` pattern are parsed (``registered=False``).
+
+    Raises:
+        ValueError: unknown id, with the closest known ids.
+    """
+    if not isinstance(id_or_repo, str):
+        raise TypeError(f"expected a release id or repo id string, got {type(id_or_repo).__name__}")
+    key = id_or_repo.strip().lower()
+    for r in _table():
+        if key in (r.id, r.repo_id.lower(), r.repo_id.split("/")[1].lower()):
+            return r
+    try:
+        return parse_repo_id(id_or_repo)
+    except ValueError:
+        pass
+    names = [r.id for r in _table()] + [r.repo_id for r in _table()]
+    close = difflib.get_close_matches(id_or_repo, names, n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    raise ValueError(f"unknown Qwen-Scope release {id_or_repo!r}.{hint} Known ids: "
+                     f"{', '.join(r.id for r in _table())} (see `qwen-scope releases`).")
