@@ -1,3 +1,7 @@
 """qwen-scope: the user's verbs — load a Qwen model with Qwen-Scope SAEs, read features, steer, collect, explore."""
 
 __version__ = "0.1.0"
+
+from qwen_scope.store import ActivationStore  # noqa: E402
+
+__all__ = ["ActivationStore"]

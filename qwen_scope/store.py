@@ -1,0 +1,526 @@
+"""The activation store: sharded safetensors + a JSON manifest, written atomically, read memory-mapped.
+
+Layout of a store directory::
+
+    manifest.json                      # merged view: config + hash, every shard (file, start, tokens, sha256)
+    rank000/progress.json              # per-rank bookkeeping, the resume point (rewritten after every shard)
+    rank000/shard-000000.safetensors   # token_ids [n], doc_index [n], positions [n], and per point:
+                                       #   dense.{point} [n, d_model]; sae.{point}.values / .indices [n, k]
+
+Store order is rank 0's shards, then rank 1's, ...; a token's global offset is its index in that order. A shard file
+is written to a temporary name, fsynced and renamed; only then is it recorded in ``progress.json`` (also written
+temp + rename). A shard that is on disk but not recorded is rewritten on resume, so a SIGKILL at any moment loses at
+most the shard in flight and never duplicates one. ``ActivationStore`` reads ``manifest.json`` or, while a run is
+still going (no manifest yet), merges the progress files on the fly.
+
+Example:
+    >>> store = ActivationStore("acts/")
+    >>> for start, codes in store.iter_chunks("resid_post.12", kind="sae"):
+    ...     print(start, codes.values.shape)               # SparseCodes [n, k]
+    >>> x = store.dense("resid_post.12", 0, 1024)          # [1024, d_model]
+    >>> for batch in store.iter_shuffled("resid_post.12", batch_size=4096, buffer_tokens=2**20, seed=0): ...
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from saes import SparseCodes
+
+FORMAT = "qwen-scope-activations"
+VERSION = 1
+MANIFEST = "manifest.json"
+_META_KEYS = ("token_ids", "doc_index", "positions")
+
+
+# ---------------------------------------------------------------------------------------------- file helpers
+def config_hash(config: dict) -> str:
+    """Stable sha256 (first 16 hex digits) of a JSON-able config dict."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_json(path: Path, obj: dict) -> None:
+    """Write ``obj`` as JSON to ``path`` via a temporary file, fsync and rename (never a half-written file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_shard_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[str, int]:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    digest = file_sha256(tmp)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return digest, path.stat().st_size
+
+
+# ---------------------------------------------------------------------------------------------- writer
+class ShardWriter:
+    """Writes one rank's shards and its ``progress.json``; knows where a previous run of the same config stopped.
+
+    Args:
+        out_dir: store directory (created).
+        config: JSON-able dict that fully determines the content (model, points, corpus, packing, ...); its hash
+            guards resume: a different config in the same ``out_dir`` is an error unless ``overwrite=True``.
+        rank, world_size: this process's rank and the number of ranks.
+        overwrite: discard this rank's previous progress instead of resuming.
+        workers: background threads writing shard files (the caller keeps computing meanwhile).
+        max_pending: shards in flight before ``write`` blocks (bounds host memory).
+
+    After construction, ``cursor`` is the opaque resume state passed with the last complete shard (``None`` for a
+    fresh run), and ``n_rows`` / ``n_tokens`` / ``n_pad`` count what is already on disk.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, config: dict, *, rank: int = 0, world_size: int = 1,
+                 overwrite: bool = False, workers: int = 2, max_pending: int = 2):
+        self.root = Path(out_dir)
+        self.dir = self.root / f"rank{rank:03d}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.config, self.hash = config, config_hash(config)
+        self.rank, self.world_size = rank, world_size
+        self.progress_path = self.dir / "progress.json"
+        for stale in self.dir.glob(".*.tmp-*"):
+            stale.unlink(missing_ok=True)
+        state = self._load_previous(overwrite)
+        self.shards: list[dict] = state.get("shards", [])
+        self.complete: bool = state.get("complete", False)
+        self.stats: dict = state.get("stats", {})
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"shard-writer-{rank}")
+        self._pending: list[tuple[Future, dict]] = []
+        self.max_pending = max_pending
+
+    def _load_previous(self, overwrite: bool) -> dict:
+        if overwrite or not self.progress_path.exists():
+            return {}
+        state = json.loads(self.progress_path.read_text())
+        if state.get("config_hash") != self.hash:
+            old = state.get("config", {})
+            diff = sorted(k for k in set(old) | set(self.config) if old.get(k) != self.config.get(k))
+            raise ValueError(
+                f"{self.progress_path} belongs to a different collection (config hash {state.get('config_hash')}, "
+                f"this run {self.hash}; differing keys: {diff}). Use a new out_dir, or overwrite=True "
+                f"(--overwrite) to discard it.")
+        return state
+
+    @property
+    def cursor(self) -> dict | None:
+        return self.shards[-1]["cursor"] if self.shards else None
+
+    @property
+    def n_rows(self) -> int:
+        return sum(s["n_rows"] for s in self.shards)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(s["n_tokens"] for s in self.shards)
+
+    @property
+    def n_pad(self) -> int:
+        return sum(s["n_pad"] for s in self.shards)
+
+    def write(self, tensors: dict[str, torch.Tensor], *, n_rows: int, n_pad: int, cursor: dict) -> None:
+        """Queue one shard (CPU tensors, ``token_ids [n]`` included); record it once its file is renamed into place.
+
+        Args:
+            tensors: ``token_ids``, ``doc_index``, ``positions`` ``[n]`` and ``dense.{point}`` / ``sae.{point}.*``.
+            n_rows: packed rows in this shard; n_pad: padding tokens they carried (not stored).
+            cursor: resume state after this shard (JSON-able), handed back by ``cursor`` on resume.
+        """
+        index = len(self.shards) + len(self._pending)
+        name = f"shard-{index:06d}.safetensors"
+        record = {"file": f"{self.dir.name}/{name}", "index": index, "n_tokens": int(tensors["token_ids"].numel()),
+                  "n_rows": n_rows, "n_pad": n_pad, "cursor": cursor}
+        meta = {"format": FORMAT, "config_hash": self.hash, "rank": str(self.rank), "index": str(index)}
+        self._pending.append((self._pool.submit(_write_shard_file, self.dir / name, tensors, meta), record))
+        self._commit(block=len(self._pending) > self.max_pending)
+
+    def _commit(self, block: bool) -> None:
+        changed = False
+        while self._pending and (block or self._pending[0][0].done()):
+            future, record = self._pending.pop(0)
+            record["sha256"], record["bytes"] = future.result()
+            self.shards.append(record)
+            changed, block = True, block and len(self._pending) > self.max_pending
+        if changed:
+            self._save()
+
+    def flush(self) -> None:
+        """Wait for every queued shard and record it."""
+        while self._pending:
+            self._commit(block=True)
+
+    def finish(self, stats: dict | None = None) -> None:
+        """Flush, mark this rank complete and store ``stats`` (JSON-able) in its progress file."""
+        self.flush()
+        self.complete = True
+        self.stats = dict(stats or {})
+        self._save()
+        self._pool.shutdown()
+
+    def close(self) -> None:
+        self.flush()
+        self._pool.shutdown()
+
+    def _save(self) -> None:
+        atomic_write_json(self.progress_path, {
+            "format": FORMAT, "version": VERSION, "config_hash": self.hash, "config": self.config,
+            "rank": self.rank, "world_size": self.world_size, "complete": self.complete,
+            "shards": self.shards, "stats": self.stats})
+
+
+def merge_manifest(out_dir: str | os.PathLike, *, write: bool = True) -> dict:
+    """Merge every rank's ``progress.json`` into one manifest (global shard offsets, totals); write it atomically.
+
+    Returns:
+        The manifest dict (also written to ``out_dir/manifest.json`` when ``write``).
+    """
+    root = Path(out_dir)
+    ranks = sorted(root.glob("rank*/progress.json"))
+    if not ranks:
+        raise FileNotFoundError(f"{root} holds no activation store (no manifest.json, no rank*/progress.json); "
+                                f"run `qwen-scope collect ... --out {root}` first")
+    states = [json.loads(p.read_text()) for p in ranks]
+    first = states[0]
+    hashes = {s["config_hash"] for s in states}
+    if len(hashes) != 1:
+        raise ValueError(f"{root}: rank progress files disagree on the config hash {sorted(hashes)}; "
+                         f"the directory mixes two collections")
+    shards, start = [], 0
+    for state in sorted(states, key=lambda s: s["rank"]):
+        for record in state["shards"]:
+            shards.append({**record, "rank": state["rank"], "start": start})
+            start += record["n_tokens"]
+    n_pad, n_rows = sum(s["n_pad"] for s in shards), sum(s["n_rows"] for s in shards)
+    config = first["config"]
+    complete = len(states) == first["world_size"] and all(s["complete"] for s in states)
+    manifest = {
+        "format": FORMAT, "version": VERSION, "config_hash": first["config_hash"], "config": config,
+        **{k: config.get(k) for k in ("model", "points", "sae", "context_len", "bos_policy", "store_dtype")},
+        "world_size": first["world_size"], "complete": complete, "n_tokens": start, "n_rows": n_rows,
+        "n_pad": n_pad, "padding_fraction": n_pad / max(1, n_pad + start), "shards": shards,
+        "rank_stats": [s.get("stats", {}) for s in states]}
+    if write:
+        atomic_write_json(root / MANIFEST, manifest)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------- reader
+@dataclass(frozen=True)
+class FeatureIndex:
+    """Per-feature statistics and top activations of one SAE point, for top-k mining.
+
+    Attributes:
+        counts: ``[d_sae]`` int64, tokens where the feature is active (value > 0).
+        sums: ``[d_sae]`` float64, sum of its activations (mean = sums / counts).
+        top_values: ``[d_sae, top_n]`` float32, largest activations, descending (0 where fewer exist).
+        top_offsets: ``[d_sae, top_n]`` int64, their global token offsets (-1 where fewer exist).
+        n_tokens: tokens scanned.
+    """
+
+    counts: torch.Tensor
+    sums: torch.Tensor
+    top_values: torch.Tensor
+    top_offsets: torch.Tensor
+    n_tokens: int
+
+    def top(self, feature: int, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(offsets [m], values [m])`` of the feature's strongest activations, descending (m <= n)."""
+        keep = self.top_offsets[feature] >= 0
+        return self.top_offsets[feature][keep][:n], self.top_values[feature][keep][:n]
+
+    @property
+    def frequency(self) -> torch.Tensor:
+        """``[d_sae]`` fraction of tokens on which each feature fires."""
+        return self.counts.double() / max(1, self.n_tokens)
+
+
+class ActivationStore:
+    """Read a store written by ``qwen_scope.collect``: memory-mapped shards, chunked and shuffled iteration.
+
+    Args:
+        path: the store directory (``manifest.json``, or the ``rank*/progress.json`` of a run still going).
+        verify: recompute every shard's sha256 against the manifest first (reads everything once).
+
+    Attributes:
+        manifest: dict (model, points, sae, context_len, bos_policy, n_tokens, shards, ...).
+        points: names of the stored hook points (canonical, e.g. ``"resid_post.12"``).
+        n_tokens: tokens in store order (global offsets run ``0 .. n_tokens-1``).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, verify: bool = False, max_open: int = 32):
+        self.root = Path(path)
+        manifest_path = self.root / MANIFEST
+        self.manifest = (json.loads(manifest_path.read_text()) if manifest_path.exists()
+                         else merge_manifest(self.root, write=False))
+        if self.manifest.get("format") != FORMAT:
+            raise ValueError(f"{manifest_path} is not a qwen-scope activation store "
+                             f"(format {self.manifest.get('format')!r}, expected {FORMAT!r})")
+        self.shards = self.manifest["shards"]
+        self._starts = [s["start"] for s in self.shards]
+        self._handles: dict[int, object] = {}
+        self._max_open = max_open
+        self._meta_cache: dict[str, torch.Tensor] = {}
+        if verify:
+            self.verify()
+
+    # ------------------------------------------------------------------ description
+    @property
+    def points(self) -> list[str]:
+        return list(self.manifest["points"])
+
+    @property
+    def n_tokens(self) -> int:
+        return self.manifest["n_tokens"]
+
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    def __repr__(self) -> str:
+        return (f"ActivationStore({str(self.root)!r}, model={self.manifest.get('model')!r}, "
+                f"n_tokens={self.n_tokens}, points={self.points}, complete={self.manifest.get('complete')})")
+
+    def point_info(self, point: str) -> dict:
+        """What is stored for ``point``: ``{"dense": bool, "d_model": int, "sae": {release, layer, k, d_sae} | None}``."""
+        points = self.manifest["points"]
+        if point not in points:
+            raise KeyError(f"point {point!r} is not in the store at {self.root}; stored points: {list(points)}")
+        return points[point]
+
+    def verify(self) -> None:
+        """Raise ``ValueError`` naming the first shard whose sha256 differs from the manifest."""
+        for s in self.shards:
+            got = file_sha256(self.root / s["file"])
+            if got != s["sha256"]:
+                raise ValueError(f"{self.root / s['file']}: sha256 {got} != manifest {s['sha256']}; the shard is "
+                                 f"corrupt, delete it and its later shards from rank progress and re-run collect")
+
+    # ------------------------------------------------------------------ raw reads
+    def _handle(self, i: int):
+        if i not in self._handles:
+            if len(self._handles) >= self._max_open:
+                self._handles.pop(next(iter(self._handles)))
+            self._handles[i] = safe_open(str(self.root / self.shards[i]["file"]), framework="pt")
+        return self._handles[i]
+
+    def _read(self, key: str, start: int, stop: int) -> torch.Tensor:
+        if not 0 <= start <= stop <= self.n_tokens:
+            raise IndexError(f"token range [{start}, {stop}) outside the store's [0, {self.n_tokens})")
+        parts, i = [], max(0, bisect.bisect_right(self._starts, start) - 1)
+        while i < len(self.shards) and self._starts[i] < stop:
+            s0 = self._starts[i]
+            a, b = max(start, s0) - s0, min(stop, s0 + self.shards[i]["n_tokens"]) - s0
+            if b > a:
+                parts.append(self._handle(i).get_slice(key)[a:b])
+            i += 1
+        if not parts:
+            if not self.shards:
+                raise ValueError(f"the store at {self.root} holds no shards yet")
+            return self._handle(0).get_slice(key)[0:0]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _meta(self, key: str) -> torch.Tensor:
+        if key not in self._meta_cache:
+            self._meta_cache[key] = self._read(key, 0, self.n_tokens).long()
+        return self._meta_cache[key]
+
+    def token_ids(self) -> torch.Tensor:
+        """All token ids in store order: LongTensor ``[N]``."""
+        return self._meta("token_ids")
+
+    def doc_index(self) -> torch.Tensor:
+        """Corpus index of each token's document: LongTensor ``[N]``."""
+        return self._meta("doc_index")
+
+    def positions(self) -> torch.Tensor:
+        """Each token's position in the context the model saw (0 = first token of a packed row): LongTensor ``[N]``."""
+        return self._meta("positions")
+
+    def dense(self, point: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Dense activations of ``point`` for tokens ``[start, stop)``: ``[n, d_model]`` in the stored dtype."""
+        if not self.point_info(point)["dense"]:
+            raise ValueError(f"point {point!r} has SAE codes but no dense activations in {self.root}; use "
+                             f"sae_codes()/feature_acts(), or collect again with points=[{point!r}]")
+        return self._read(f"dense.{point}", start, self.n_tokens if stop is None else stop)
+
+    def sae_codes(self, point: str, start: int = 0, stop: int | None = None) -> SparseCodes:
+        """SAE codes of ``point`` for tokens ``[start, stop)``: ``SparseCodes(values [n, k], indices [n, k] int64)``."""
+        if not self.point_info(point)["sae"]:
+            raise ValueError(f"point {point!r} has no SAE codes in {self.root}; points with codes: "
+                             f"{[p for p, i in self.manifest['points'].items() if i['sae']]}")
+        stop = self.n_tokens if stop is None else stop
+        return SparseCodes(self._read(f"sae.{point}.values", start, stop),
+                           self._read(f"sae.{point}.indices", start, stop).long())
+
+    def feature_acts(self, point: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """SAE codes back to dense feature activations: ``[n, d_sae]`` (dtype of the stored values)."""
+        return self.sae_codes(point, start, stop).to_dense(self.point_info(point)["sae"]["d_sae"])
+
+    def _payload(self, point: str, kind: str, start: int, stop: int):
+        return self.dense(point, start, stop) if kind == "dense" else self.sae_codes(point, start, stop)
+
+    def _kind(self, point: str, kind: str | None) -> str:
+        info = self.point_info(point)
+        kind = kind or ("sae" if info["sae"] else "dense")
+        if kind not in ("sae", "dense"):
+            raise ValueError(f"kind must be 'sae' or 'dense', got {kind!r}")
+        return kind
+
+    # ------------------------------------------------------------------ iteration
+    def iter_chunks(self, point: str, kind: str | None = None, chunk_tokens: int = 65536
+                    ) -> Iterator[tuple[int, torch.Tensor | SparseCodes]]:
+        """Yield ``(start, payload)`` over the whole store in order, chunks never crossing a shard.
+
+        Args:
+            point: a stored point; kind: ``"sae"`` (SparseCodes ``[n, k]``) or ``"dense"`` (``[n, d_model]``);
+                default: codes if stored, else dense. chunk_tokens: at most this many tokens per chunk.
+        """
+        kind = self._kind(point, kind)
+        for s in self.shards:
+            for a in range(0, s["n_tokens"], chunk_tokens):
+                start = s["start"] + a
+                yield start, self._payload(point, kind, start, min(start + chunk_tokens, s["start"] + s["n_tokens"]))
+
+    def iter_shuffled(self, point: str, batch_size: int, buffer_tokens: int = 1 << 20, seed: int = 0, *,
+                      kind: str = "dense", dtype: torch.dtype | None = None, drop_last: bool = False
+                      ) -> Iterator[torch.Tensor | SparseCodes]:
+        """Shuffled training batches, every token exactly once per call (one epoch).
+
+        Pieces of ``buffer_tokens // 16`` tokens are read in a random order into a buffer of ~``buffer_tokens``,
+        which is permuted and cut into batches; the remainder carries into the next buffer.
+
+        Args:
+            point: a stored point. batch_size: tokens per batch. buffer_tokens: shuffle buffer size (memory bound).
+            seed: the order is a function of the seed alone. kind: ``"dense"`` (``[batch_size, d_model]``) or
+                ``"sae"`` (SparseCodes). dtype: cast dense batches (e.g. ``torch.float32``). drop_last: drop the
+                final short batch.
+        """
+        kind = self._kind(point, kind)
+        piece = max(1, buffer_tokens // 16)
+        pieces = [(s["start"] + a, s["start"] + min(a + piece, s["n_tokens"]))
+                  for s in self.shards for a in range(0, s["n_tokens"], piece)]
+        g = torch.Generator().manual_seed(seed)
+        order = torch.randperm(len(pieces), generator=g).tolist()
+        carry: list[tuple[torch.Tensor, ...]] = []
+        n_carry = 0
+        for j, p in enumerate(order):
+            payload = self._payload(point, kind, *pieces[p])
+            carry.append(tuple(payload) if kind == "sae" else (payload,))
+            n_carry += pieces[p][1] - pieces[p][0]
+            if n_carry < buffer_tokens and j < len(order) - 1:
+                continue
+            perm = torch.randperm(n_carry, generator=g)
+            buf = [torch.cat(cols)[perm] for cols in zip(*carry)]
+            n_full = n_carry // batch_size * batch_size
+            for a in range(0, n_full, batch_size):
+                yield self._batch(kind, [t[a:a + batch_size] for t in buf], dtype)
+            carry, n_carry = [tuple(t[n_full:] for t in buf)], n_carry - n_full
+        if n_carry and not drop_last:
+            yield self._batch(kind, list(carry[0]), dtype)
+
+    @staticmethod
+    def _batch(kind: str, cols: list[torch.Tensor], dtype: torch.dtype | None):
+        if kind == "sae":
+            return SparseCodes(*cols)
+        return cols[0] if dtype is None else cols[0].to(dtype)
+
+    # ------------------------------------------------------------------ per-feature index
+    def feature_index(self, point: str, top_n: int = 32, *, chunk_tokens: int = 65536, cache: bool = True
+                      ) -> FeatureIndex:
+        """Per-feature counts, sums and the ``top_n`` strongest activations (global offsets), in one pass.
+
+        Cached in ``<store>/index/`` keyed by the config hash and token count. Ties keep the earlier token.
+        """
+        info = self.point_info(point)
+        if not info["sae"]:
+            raise ValueError(f"feature_index needs SAE codes; point {point!r} in {self.root} has none")
+        d_sae = info["sae"]["d_sae"]
+        path = self.root / "index" / f"{point}.top{top_n}.safetensors"
+        key = {"config_hash": self.manifest["config_hash"], "n_tokens": str(self.n_tokens)}
+        if cache and path.exists():
+            with safe_open(str(path), framework="pt") as f:
+                if f.metadata() == key:
+                    return FeatureIndex(**{k: f.get_tensor(k) for k in f.keys()}, n_tokens=self.n_tokens)
+        counts = torch.zeros(d_sae, dtype=torch.long)
+        sums = torch.zeros(d_sae, dtype=torch.float64)
+        top_v = torch.zeros(d_sae, top_n)
+        top_o = torch.full((d_sae, top_n), -1, dtype=torch.long)
+        for start, codes in self.iter_chunks(point, kind="sae", chunk_tokens=chunk_tokens):
+            vals, feats = codes.values.float().reshape(-1), codes.indices.reshape(-1)
+            offs = (torch.arange(codes.values.shape[0]) + start).repeat_interleave(codes.values.shape[1])
+            live = vals > 0
+            counts += torch.bincount(feats[live], minlength=d_sae)
+            sums.index_add_(0, feats[live], vals[live].double())
+            live &= vals > top_v[feats, -1]
+            top_v, top_o = _merge_top(top_v, top_o, feats[live], vals[live], offs[live])
+        index = FeatureIndex(counts, sums, top_v, top_o, self.n_tokens)
+        if cache:
+            try:
+                path.parent.mkdir(exist_ok=True)
+                tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+                save_file({"counts": counts, "sums": sums, "top_values": top_v, "top_offsets": top_o}, str(tmp),
+                          metadata=key)
+                os.replace(tmp, path)
+            except OSError:
+                pass
+        return index
+
+
+def _merge_top(top_v: torch.Tensor, top_o: torch.Tensor, feats: torch.Tensor, vals: torch.Tensor,
+               offs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge candidate (feature, value, offset) triples into per-feature top tables ``[d_sae, top_n]``."""
+    if feats.numel() == 0:
+        return top_v, top_o
+    d_sae, top_n = top_v.shape
+    have = top_o.reshape(-1) >= 0
+    all_f = torch.cat([torch.arange(d_sae).repeat_interleave(top_n)[have], feats])
+    all_v = torch.cat([top_v.reshape(-1)[have], vals])
+    all_o = torch.cat([top_o.reshape(-1)[have], offs])
+    # Sort by (feature asc, value desc, offset asc): stable sorts from the least significant key up.
+    order = torch.argsort(all_o, stable=True)
+    order = order[torch.argsort(all_v[order], descending=True, stable=True)]
+    order = order[torch.argsort(all_f[order], stable=True)]
+    f, v, o = all_f[order], all_v[order], all_o[order]
+    rank = torch.arange(f.numel()) - torch.searchsorted(f, f)
+    keep = rank < top_n
+    new_v = torch.zeros_like(top_v)
+    new_o = torch.full_like(top_o, -1)
+    new_v[f[keep], rank[keep]] = v[keep]
+    new_o[f[keep], rank[keep]] = o[keep]
+    return new_v, new_o
