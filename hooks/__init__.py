@@ -1,1 +1,15 @@
-"""Where to read and write inside a Qwen model: family adapters, named hook points, capture and intervention."""
+"""Where to read and write inside a Qwen model: family adapters, named hook points, capture and intervention.
+
+Importing this package changes nothing global; hooks exist only inside ``capture`` / ``intervene`` blocks.
+"""
+from hooks.adapters import QwenAdapter, get_adapter, supported_families
+from hooks.capture import Capture, Intervention, InterventionContext, capture, intervene
+from hooks.points import KINDS, HookPoint, parse_hook_name, valid_hook_names
+from hooks.positions import parse_positions, position_mask
+
+__all__ = [
+    "QwenAdapter", "get_adapter", "supported_families",
+    "Capture", "Intervention", "InterventionContext", "capture", "intervene",
+    "KINDS", "HookPoint", "parse_hook_name", "valid_hook_names",
+    "parse_positions", "position_mask",
+]

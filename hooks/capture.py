@@ -1,0 +1,274 @@
+"""Read (``capture``) and write (``intervene``) named hook points of a Qwen model with ordinary forward hooks.
+
+Both are context managers that always remove their handles, also when the with-block raises. They never ask the
+model for ``output_hidden_states``: each point is read from its own module, so the last block's ``resid_post`` is
+the raw block output (pre-final-norm), like Qwen-Scope's SAE site. Decoder blocks return a Tensor in transformers
+5.x and a tuple in older versions; both are handled and the same structure is handed back to the model::
+
+    with capture(model, ["resid_post.3"]) as cap:
+        model(input_ids=ids, use_cache=False)
+    cap["resid_post.3"]                     # [B, T, d_model]
+
+    with intervene(model, {"resid_post.3": lambda act, ctx: act + 4.0 * direction}):
+        model.generate(ids, max_new_tokens=20)   # edits the prefill and every decode step
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hooks.adapters import QwenAdapter, get_adapter
+from hooks.points import HookPoint, parse_hook_name
+from hooks.positions import parse_positions, position_mask
+
+__all__ = ["InterventionContext", "Capture", "Intervention", "capture", "intervene"]
+
+Edit = Callable[[torch.Tensor, "InterventionContext"], "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class InterventionContext:
+    """What an intervention function knows about the forward pass it is editing.
+
+    Attributes:
+        point: canonical hook name, e.g. ``"resid_post.3"``.
+        layer: decoder block index.
+        step: forward passes of the model since the context opened (0 = first; during ``generate``, 0 is the
+            prefill and k the k-th decode step).
+        past_length: tokens already in the cache before this pass (0 on a prefill or a cache-less forward).
+        positions: LongTensor [T], absolute positions of this pass's tokens (``past_length + arange(T)``; left
+            padding is not subtracted).
+    """
+
+    point: str
+    layer: int
+    step: int
+    past_length: int
+    positions: torch.Tensor
+
+    @property
+    def is_prefill(self) -> bool:
+        """True on a pass that starts the sequence (no cached tokens before it)."""
+        return self.past_length == 0
+
+
+class _PassTracker:
+    """Counts forward passes of the text model and reads how many tokens its cache already holds."""
+
+    def __init__(self) -> None:
+        self.step = -1
+        self.past_length = 0
+
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        cache = None
+        for key in ("cache", "past_key_values", "cache_params"):
+            if kwargs.get(key) is not None:
+                cache = kwargs[key]
+                break
+        self.step += 1
+        self.past_length = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
+
+    def context(self, point: HookPoint, act: torch.Tensor) -> InterventionContext:
+        T = act.shape[1] if act.ndim >= 3 else act.shape[0]
+        positions = torch.arange(self.past_length, self.past_length + T, device=act.device)
+        return InterventionContext(point.name, point.layer, max(self.step, 0), self.past_length, positions)
+
+
+def _check_edit(point: HookPoint, old: torch.Tensor, new: torch.Tensor | None) -> torch.Tensor:
+    if new is None:
+        return old
+    if not isinstance(new, torch.Tensor) or new.shape != old.shape:
+        got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+        raise ValueError(f"intervention at {point.name} returned {got}; expected a Tensor of shape {tuple(old.shape)}")
+    return new.to(old.dtype)
+
+
+def _register(adapter: QwenAdapter, point: HookPoint, tracker: _PassTracker, edit: Edit):
+    """Register one hook at ``point`` that passes (activation, context) to ``edit`` and writes back its result."""
+    n = point.layer
+
+    def on_output(module, args, output):
+        act = output[0] if isinstance(output, tuple) else output
+        new = _check_edit(point, act, edit(act, tracker.context(point, act)))
+        if new is act:
+            return None
+        return (new, *output[1:]) if isinstance(output, tuple) else new
+
+    def on_input(module, args, kwargs):
+        act = args[0] if args else kwargs["hidden_states"]
+        new = _check_edit(point, act, edit(act, tracker.context(point, act)))
+        if new is act:
+            return None
+        if args:
+            return (new, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": new}
+
+    if point.kind == "resid_post":
+        return adapter.layers[n].register_forward_hook(on_output)
+    if point.kind == "attn_out":
+        return adapter.mixer(n).register_forward_hook(on_output)
+    if point.kind == "mlp_out":
+        return adapter.mlp(n).register_forward_hook(on_output)
+    if point.kind == "resid_pre":
+        return adapter.layers[n].register_forward_pre_hook(on_input, with_kwargs=True)
+    if point.kind == "resid_mid":
+        return adapter.post_attention_norm(n).register_forward_pre_hook(on_input, with_kwargs=True)
+    raise AssertionError(f"unhandled hook kind {point.kind}")
+
+
+@contextlib.contextmanager
+def _hooked(model: nn.Module | QwenAdapter, edits: Sequence[tuple[HookPoint, Edit]]) -> Iterator[None]:
+    adapter = get_adapter(model)
+    tracker = _PassTracker()
+    handles = []
+    try:
+        handles.append(adapter.text_model.register_forward_pre_hook(tracker.pre_hook, with_kwargs=True))
+        for point, edit in edits:
+            handles.append(_register(adapter, point, tracker, edit))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@dataclass
+class Capture(Mapping):
+    """Activations recorded by ``capture``, keyed by canonical hook name (any alias works for lookup).
+
+    ``cap[name]`` is a Tensor [B, T, d_model]: one forward pass as is, or the passes of one ``generate`` call
+    (prefill then decode steps) concatenated along T in position order. ``cap.calls(name)`` gives each pass
+    separately and ``cap.positions(name)`` the absolute positions [T] that were kept.
+    """
+
+    n_layers: int
+    _calls: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    _positions: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    def _key(self, name: str) -> str:
+        return parse_hook_name(name, self.n_layers).name
+
+    def calls(self, name: str) -> list[torch.Tensor]:
+        """One Tensor [B, T_i, d_model] per forward pass, in order."""
+        return list(self._calls[self._key(name)])
+
+    def positions(self, name: str) -> torch.Tensor:
+        """LongTensor [T]: the absolute positions of the tokens in ``self[name]``."""
+        return torch.cat(self._positions[self._key(name)])
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        key = self._key(name)
+        if key not in self._calls or not self._calls[key]:
+            raise KeyError(f"nothing captured at {key}: was it requested, and did the model run inside the with-block?")
+        calls = self._calls[key]
+        if len(calls) == 1:
+            return calls[0]
+        starts = [int(p[0]) for p in self._positions[key] if p.numel()]
+        if any(b <= a for a, b in zip(starts, starts[1:])):
+            raise ValueError(f"{key} was captured in {len(calls)} separate forward passes (not one generate call); "
+                             f"use cap.calls({key!r}) to get them one by one")
+        return torch.cat(calls, dim=1)
+
+    def __iter__(self):
+        return iter(self._calls)
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+
+@contextlib.contextmanager
+def capture(model: nn.Module, points: str | Sequence[str], positions: None | int | str | Sequence[int] = None,
+            dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Iterator[Capture]:
+    """Record activations at named hook points during any forward passes run inside the with-block.
+
+    Args:
+        model: a supported Qwen model (see ``get_adapter``).
+        points: hook names in any accepted spelling, e.g. ``["resid_post.3", "blocks.5.hook_resid_post"]``.
+        positions: tokens to keep: None (all), absolute positions (int, list, or a spec like ``"0,2,5-8"``);
+            negative entries count from the end of each pass (``-1`` keeps each pass's last token).
+        dtype, device: where the recorded copies go (default: as produced).
+
+    Returns:
+        a ``Capture`` mapping canonical names to Tensors [B, T_kept, d_model] (filled as the model runs).
+
+    Example:
+        >>> with capture(model, ["resid_post.11"], dtype=torch.float32, device="cpu") as cap:
+        ...     model(input_ids=ids, use_cache=False)
+        >>> cap["resid_post.11"].shape        # [B, T, d_model]
+    """
+    adapter = get_adapter(model)
+    names = [points] if isinstance(points, (str, HookPoint)) else list(points)
+    parsed = list(dict.fromkeys(parse_hook_name(p, adapter.n_layers) for p in names))
+    selection = parse_positions(positions)
+    cap = Capture(adapter.n_layers)
+
+    def recorder(point: HookPoint) -> Edit:
+        cap._calls[point.name] = []
+        cap._positions[point.name] = []
+
+        def record(act: torch.Tensor, ctx: InterventionContext) -> None:
+            keep = position_mask(selection, ctx.positions)
+            kept = act.detach()[:, keep] if selection is not None else act.detach()
+            copy = kept.to(device=device, dtype=dtype)
+            # A later in-place edit must not change what was recorded.
+            if copy.data_ptr() == act.data_ptr():
+                copy = copy.clone()
+            cap._calls[point.name].append(copy)
+            cap._positions[point.name].append(ctx.positions[keep].cpu())
+            return None
+        return record
+
+    with _hooked(adapter, [(p, recorder(p)) for p in parsed]):
+        yield cap
+
+
+@dataclass
+class Intervention:
+    """Handle yielded by ``intervene``: ``fired[name]`` counts the passes each point was edited in."""
+
+    fired: dict[str, int] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def intervene(model: nn.Module, edits: Mapping[str, Edit | Sequence[Edit]]) -> Iterator[Intervention]:
+    """Edit activations at named hook points during any forward passes (prefill and decode) inside the with-block.
+
+    Args:
+        model: a supported Qwen model.
+        edits: ``{hook_name: fn}`` (or a list of fns, applied in order) where ``fn(act, ctx)`` receives the
+            activation [B, T, d_model] and an ``InterventionContext`` and returns the new activation (same shape),
+            or None to keep it (in-place edits then stand).
+
+    Returns:
+        an ``Intervention`` whose ``fired`` dict counts, per canonical name, the passes that were edited.
+
+    Raises:
+        ValueError: for an unknown or capture-only point (``resid_mid``).
+
+    Example:
+        >>> v = sae.W_dec[:, 123]
+        >>> with intervene(model, {"resid_post.12": lambda act, ctx: act + 8.0 * v}):
+        ...     out = model.generate(ids, max_new_tokens=30, do_sample=False)
+    """
+    adapter = get_adapter(model)
+    handle = Intervention()
+    pairs: list[tuple[HookPoint, Edit]] = []
+    for name, fns in edits.items():
+        point = parse_hook_name(name, adapter.n_layers)
+        if not point.writable:
+            raise ValueError(f"{point.name} is capture-only (editing the norm input would not change the residual); "
+                             f"edit attn_out.{point.layer} or resid_post.{point.layer} instead")
+        for fn in ([fns] if callable(fns) else list(fns)):
+            pairs.append((point, _counted(fn, point.name, handle)))
+    with _hooked(adapter, pairs):
+        yield handle
+
+
+def _counted(fn: Edit, name: str, handle: Intervention) -> Edit:
+    def wrapped(act: torch.Tensor, ctx: InterventionContext):
+        handle.fired[name] = handle.fired.get(name, 0) + 1
+        return fn(act, ctx)
+    return wrapped

@@ -1,0 +1,61 @@
+"""Adapters are found from the loaded model's config and module tree, for every Qwen family, and nothing else."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hooks import get_adapter, supported_families
+from tests.factories import D_MODEL, FAMILIES, HYBRID_FAMILIES, N_LAYERS, tiny_model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adapter_exposes_the_decoder_stack_of_every_family(family):
+    model = tiny_model(family)
+    adapter = get_adapter(model)
+    assert adapter.family == family
+    assert adapter.n_layers == N_LAYERS == len(adapter.layers)
+    assert adapter.d_model == D_MODEL
+    assert adapter.unembed is model.lm_head
+    assert adapter.embed.weight.shape == (model.config.get_text_config().vocab_size, D_MODEL)
+    expected = (["linear_attention", "full_attention"] * 2 if family in HYBRID_FAMILIES else ["full_attention"] * 4)
+    assert adapter.layer_types == expected
+    for n, kind in enumerate(adapter.layer_types):
+        assert hasattr(adapter.layers[n], "linear_attn" if kind == "linear_attention" else "self_attn")
+        assert adapter.mixer(n) is getattr(adapter.layers[n], "linear_attn" if kind == "linear_attention" else "self_attn")
+
+
+def test_vl_wrapper_finds_the_language_model_layers():
+    model = tiny_model("qwen3_5_vl")
+    assert get_adapter(model).layers is model.model.language_model.layers
+
+
+def test_bare_text_model_has_no_unembedding():
+    adapter = get_adapter(tiny_model("qwen3_5").model)
+    assert adapter.n_layers == N_LAYERS and adapter.unembed is None
+
+
+def test_family_comes_from_config_not_class_name():
+    # A subclass with an unrelated name is still recognised from its config and module tree.
+    import transformers as tf
+    from tests.factories import tiny_config
+
+    Renamed = type("MyFineTune", (tf.Qwen3_5ForCausalLM,), {})
+    assert get_adapter(Renamed(tiny_config("qwen3_5"))).family == "qwen3_5"
+
+
+@pytest.mark.parametrize("make", ["gpt2", "llama"])
+def test_non_qwen_model_error_names_supported_families(make):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if make == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
+    else:
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+                                                   num_attention_heads=2, vocab_size=32))
+    with pytest.raises(TypeError) as err:
+        get_adapter(model)
+    msg = str(err.value)
+    assert make in msg and type(model).__name__ in msg
+    for label in supported_families():
+        assert label in msg

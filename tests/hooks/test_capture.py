@@ -1,0 +1,100 @@
+"""capture reads each point from its own module: hidden_states[n+1] for every block but the last, pre-norm last."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hooks import capture, get_adapter
+from tests.factories import D_MODEL, FAMILIES, N_LAYERS, tiny_model
+
+ALL_POINTS = [f"{k}.{n}" for n in range(N_LAYERS) for k in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")]
+
+
+def _ids(B=2, T=9, seed=1):
+    return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _hook_count(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_resid_post_matches_hidden_states_and_last_block_is_pre_norm(family):
+    model = tiny_model(family)
+    ids = _ids()
+    with torch.no_grad(), capture(model, ALL_POINTS) as cap:
+        out = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+    hs = out.hidden_states
+    last = N_LAYERS - 1
+    for n in range(N_LAYERS):
+        assert torch.equal(cap[f"resid_pre.{n}"], hs[n])
+        if n < last:
+            assert torch.equal(cap[f"resid_post.{n}"], hs[n + 1])
+        # The block is residual: pre + mixer + mlp, with the mid-block residual in between.
+        torch.testing.assert_close(cap[f"resid_mid.{n}"], cap[f"resid_pre.{n}"] + cap[f"attn_out.{n}"])
+        torch.testing.assert_close(cap[f"resid_post.{n}"], cap[f"resid_mid.{n}"] + cap[f"mlp_out.{n}"])
+    # The last entry of hidden_states is final_norm(block output); capture gives the raw block output.
+    final_norm = get_adapter(model).final_norm
+    assert not torch.allclose(cap[f"resid_post.{last}"], hs[-1])
+    torch.testing.assert_close(final_norm(cap[f"resid_post.{last}"]), hs[-1])
+    assert cap["blocks.3.hook_resid_post"] is cap[f"resid_post.{last}"]
+
+
+def test_capture_never_requests_hidden_states():
+    # transformers installs its own recording hooks the first time output_hidden_states is asked for;
+    # a capture-only run must leave the model without any hook afterwards.
+    model = tiny_model("qwen3_5")
+    with torch.no_grad(), capture(model, ["resid_post.1", "attn_out.2"]) as cap:
+        model(input_ids=_ids(), use_cache=False)
+    assert cap["resid_post.1"].shape == (2, 9, D_MODEL)
+    assert _hook_count(model) == 0
+
+
+def test_hooks_are_removed_even_when_the_block_raises():
+    model = tiny_model("qwen3_next")
+    with pytest.raises(RuntimeError, match="boom"):
+        with capture(model, ALL_POINTS):
+            assert _hook_count(model) == len(ALL_POINTS) + 1
+            raise RuntimeError("boom")
+    assert _hook_count(model) == 0
+
+
+def test_positions_dtype_and_device_selection():
+    model = tiny_model("qwen3_5")
+    ids = _ids(T=10)
+    with torch.no_grad(), capture(model, ["resid_post.2"]) as full:
+        model(input_ids=ids, use_cache=False)
+    with torch.no_grad(), capture(model, ["resid_post.2"], positions="0,2,5-7", dtype=torch.float64,
+                                  device="cpu") as some:
+        model(input_ids=ids, use_cache=False)
+    picked = some["resid_post.2"]
+    assert picked.dtype == torch.float64
+    assert torch.equal(picked, full["resid_post.2"][:, [0, 2, 5, 6, 7]].double())
+    assert some.positions("resid_post.2").tolist() == [0, 2, 5, 6, 7]
+    with torch.no_grad(), capture(model, ["resid_post.2"], positions=-1) as last:
+        model(input_ids=ids, use_cache=False)
+    assert torch.equal(last["resid_post.2"], full["resid_post.2"][:, -1:])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_capture_during_generate_concatenates_prefill_and_decode_steps(family):
+    model = tiny_model(family)
+    ids = _ids(B=1, T=6)
+    with torch.no_grad(), capture(model, ["resid_post.1"]) as cap:
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert [c.shape[1] for c in cap.calls("resid_post.1")] == [6, 1, 1, 1]
+    assert cap.positions("resid_post.1").tolist() == list(range(9))
+    # The cached decode steps see the same residual a cache-less forward over the whole sequence sees.
+    with torch.no_grad(), capture(model, ["resid_post.1"]) as ref:
+        model(input_ids=out[:, :-1], use_cache=False)
+    torch.testing.assert_close(cap["resid_post.1"], ref["resid_post.1"], atol=1e-5, rtol=1e-4)
+
+
+def test_two_separate_passes_are_not_silently_concatenated():
+    model = tiny_model("qwen3")
+    with torch.no_grad(), capture(model, ["resid_post.0"]) as cap:
+        model(input_ids=_ids(), use_cache=False)
+        model(input_ids=_ids(seed=2), use_cache=False)
+    assert len(cap.calls("resid_post.0")) == 2
+    with pytest.raises(ValueError, match="separate forward passes"):
+        cap["resid_post.0"]
