@@ -1,0 +1,214 @@
+"""fused_encode: the torch backend equals encode_sparse bit for bit; the kernel's candidate/merge algorithm (run on CPU
+through its torch twin) equals encode_sparse up to ties, flagged rows included; the TileLang kernel compiles for
+sm_90a without a GPU; on Hopper the kernel itself matches encode_sparse on random and structured inputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from saes import SparseCodes, TopKSAE
+from saes import fused_encode as fe
+from saes import hopper_topk as hk
+from tests.factories import random_sae_state
+
+BN = hk.BLOCK_N
+
+
+def _sae(d_model=64, d_sae=1024, k=16, seed=0, dtype=torch.float32, device="cpu") -> TopKSAE:
+    state = {key: t.to(device=device, dtype=dtype) for key, t in random_sae_state(d_model, d_sae, seed).items()}
+    return TopKSAE.from_release_state(state, k=k)
+
+
+def _true_acts(x, sae) -> torch.Tensor:
+    """ReLU(pre-activations) in float64 from the exact (possibly bf16) operands: [N, d_sae]."""
+    pre = x.double().reshape(-1, sae.d_model) @ sae.W_enc.double().T + sae.b_enc.double()
+    return pre.clamp_min(0)
+
+
+def assert_topk_up_to_ties(codes: SparseCodes, acts: torch.Tensor, k: int, rel: float = 2**-7, abs_: float = 1e-4):
+    """Every index is distinct and carries its own activation; the values are the k largest; swaps are ties only."""
+    values, indices = codes.values.reshape(-1, k).double().cpu(), codes.indices.reshape(-1, k).cpu()
+    acts = acts.cpu()
+    assert not torch.isnan(values).any()
+    assert ((indices >= 0) & (indices < acts.shape[1])).all()
+    assert (indices.sort(dim=1).values.diff(dim=1) > 0).all(), "an index repeats within a row"
+    assert (values.diff(dim=1) <= 0).all(), "values are not sorted descending"
+    own = acts.gather(1, indices)
+    tol = rel * own.abs() + abs_
+    assert ((values - own).abs() <= tol).all(), "a value is not the activation of its index"
+    best = acts.topk(k, dim=1).values
+    assert ((values - best).abs() <= rel * best + abs_).all(), "the values are not the k largest"
+
+
+def _kernel_twin(x, sae, c=None):
+    """The TileLang path with the kernel replaced by its torch twin (same keys, same merge, same recompute)."""
+    c = c or hk.candidates_per_tile(sae.k, sae.d_sae)
+    cand = hk.topk_candidates_reference(x, sae.W_enc, sae.b_enc, c)
+    values, indices, flagged = hk.merge_candidates(cand, sae.k)
+    rows = flagged.nonzero().squeeze(1)
+    if rows.numel():
+        exact = sae.encode_sparse(x[rows])
+        values[rows], indices[rows] = exact.values.float(), exact.indices
+    return SparseCodes(values, indices), flagged
+
+
+# ---------------------------------------------------------------------------------------------------- torch backend
+@pytest.mark.parametrize("shape", [(7, 64), (3, 5, 64), (64,)])
+def test_torch_backend_equals_encode_sparse_exactly(shape):
+    sae = _sae()
+    x = torch.randn(shape)
+    ref = sae.encode_sparse(x)
+    got = fe.fused_encode(x, sae)
+    assert got.values.shape == ref.values.shape == (*shape[:-1], sae.k)
+    assert torch.equal(got.values, ref.values) and torch.equal(got.indices, ref.indices)
+
+
+def test_torch_backend_row_blocks_bound_memory_and_agree_to_fp32_rounding():
+    sae = _sae()
+    x = torch.randn(50, 64)
+    # 1024 features * 4 bytes * 8 rows: blocks of 8 rows, the last one short.
+    got = fe._encode_torch(x, sae, max_block_bytes=4 * 1024 * 8)
+    # BLAS may round a row differently inside a smaller matmul: equal to the last fp32 bits, indices up to such ties.
+    assert_topk_up_to_ties(got, _true_acts(x, sae), sae.k, rel=1e-5)
+    ref = sae.encode_sparse(x)
+    assert (got.values - ref.values).abs().max() <= 1e-5 * ref.values.abs().max()
+
+
+def test_cpu_input_falls_back_to_torch_and_tilelang_request_explains_why():
+    sae, x = _sae(), torch.randn(4, 64)
+    assert "CUDA" in fe.unsupported_reason(x, sae)
+    assert fe.explain_backend(x, sae).startswith("torch")
+    with pytest.raises(ValueError, match=r"backend='tilelang'\) cannot run: x and the SAE must be on a CUDA"):
+        fe.fused_encode(x, sae, backend="tilelang")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        fe.fused_encode(x, sae, backend="triton")
+    with pytest.raises(ValueError, match=r"d_model=64\]"):
+        fe.fused_encode(torch.randn(4, 32), sae)
+
+
+# ---------------------------------------------------------------------------------------------------- the algorithm
+@pytest.mark.parametrize("k", [1, 16, 40])
+def test_candidate_merge_equals_encode_sparse_up_to_ties(k):
+    sae = _sae(k=k)
+    x = torch.randn(300, 64)
+    codes, _ = _kernel_twin(x, sae)
+    assert_topk_up_to_ties(codes, _true_acts(x, sae), k, rel=2**-14)
+
+
+def test_keys_order_like_values_and_decode_to_column_and_truncated_value():
+    sae = _sae(d_sae=BN, k=4)
+    x = torch.randn(3, 64)
+    cand = hk.topk_candidates_reference(x, sae.W_enc, sae.b_enc, c=BN)
+    values, indices, flagged = hk.merge_candidates(cand, k=BN)
+    pre = (x @ sae.W_enc.T + sae.b_enc)
+    positive = values > 0
+    own = pre.gather(1, indices)
+    assert torch.equal(positive, own > 0)
+    assert ((values - own)[positive].abs() <= own[positive] * 2**-15).all()
+    assert (values[~positive] == 0).all()
+    assert torch.equal(indices.sort(dim=1).values, torch.arange(BN).expand(3, BN))
+    assert not flagged.any()
+
+
+def test_rows_whose_topk_crowds_one_tile_are_flagged_and_recomputed():
+    sae = _sae(d_sae=16 * BN, k=8)
+    with torch.no_grad():
+        # 12 strong features in tile 1 for tokens whose first coordinate is positive: more than c of the top-k there.
+        sae.b_enc[BN + 10 : BN + 22] = 0.0
+        sae.W_enc[BN + 10 : BN + 22] = 0.0
+        sae.W_enc[BN + 10 : BN + 22, 0] = 50.0
+    x = torch.randn(200, 64)
+    crowded = x[:, 0] > 0.2
+    c = 4
+    cand = hk.topk_candidates_reference(x, sae.W_enc, sae.b_enc, c)
+    values, _, flagged = hk.merge_candidates(cand, sae.k)
+    assert flagged[crowded].all()
+    assert flagged[x[:, 0] < 0].float().mean() < 0.2
+    # Unrecomputed, the crowded rows would be wrong: only c of their 8 strongest features survive the tile.
+    best = _true_acts(x, sae).topk(sae.k, dim=1).values
+    assert ((values[crowded] - best[crowded]).abs().amax(dim=1) > 1).all()
+    codes, _ = _kernel_twin(x, sae, c=c)
+    assert_topk_up_to_ties(codes, _true_acts(x, sae), sae.k, rel=2**-14)
+
+
+def test_tokens_with_fewer_than_k_positives_pad_with_zeros_at_distinct_features():
+    sae = _sae(d_sae=2 * BN, k=20)
+    with torch.no_grad():
+        sae.b_enc.fill_(-100.0)
+        sae.b_enc[[3, 300, 301]] = 1.0
+    x = torch.randn(5, 64) * 0.01
+    codes, flagged = _kernel_twin(x, sae)
+    assert not flagged.any()
+    assert (codes.values[:, 3:] == 0).all() and (codes.values[:, :3] > 0).all()
+    assert set(codes.indices[0, :3].tolist()) == {3, 300, 301}
+    assert_topk_up_to_ties(codes, _true_acts(x, sae), sae.k)
+
+
+def test_candidates_per_tile_grows_with_k_per_tile():
+    assert hk.candidates_per_tile(100, 32768) == 8
+    assert hk.candidates_per_tile(100, 65536) == 6
+    assert hk.candidates_per_tile(50, 65536) == 5
+    assert hk.candidates_per_tile(1, 32768) == 3
+    assert hk.candidates_per_tile(200, 512) * 2 >= 200
+
+
+# ---------------------------------------------------------------------------------------------------- the kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_kernel_lowers_and_compiles_for_sm90a_without_a_gpu(dtype):
+    pytest.importorskip("tilelang")
+    kernel = hk.compile_topk_candidates(128, 1024, 5, dtype)
+    src = kernel.get_kernel_source()
+    assert "wgmma" in src and "tma_load" in src
+    assert "AllReduce<tl::MaxOp, 4" in src  # row reductions stay within a quad of one warp (FullRow policy)
+
+
+def _structured_inputs(n, d_model, d_sae, device):
+    """Residual-stream-like data: a shared mean direction, heavy-tailed token norms, a few outlier dimensions; and
+    SAE features with a spread of biases, some of them dense and adjacent (they crowd one tile)."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    mean = torch.randn(d_model, generator=g)
+    x = torch.randn(n, d_model, generator=g) + 2 * mean
+    x = x * torch.empty(n, 1).exponential_(generator=g)
+    x[:, :4] *= 20
+    w = torch.randn(d_sae, d_model, generator=g) / d_model**0.5
+    b = -0.5 + 0.3 * torch.randn(d_sae, generator=g)
+    b[1000:1040] = 3.0
+    return x.to(device), w.to(device), b.to(device)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("case", ["random", "structured"])
+@pytest.mark.parametrize("n,d_model,d_sae,k", [(1000, 256, 4096, 32), (4133, 2048, 32768, 100), (77, 512, 8192, 50)])
+def test_kernel_matches_encode_sparse_up_to_ties_on_hopper(case, n, d_model, d_sae, k):
+    if case == "random":
+        sae = _sae(d_model, d_sae, k, dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(n, d_model, device="cuda").bfloat16()
+    else:
+        x, w, b = _structured_inputs(n, d_model, d_sae, "cuda")
+        sae = TopKSAE(w, torch.zeros(d_model, d_sae, device="cuda"), b, torch.zeros(d_model, device="cuda"), k=k)
+        sae = sae.to(torch.bfloat16)
+        x = x.bfloat16()
+    assert fe.unsupported_reason(x, sae) is None
+    got = fe.fused_encode(x, sae, backend="tilelang")
+    assert got.values.dtype == torch.bfloat16 and got.indices.dtype == torch.long
+    assert_topk_up_to_ties(got, _true_acts(x, sae), k, rel=2**-7, abs_=1e-3)
+    ref = sae.encode_sparse(x)
+    assert torch.equal(got.values, ref.values) or (got.values.float() - ref.values.float()).abs().max() < 0.05
+
+
+@pytest.mark.hopper
+def test_kernel_writes_every_candidate_and_chunks_agree():
+    sae = _sae(256, 2048, 16, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(333, 256, device="cuda").bfloat16()
+    c = hk.candidates_per_tile(sae.k, sae.d_sae)
+    kernel = hk.compile_topk_candidates(256, 2048, c, "bfloat16")
+    cand = torch.full((333, 2048 // BN, c), float("nan"), device="cuda")
+    kernel(x, sae.W_enc.detach(), sae.b_enc.detach().float(), cand)
+    assert not torch.isnan(cand).any()
+    twin = hk.topk_candidates_reference(x, sae.W_enc, sae.b_enc, c)
+    # Same keys up to fp32 summation order: same columns almost everywhere, values to 1e-3.
+    assert (cand - twin).abs().max() < 1e-2
+    whole = fe._encode_tilelang(x, sae)
+    pieces = fe._encode_tilelang(x, sae, chunk_tokens=100)
+    assert torch.equal(whole.values, pieces.values) and torch.equal(whole.indices, pieces.indices)
