@@ -25,7 +25,7 @@ from hooks.adapters import QwenAdapter, get_adapter
 from hooks.points import HookPoint, parse_hook_name
 from hooks.positions import parse_positions, position_mask
 
-__all__ = ["InterventionContext", "Capture", "Intervention", "capture", "intervene"]
+__all__ = ["InterventionContext", "Capture", "Intervention", "capture", "collect", "intervene"]
 
 Edit = Callable[[torch.Tensor, "InterventionContext"], "torch.Tensor | None"]
 
@@ -272,3 +272,44 @@ def _counted(fn: Edit, name: str, handle: Intervention) -> Edit:
         handle.fired[name] = handle.fired.get(name, 0) + 1
         return fn(act, ctx)
     return wrapped
+
+
+class _StopForward(Exception):
+    """Raised by ``collect`` after the deepest requested point so later blocks are not computed."""
+
+
+def collect(model: nn.Module, points: str | Sequence[str], *, stop_early: bool = True,
+            positions: None | int | str | Sequence[int] = None, dtype: torch.dtype | None = None,
+            device: torch.device | str | None = None, **forward_kwargs) -> Capture:
+    """Run one cache-less, gradient-free forward pass and return the activations at ``points``.
+
+    Args:
+        model: a supported Qwen model.
+        points: hook names (any accepted spelling).
+        stop_early: stop after the deepest requested block (no later blocks, no lm_head).
+        positions, dtype, device: as for ``capture``.
+        **forward_kwargs: model inputs, e.g. ``input_ids`` [B, T] and ``attention_mask`` [B, T].
+
+    Returns:
+        a ``Capture`` (``cap[name]`` is [B, T_kept, d_model]).
+
+    Example:
+        >>> cap = collect(model, ["resid_post.12"], input_ids=ids)   # blocks 13.. never run
+    """
+    adapter = get_adapter(model)
+    names = [points] if isinstance(points, (str, HookPoint)) else list(points)
+    deepest = max(parse_hook_name(p, adapter.n_layers).layer for p in names)
+
+    def stop(module, args, output):
+        raise _StopForward
+
+    with torch.no_grad(), capture(adapter.model, names, positions=positions, dtype=dtype, device=device) as cap:
+        handle = adapter.layers[deepest].register_forward_hook(stop) if stop_early else None
+        try:
+            adapter.model(**forward_kwargs, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            if handle is not None:
+                handle.remove()
+    return cap

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hooks import capture, get_adapter
+from hooks import capture, collect, get_adapter
 from tests.factories import D_MODEL, FAMILIES, N_LAYERS, tiny_model
 
 ALL_POINTS = [f"{k}.{n}" for n in range(N_LAYERS) for k in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")]
@@ -98,3 +98,21 @@ def test_two_separate_passes_are_not_silently_concatenated():
     assert len(cap.calls("resid_post.0")) == 2
     with pytest.raises(ValueError, match="separate forward passes"):
         cap["resid_post.0"]
+
+
+def test_collect_stops_after_the_deepest_point_with_the_same_values():
+    model = tiny_model("qwen3_5")
+    ids = _ids()
+    ran = []
+    handle = model.model.layers[3].register_forward_hook(lambda *a: ran.append(3))
+    try:
+        cap = collect(model, ["resid_post.1", "blocks.2.hook_resid_post"], input_ids=ids)
+        assert ran == []
+        with torch.no_grad(), capture(model, ["resid_post.1", "resid_post.2"]) as ref:
+            model(input_ids=ids, use_cache=False)
+        assert ran == [3]
+    finally:
+        handle.remove()
+    assert torch.equal(cap["resid_post.1"], ref["resid_post.1"])
+    assert torch.equal(cap["resid_post.2"], ref["resid_post.2"])
+    assert _hook_count(model) == 0
