@@ -3,5 +3,7 @@
 __version__ = "0.1.0"
 
 from qwen_scope.store import ActivationStore  # noqa: E402
+from qwen_scope.scope import Scope  # noqa: E402
+from qwen_scope.features import FeatureStat, LayerFeatures, TextFeatures, text_features  # noqa: E402
 
-__all__ = ["ActivationStore"]
+__all__ = ["ActivationStore", "Scope", "FeatureStat", "LayerFeatures", "TextFeatures", "text_features"]
