@@ -1,1 +1,19 @@
-"""Gated delta rule: reference, Hopper kernels and the public API."""
+"""Gated delta rule: float64 reference, torch path, Hopper kernels and the public API.
+
+Importing this package touches neither CUDA nor tilelang (the Hopper module loads on the first CUDA call).
+"""
+from flashqla_kernels.gated_delta_rule.api import (
+    BACKENDS, Decision, chunk_gated_delta_rule, explain_backend, recurrent_gated_delta_rule,
+)
+from flashqla_kernels.gated_delta_rule.reference import (
+    chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref,
+)
+from flashqla_kernels.gated_delta_rule.torch_path import (
+    chunk_gated_delta_rule_torch, recurrent_gated_delta_rule_torch,
+)
+
+__all__ = [
+    "BACKENDS", "Decision", "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "explain_backend",
+    "chunk_gated_delta_rule_ref", "recurrent_gated_delta_rule_ref",
+    "chunk_gated_delta_rule_torch", "recurrent_gated_delta_rule_torch",
+]
