@@ -2,13 +2,15 @@
 
 One CTA computes a ``[BLOCK_M tokens, BLOCK_N features]`` tile of ``x @ W_enc^T + b_enc`` with wgmma (fp32 accumulators,
 bf16/fp16 operands) and never writes it to memory. Its epilogue turns each accumulator into a *key* and writes only the
-``c`` largest keys of every (token, tile) row to ``cand [N, d_sae / BLOCK_N, c]``:
+``c`` largest keys of every (token, tile) row to ``cand [N, d_sae / BLOCK_N, c]`` (int32):
 
-- a positive pre-activation ``v`` becomes ``v`` with its 8 low mantissa bits replaced by ``255 - j`` (``j`` = column in
-  the tile), still a positive float and ordered like ``v`` (to 2^-15 relative); the bits give back the column;
-- a pre-activation ``<= 0`` (zero after ReLU) becomes ``-(1 + j)``: below every positive key, and still unique.
-
-Keys are unique within a tile, so ``c`` rounds of (row max, drop the max) extract the tile's top-c in descending order.
+- a key is the int32 bit pattern of ``max(v, +0.0)`` with its 8 low mantissa bits replaced by ``255 - j`` (``j`` = the
+  column in the tile): positive floats order like their bit patterns, so keys order like ``ReLU(v)`` (to 2^-15
+  relative), every key is unique within its tile, ``key >> 8 == 0`` means ``ReLU(v) == 0``, and the low byte gives back
+  the column;
+- ``c`` rounds of (row max, then subtract it from every key mod 2^32) extract the tile's top-c in descending order: after
+  the subtraction the extracted keys are small and the rest wrap to ``>= 2^31``, so the next unsigned max is the next
+  key down — two integer operations per element per round, no masks.
 ``merge_candidates`` (plain torch) turns ``cand`` into the exact top-k: the global top-k lies in the union of per-tile
 top-k's, and a row whose top-k could need a (c+1)-th element of some tile is flagged (its c-th key beats the k-th
 selected key) and recomputed by the caller. Importing this module does not import tilelang.
@@ -19,8 +21,10 @@ import math
 
 import torch
 
-BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
-NUM_STAGES, THREADS = 3, 256
+BLOCK_M, BLOCK_N, THREADS = 128, 256, 256
+# (BLOCK_K, pipeline stages): the mainloop knobs; 64 x 3 stages = 144 KiB of shared memory.
+DEFAULT_CONFIG = (64, 3)
+BLOCK_K = DEFAULT_CONFIG[0]
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 _TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # The column of a positive key sits in its 8 low mantissa bits.
@@ -43,56 +47,84 @@ def candidates_per_tile(k: int, d_sae: int, flag_rate: float = 1e-3) -> int:
     return BLOCK_N
 
 
-def build_topk_candidates(d_model: int, d_sae: int, c: int, dtype: str = "bfloat16"):
+def build_topk_candidates(d_model: int, d_sae: int, c: int, dtype: str = "bfloat16",
+                          config: tuple[int, int] = DEFAULT_CONFIG):
     """The TileLang prim_func ``kernel(X [N, d_model], W_enc [d_sae, d_model], b_enc fp32 [d_sae], cand fp32 [N, NT, c])``.
 
-    N (tokens) is dynamic; d_model must be a multiple of BLOCK_K and d_sae of BLOCK_N.
+    N (tokens) is dynamic; d_model must be a multiple of BLOCK_K and d_sae of BLOCK_N. ``config`` = (block_K, stages).
     """
     import tilelang.language as T
 
+    block_k, num_stages = config
     n_tiles = d_sae // BLOCK_N
     n_tok = T.dynamic("N")
     keep_mask = -(1 << _LOW_BITS)
 
     @T.prim_func
     def kernel(X: T.Tensor((n_tok, d_model), dtype), W: T.Tensor((d_sae, d_model), dtype),
-               Bias: T.Tensor((d_sae,), "float32"), Cand: T.Tensor((n_tok, n_tiles, c), "float32")):
+               Bias: T.Tensor((d_sae,), "float32"), Cand: T.Tensor((n_tok, n_tiles, c), "int32")):
         with T.Kernel(n_tiles, T.ceildiv(n_tok, BLOCK_M), threads=THREADS) as (bx, by):
-            x_s = T.alloc_shared((BLOCK_M, BLOCK_K), dtype)
-            w_s = T.alloc_shared((BLOCK_N, BLOCK_K), dtype)
+            x_s = T.alloc_shared((BLOCK_M, block_k), dtype)
+            w_s = T.alloc_shared((BLOCK_N, block_k), dtype)
             acc = T.alloc_fragment((BLOCK_M, BLOCK_N), "float32")
-            row_max = T.alloc_fragment((BLOCK_M,), "float32")
+            # acc is dead once the keys exist, so nvcc gives keys the same registers.
+            keys = T.alloc_fragment((BLOCK_M, BLOCK_N), "uint32")
+            step = T.alloc_fragment((BLOCK_M,), "uint32")
+            last = T.alloc_fragment((BLOCK_M,), "uint32")
             T.use_swizzle(10)
             T.clear(acc)
-            for ko in T.Pipelined(T.ceildiv(d_model, BLOCK_K), num_stages=NUM_STAGES):
-                T.copy(X[by * BLOCK_M, ko * BLOCK_K], x_s)
-                T.copy(W[bx * BLOCK_N, ko * BLOCK_K], w_s)
+            for ko in T.Pipelined(T.ceildiv(d_model, block_k), num_stages=num_stages):
+                T.copy(X[by * BLOCK_M, ko * block_k], x_s)
+                T.copy(W[bx * BLOCK_N, ko * block_k], w_s)
                 # FullRow: every warp holds whole tile rows, so the row reductions below stay inside a warp.
                 T.gemm(x_s, w_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
             for i, j in T.Parallel(BLOCK_M, BLOCK_N):
-                v = acc[i, j] + Bias[bx * BLOCK_N + j]
-                packed = T.bitwise_or(T.bitwise_and(T.reinterpret(v, "int32"), keep_mask), BLOCK_N - 1 - j)
-                acc[i, j] = T.if_then_else(v > 0, T.reinterpret(packed, "float32"), T.cast(-1 - j, "float32"))
+                bits = T.max(T.reinterpret(acc[i, j] + Bias[bx * BLOCK_N + j], "int32"), 0)
+                keys[i, j] = T.cast(T.bitwise_or(T.bitwise_and(bits, keep_mask), BLOCK_N - 1 - j), "uint32")
+            T.fill(last, 0)
             for r in T.serial(c):
-                T.reduce_max(acc, row_max, dim=1)
+                # keys hold (key - last extracted key) mod 2^32: extracted ones are small, the rest >= 2^31, so the
+                # unsigned max is the next key down. One subtract and one max per element per round.
+                T.reduce_max(keys, step, dim=1)
                 for i in T.Parallel(BLOCK_M):
+                    last[i] = last[i] + step[i]
                     if by * BLOCK_M + i < n_tok:
-                        Cand[by * BLOCK_M + i, bx, r] = row_max[i]
+                        Cand[by * BLOCK_M + i, bx, r] = T.reinterpret(last[i], "int32")
                 for i, j in T.Parallel(BLOCK_M, BLOCK_N):
-                    acc[i, j] = T.if_then_else(acc[i, j] == row_max[i], -T.infinity("float32"), acc[i, j])
+                    keys[i, j] = keys[i, j] - step[i]
 
     return kernel
 
 
 @functools.lru_cache(maxsize=None)
-def compile_topk_candidates(d_model: int, d_sae: int, c: int, dtype: str = "bfloat16"):
+def compile_topk_candidates(d_model: int, d_sae: int, c: int, dtype: str = "bfloat16",
+                            config: tuple[int, int] = DEFAULT_CONFIG):
     """Compile (JIT, cached on disk by tilelang) the candidate kernel for sm_90a; works without a GPU."""
     import tilelang
 
-    return tilelang.compile(build_topk_candidates(d_model, d_sae, c, dtype), target=TARGET)
+    return tilelang.compile(build_topk_candidates(d_model, d_sae, c, dtype, config), target=TARGET)
 
 
-def topk_candidates(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, c: int) -> torch.Tensor:
+def precompile(variants: list[tuple], workers: int = 8) -> None:
+    """Compile many ``compile_topk_candidates(*variant)`` in parallel processes, filling tilelang's disk cache.
+
+    Each variant is ``(d_model, d_sae, c[, dtype[, config]])``; later compiles of the same variant load from the cache.
+    """
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        for future in [pool.submit(_compile_source, tuple(v)) for v in variants]:
+            future.result()
+
+
+def _compile_source(variant: tuple) -> int:
+    return len(compile_topk_candidates(*variant).get_kernel_source())
+
+
+def topk_candidates(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, c: int,
+                    config: tuple[int, int] | None = None) -> torch.Tensor:
     """Launch the kernel: per-(token, tile) top-c keys of ``ReLU(x @ W_enc^T + b_enc)``.
 
     Args:
@@ -100,13 +132,14 @@ def topk_candidates(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, c
         W_enc: ``[d_sae, d_model]``, same dtype and device.
         b_enc: ``[d_sae]`` fp32.
         c: candidates per (token, tile).
+        config: (block_K, pipeline stages) of the mainloop; None = ``DEFAULT_CONFIG`` (read at call time).
     Returns:
-        ``cand [N, d_sae // BLOCK_N, c]`` fp32 keys, descending along the last dim.
+        ``cand [N, d_sae // BLOCK_N, c]`` int32 keys, descending along the last dim.
     """
     n, d_model = x.shape
     d_sae = W_enc.shape[0]
-    kernel = compile_topk_candidates(d_model, d_sae, c, _TL_DTYPES[x.dtype])
-    cand = torch.empty(n, d_sae // BLOCK_N, c, device=x.device, dtype=torch.float32)
+    kernel = compile_topk_candidates(d_model, d_sae, c, _TL_DTYPES[x.dtype], tuple(config or DEFAULT_CONFIG))
+    cand = torch.empty(n, d_sae // BLOCK_N, c, device=x.device, dtype=torch.int32)
     if n:
         kernel(x, W_enc, b_enc, cand)
     return cand
@@ -117,8 +150,7 @@ def topk_candidates_reference(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch
     n, d_sae = x.shape[0], W_enc.shape[0]
     pre = (x.float() @ W_enc.float().T + b_enc.float()).reshape(n, d_sae // BLOCK_N, BLOCK_N)
     j = torch.arange(BLOCK_N, device=x.device, dtype=torch.int32)
-    packed = ((pre.view(torch.int32) & -(1 << _LOW_BITS)) | (BLOCK_N - 1 - j)).view(torch.float32)
-    keys = torch.where(pre > 0, packed, (-1 - j).float())
+    keys = (pre.view(torch.int32).clamp_min(0) & -(1 << _LOW_BITS)) | (BLOCK_N - 1 - j)
     return keys.topk(c, dim=-1, sorted=True).values
 
 
@@ -126,20 +158,18 @@ def merge_candidates(cand: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     """The top-k of each row from its per-tile candidates, and which rows must be recomputed.
 
     Args:
-        cand: ``[N, NT, c]`` fp32 keys from ``topk_candidates`` (``NT * c >= k``).
+        cand: ``[N, NT, c]`` int32 keys from ``topk_candidates`` (``NT * c >= k``).
         k: features kept per token.
     Returns:
         ``(values [N, k] fp32 sorted descending (0 for padding), indices [N, k] int64, flagged [N] bool)``. A flagged
-        row had a tile whose c-th positive candidate beats the row's k-th pick: its (c+1)-th might too, so the row is
-        not certain and must be recomputed. Unflagged rows are exact (to the 2^-15 key precision).
+        row had a tile whose c-th candidate is positive and beats the row's k-th pick: that tile's (c+1)-th might too,
+        so the row is not certain and must be recomputed. Unflagged rows are exact (to the 2^-15 key precision).
     """
     n, n_tiles, c = cand.shape
     top, slot = cand.reshape(n, n_tiles * c).topk(k, dim=1, sorted=True)
-    bits = top.view(torch.int32)
-    positive = top > 0
-    column = torch.where(positive, (BLOCK_N - 1) - (bits & (BLOCK_N - 1)), (-1 - top).to(torch.int32))
+    column = (BLOCK_N - 1) - (top & (BLOCK_N - 1))
     indices = torch.div(slot, c, rounding_mode="floor") * BLOCK_N + column.long()
-    values = torch.where(positive, (bits & -(1 << _LOW_BITS)).view(torch.float32), torch.zeros_like(top))
+    values = (top & -(1 << _LOW_BITS)).view(torch.float32)
     last = cand[:, :, c - 1]
-    flagged = ((last > 0) & (last > top[:, k - 1 : k])).any(dim=1)
+    flagged = ((last >= 1 << _LOW_BITS) & (last > top[:, k - 1 : k])).any(dim=1)
     return values, indices, flagged
