@@ -5,5 +5,8 @@ __version__ = "0.1.0"
 from qwen_scope.store import ActivationStore  # noqa: E402
 from qwen_scope.scope import Scope  # noqa: E402
 from qwen_scope.features import FeatureStat, LayerFeatures, TextFeatures, text_features  # noqa: E402
+from qwen_scope.steering import (FeatureEdit, Generation, SteeringResult, Sweep, ablate, add, clamp,  # noqa: E402
+                                steer, steering, sweep)
 
-__all__ = ["ActivationStore", "Scope", "FeatureStat", "LayerFeatures", "TextFeatures", "text_features"]
+__all__ = ["ActivationStore", "Scope", "FeatureStat", "LayerFeatures", "TextFeatures", "text_features",
+           "FeatureEdit", "Generation", "SteeringResult", "Sweep", "ablate", "add", "clamp", "steer", "steering", "sweep"]
