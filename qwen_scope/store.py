@@ -167,7 +167,9 @@ class ShardWriter:
         name = f"shard-{index:06d}.safetensors"
         record = {"file": f"{self.dir.name}/{name}", "index": index, "n_tokens": int(tensors["token_ids"].numel()),
                   "n_rows": n_rows, "n_pad": n_pad, "cursor": cursor}
-        meta = {"format": FORMAT, "config_hash": self.hash, "rank": str(self.rank), "index": str(index)}
+        # One metadata key: safetensors writes its metadata map in arbitrary order, and shards should be
+        # byte-identical however often a run was interrupted.
+        meta = {FORMAT: json.dumps({"config_hash": self.hash, "rank": self.rank, "index": index}, sort_keys=True)}
         self._pending.append((self._pool.submit(_write_shard_file, self.dir / name, tensors, meta), record))
         self._commit(block=len(self._pending) > self.max_pending)
 

@@ -87,3 +87,25 @@ def write_sae_release(root: Path, repo_name: str = "SAE-Res-Qwen3.5-Nano-Base-W0
     for n in range(n_layers):
         torch.save(random_sae_state(d_model, d_sae, seed + n), out / f"layer{n}.sae.pt")
     return out
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    rest = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(rest)}}
+
+
+def tiny_tokenizer():
+    """A byte-level fast tokenizer matching ``VOCAB``: token id = byte value, with ``<|endoftext|>`` (EOS/pad) at 0.
+
+    Offline, deterministic, ``save_pretrained``-able, so a tiny model directory can carry it for CLI tests.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items() if b != 0}
+    vocab["<|endoftext|>"] = 0
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")

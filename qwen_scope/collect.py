@@ -1,0 +1,475 @@
+"""Large-scale activation collection: a corpus in, a sharded resumable ``ActivationStore`` out.
+
+Documents are tokenized, packed into rows of ``context_len`` tokens, run through the model (``use_cache=False``, the
+forward stops after the deepest requested block) and the requested points are written per token: dense activations
+and/or SAE top-k codes, with token ids, document index and context position. Padding is never stored; its fraction
+is reported.
+
+Packing (recorded in the manifest as ``bos_policy``):
+- ``"concat"`` (default): documents, each followed by ``separator_id`` (the tokenizer's EOS, ``<|endoftext|>`` for
+  Qwen), are concatenated and cut into full rows. A row may start mid-document: position 0 is wherever the cut fell.
+  Only the very last row is padded.
+- ``"document"``: one document per row, truncated to ``context_len`` and right-padded (causal, so padding never
+  changes a real token's activation). Position 0 is always a document's first token.
+``prepend_bos_id`` puts that token at position 0 of every row (Qwen models use none; the default).
+
+Resume: the row stream is a pure function of (corpus, rank, world size, packing), and every shard records the
+packing cursor after it. Rerunning the same call continues after the last recorded shard; a SIGKILL at any moment
+loses only the shard in flight. Under ``torchrun`` document ``i`` goes to rank ``i % world_size``; each rank writes
+``rank{r:03d}/`` and rank 0 merges ``manifest.json``.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hooks import capture, get_adapter, parse_hook_name
+from qwen_scope.store import ShardWriter, merge_manifest
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "float32": torch.float32, "fp32": torch.float32}
+_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text",
+                   ".csv": "csv"}
+
+
+# ---------------------------------------------------------------------------------------------- corpus
+def load_corpus(source: str | os.PathLike, *, split: str = "train", name: str | None = None,
+                streaming: bool = False, **kwargs):
+    """A ``datasets`` corpus from a hub id or local json/jsonl/parquet/csv/text files (a file, a directory or a glob).
+
+    Args:
+        source: e.g. ``"HuggingFaceFW/fineweb-edu"`` or ``"data/*.jsonl"``. name: hub config. split: split to read.
+        streaming: return an ``IterableDataset`` (no full download). kwargs: passed to ``datasets.load_dataset``.
+    Returns:
+        ``datasets.Dataset`` or ``datasets.IterableDataset``.
+    """
+    import datasets
+
+    path = Path(source)
+    files = sorted(path.iterdir()) if path.is_dir() else sorted(Path().glob(str(source))) if "*" in str(source) \
+        else [path] if path.exists() else []
+    if files:
+        exts = {f.suffix for f in files if f.suffix in _LOCAL_BUILDERS}
+        if len(exts) != 1:
+            raise ValueError(f"{source}: expected files of one kind among {sorted(_LOCAL_BUILDERS)}, found "
+                             f"suffixes {sorted({f.suffix for f in files})}")
+        builder = _LOCAL_BUILDERS[exts.pop()]
+        data = [str(f) for f in files if f.suffix in _LOCAL_BUILDERS]
+        return datasets.load_dataset(builder, data_files=data, split=split, streaming=streaming, **kwargs)
+    return datasets.load_dataset(str(source), name, split=split, streaming=streaming, **kwargs)
+
+
+def _corpus_id(corpus) -> str:
+    fingerprint = getattr(corpus, "_fingerprint", None)
+    if fingerprint:
+        return f"{type(corpus).__name__}:{fingerprint}"
+    info = getattr(corpus, "info", None)
+    if info is not None and (info.dataset_name or info.config_name):
+        return f"{type(corpus).__name__}:{info.dataset_name}/{info.config_name}/{getattr(corpus, 'split', None)}"
+    if isinstance(corpus, Sequence):
+        return "list:" + hashlib.sha256(repr(list(corpus)).encode()).hexdigest()[:16]
+    return type(corpus).__name__
+
+
+def _rank_documents(corpus, rank: int, world: int, start: int, text_column: str, tokenizer,
+                    read_batch: int = 256) -> Iterator[tuple[int, int, list[int]]]:
+    """Yield ``(ordinal, doc_index, token_ids)`` for this rank's documents from ordinal ``start`` on."""
+    if hasattr(corpus, "select") and hasattr(corpus, "__len__") and not isinstance(corpus, Sequence):
+        records = iter(corpus.select(range(rank + start * world, len(corpus), world)))
+    else:
+        records = itertools.islice(iter(corpus), rank + start * world, None, world)
+    for ordinal in itertools.count(start, read_batch):
+        chunk = list(itertools.islice(records, read_batch))
+        if not chunk:
+            return
+        for j, ids in enumerate(_tokenize(chunk, text_column, tokenizer)):
+            yield ordinal + j, (ordinal + j) * world + rank, ids
+
+
+def _tokenize(records: list, text_column: str, tokenizer) -> list[list[int]]:
+    first = records[0]
+    if isinstance(first, str):
+        texts = records
+    elif text_column in first:
+        texts = [r[text_column] for r in records]
+    elif "input_ids" in first:
+        return [list(r["input_ids"]) for r in records]
+    else:
+        raise ValueError(f"corpus records have no {text_column!r} column (columns: {sorted(first)}); pass "
+                         f"text_column=... (--text-column) or a pre-tokenized 'input_ids' column")
+    if tokenizer is None:
+        raise ValueError("the corpus holds text but no tokenizer was given; pass tokenizer=... (or a model id)")
+    return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+
+
+# ---------------------------------------------------------------------------------------------- packing
+@dataclass(frozen=True)
+class Row:
+    """One packed row: ``tokens``/``doc_index`` (real tokens only) and the cursor ``(ordinal, offset)`` after it."""
+
+    tokens: list[int]
+    doc_index: list[int]
+    cursor: tuple[int, int]
+
+
+def pack_rows(docs: Iterable[tuple[int, int, list[int]]], context_len: int, *, packing: str = "concat",
+              separator_id: int | None = None, prepend_bos_id: int | None = None,
+              start: tuple[int, int] = (0, 0)) -> Iterator[Row]:
+    """Pack ``(ordinal, doc_index, tokens)`` documents into rows of at most ``context_len`` tokens.
+
+    Args:
+        docs: documents in order, starting at ordinal ``start[0]``.
+        context_len: tokens per row (the BOS, when prepended, included).
+        packing: ``"concat"`` or ``"document"`` (see the module doc). separator_id: appended to every document.
+        prepend_bos_id: put at position 0 of every row. start: resume cursor ``(ordinal, offset)``.
+    Returns:
+        An iterator of ``Row``; a row's ``cursor`` is where the next row begins.
+    """
+    if packing not in ("concat", "document"):
+        raise ValueError(f"packing must be 'concat' or 'document', got {packing!r}")
+    prefix = [] if prepend_bos_id is None else [prepend_bos_id]
+    room = context_len - len(prefix)
+    if room < 1:
+        raise ValueError(f"context_len={context_len} leaves no room for tokens after the BOS")
+    buf: list[int] = []
+    owner: list[int] = []
+    for ordinal, doc, tokens in docs:
+        tokens = list(tokens) + ([] if separator_id is None else [separator_id])
+        offset = start[1] if ordinal == start[0] else 0
+        if packing == "document":
+            if tokens:
+                yield Row(prefix + tokens[:room], [doc] * (len(prefix) + min(room, len(tokens))), (ordinal + 1, 0))
+            continue
+        while offset < len(tokens):
+            take = min(room - len(buf), len(tokens) - offset)
+            buf += tokens[offset:offset + take]
+            owner += [doc] * take
+            offset += take
+            if len(buf) == room:
+                cursor = (ordinal, offset) if offset < len(tokens) else (ordinal + 1, 0)
+                yield Row(prefix + buf, owner[:1] * len(prefix) + owner, cursor)
+                buf, owner = [], []
+    if buf:
+        yield Row(prefix + buf, owner[:1] * len(prefix) + owner, (-1, 0))
+
+
+# ---------------------------------------------------------------------------------------------- model side
+class _Stop(Exception):
+    """Raised by a hook after the deepest requested block: nothing later is computed."""
+
+
+@contextlib.contextmanager
+def _stop_after(block: nn.Module):
+    def hook(module, args, output):
+        raise _Stop
+
+    handle = block.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _encoder(sae):
+    """The fastest exact ``x [n, d_model] -> SparseCodes`` for ``sae``: ``saes.fused_encode`` where it applies."""
+    try:
+        from saes import fused_encode
+    except ImportError:
+        return sae.encode_sparse
+    encode = getattr(fused_encode, "encode_sparse", None) or getattr(fused_encode, "fused_encode_sparse", None)
+    why_not = getattr(fused_encode, "unsupported_reason", None)
+    if encode is None:
+        return sae.encode_sparse
+
+    def run(x: torch.Tensor):
+        if why_not is not None and why_not(sae, x) is not None:
+            return sae.encode_sparse(x)
+        return encode(sae, x)
+    return run
+
+
+def _model_fingerprint(model: nn.Module) -> str:
+    config = model.config.to_json_string(use_diff=True) if hasattr(model, "config") else ""
+    w = get_adapter(model).embed.weight
+    sample = w[: min(4, w.shape[0]), : min(16, w.shape[1])].detach().float().cpu()
+    return hashlib.sha256((config + repr(sample.tolist())).encode()).hexdigest()[:16]
+
+
+def _dist_info() -> tuple[int, int, bool]:
+    """``(rank, world_size, created)``: joins the torchrun group (gloo on CPU, NCCL on GPU) when there is one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        return dist.get_rank(), dist.get_world_size(), True
+    return 0, 1, False
+
+
+def _resolve_model(model, tokenizer, dtype, device, rank):
+    if isinstance(model, (str, os.PathLike)):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        name = str(model)
+        device = torch.device(device or (f"cuda:{os.environ.get('LOCAL_RANK', rank)}"
+                                         if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device).eval()
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(name)
+    else:
+        name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+        device = torch.device(device) if device is not None else next(model.parameters()).device
+        if device != next(model.parameters()).device or (dtype and dtype != next(model.parameters()).dtype):
+            model = model.to(device=device, dtype=dtype)
+        if tokenizer is None and name and Path(name).exists():
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(name)
+    return model, tokenizer, device, next(model.parameters()).dtype, name
+
+
+def _resolve_saes(saes, release, sae_layers, adapter, device, sae_dtype) -> dict[str, nn.Module]:
+    """``{"resid_post.{n}": TopKSAE}`` from ready SAEs or a release (all layers unless ``sae_layers``)."""
+    if saes is not None:
+        return {parse_hook_name(f"resid_post.{n}", adapter.n_layers).name: sae for n, sae in dict(saes).items()}
+    if release is None:
+        if sae_layers:
+            raise ValueError(f"sae_layers={list(sae_layers)} needs release=... (--release), e.g. "
+                             f"'qwen-scope-3.5-2b-base-w32k-l100' or a local release directory")
+        return {}
+    from saes.loading import load
+
+    out = {}
+    for n in (range(adapter.n_layers) if sae_layers is None else sae_layers):
+        name = parse_hook_name(f"resid_post.{n}", adapter.n_layers).name
+        sae = load(release, int(name.split(".")[1]), device=device, dtype=sae_dtype,
+                   expected_d_model=adapter.d_model)
+        sae.compute_dtype = sae_dtype
+        out[name] = sae
+    return out
+
+
+def _sae_info(sae, release) -> dict:
+    sample = sae.W_enc.detach()[:4, :8].float().cpu().tolist()
+    rel = getattr(getattr(sae, "release", None), "id", None) or (str(release) if release else None) or \
+        getattr(sae, "source", None) or "custom"
+    return {"release": rel, "layer": getattr(sae, "layer", None), "k": sae.k, "d_sae": sae.d_sae,
+            "dtype": str(sae.W_enc.dtype).removeprefix("torch."),
+            "weights_sample": hashlib.sha256(repr(sample).encode()).hexdigest()[:16]}
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t.contiguous()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
+
+
+def _forward_batch(model_run, adapter, batch: list[Row], context_len: int, pad_id: int, device,
+                   dense: list[str], encoders: dict, last_block: int, store_dtype) -> dict[str, torch.Tensor]:
+    """Run one padded batch ``[B, context_len]``; return the shard columns of its real tokens (CPU)."""
+    B = len(batch)
+    ids = torch.full((B, context_len), pad_id, dtype=torch.long)
+    for i, row in enumerate(batch):
+        ids[i, :len(row.tokens)] = torch.tensor(row.tokens)
+    keep = torch.arange(context_len)[None] < torch.tensor([len(r.tokens) for r in batch])[:, None]  # [B, L]
+    full, keep_dev = bool(keep.all()), keep.to(device)
+    with torch.inference_mode(), capture(adapter.model, dense + list(encoders)) as cap, \
+            _stop_after(adapter.layers[last_block]):
+        with contextlib.suppress(_Stop):
+            model_run(input_ids=ids.to(device), use_cache=False)
+        out = {"token_ids": ids[keep].int(), "doc_index": torch.tensor([d for r in batch for d in r.doc_index]),
+               "positions": torch.arange(context_len).expand(B, -1)[keep].int()}
+        acts = {name: (cap[name].reshape(-1, adapter.d_model) if full else cap[name][keep_dev])
+                for name in dict.fromkeys(dense + list(encoders))}
+        for name in dense:
+            out[f"dense.{name}"] = _to_host(acts[name].to(store_dtype))
+        for name, encode in encoders.items():
+            values, indices = encode(acts[name])
+            out[f"sae.{name}.values"] = _to_host(values.to(store_dtype))
+            out[f"sae.{name}.indices"] = _to_host(indices.int())
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the verb
+@dataclass(frozen=True)
+class CollectSummary:
+    """What a ``collect`` call did (rank 0 reports the whole store once every rank is done)."""
+
+    out_dir: str
+    n_tokens: int
+    n_tokens_this_run: int
+    n_shards: int
+    padding_fraction: float
+    seconds: float
+    tokens_per_s: float
+    bytes: int
+    world_size: int
+    complete: bool
+
+    def __str__(self) -> str:
+        return (f"collected {self.n_tokens:,} tokens into {self.out_dir} ({self.n_shards} shards, "
+                f"{self.bytes / 2**30:.2f} GiB, {self.world_size} rank(s)); this run {self.n_tokens_this_run:,} "
+                f"tokens in {self.seconds:.1f} s = {self.tokens_per_s:,.0f} tokens/s; padding "
+                f"{100 * self.padding_fraction:.2f}%; complete={self.complete}")
+
+
+def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = None,
+            sae_layers: Sequence[int] | None = None, release: str | None = None, saes: dict | None = None,
+            token_budget: int, context_len: int = 1024, out_dir: str | os.PathLike, batch_size: int = 8,
+            dtype: torch.dtype | None = None, store_dtype: torch.dtype = torch.bfloat16,
+            sae_dtype: torch.dtype | None = None, text_column: str = "text", tokenizer=None,
+            packing: str = "concat", separator_id: int | str | None = "eos", prepend_bos_id: int | None = None,
+            shard_tokens: int = 1 << 18, device: str | torch.device | None = None, overwrite: bool = False,
+            progress: bool = True, corpus_id: str | None = None) -> CollectSummary:
+    """Collect activations and/or SAE codes of ``token_budget`` corpus tokens into a sharded store at ``out_dir``.
+
+    Args:
+        model: a loaded Qwen model or a model id / directory (loaded in ``dtype``; bf16 on GPU by default).
+        corpus: a ``datasets`` Dataset/IterableDataset (see ``load_corpus``) or a list of strings / dicts.
+        points: hook points stored dense, e.g. ``["resid_post.12"]`` (any alias ``hooks`` accepts).
+        sae_layers, release: store SAE codes (top-k values + indices) at ``resid_post.{n}`` of these layers, from
+            this release (all layers when ``sae_layers`` is None). saes: ready ``{layer: TopKSAE}`` instead.
+        token_budget: real tokens to store, over all ranks. context_len: tokens per packed row.
+        out_dir: the store directory. batch_size: rows per forward ``[batch_size, context_len]``.
+        dtype: model compute dtype; store_dtype: dense and code-value dtype on disk (bf16 default);
+            sae_dtype: SAE weight/compute dtype (default: the model's).
+        text_column: corpus column with text (a pre-tokenized ``input_ids`` column also works). tokenizer:
+            needed for text when ``model`` is not an id. packing, separator_id (``"eos"`` = the tokenizer's
+            EOS, None for none), prepend_bos_id: see the module doc.
+        shard_tokens: about this many tokens per shard (a whole number of batches). overwrite: discard a previous
+            collection with another config in ``out_dir`` (the same config always resumes).
+        progress: show a progress bar (rank 0). corpus_id: name the corpus in the config hash when it has no
+            ``datasets`` fingerprint (e.g. a streaming dataset).
+    Returns:
+        ``CollectSummary``; the store is read with ``ActivationStore(out_dir)``.
+
+    Example:
+        >>> corpus = load_corpus("data/*.jsonl")
+        >>> collect("Qwen/Qwen3.5-2B-Base", corpus, sae_layers=[12], release="qwen-scope-3.5-2b-base-w32k-l100",
+        ...         token_budget=10_000_000, context_len=1024, out_dir="acts/")
+    """
+    rank, world, created = _dist_info()
+    try:
+        model, tokenizer, device, dtype, name = _resolve_model(model, tokenizer, dtype, device, rank)
+        adapter = get_adapter(model)
+        dense = list(dict.fromkeys(parse_hook_name(p, adapter.n_layers).name for p in (points or [])))
+        sae_dtype = sae_dtype or dtype
+        sae_map = _resolve_saes(saes, release, sae_layers, adapter, device, sae_dtype)
+        if not dense and not sae_map:
+            raise ValueError("nothing to collect: pass points=[...] (--points) and/or sae_layers + release")
+        if separator_id == "eos":
+            separator_id = getattr(tokenizer, "eos_token_id", None)
+        pad_id = separator_id if separator_id is not None else 0
+        info = {p: {"dense": p in dense, "d_model": adapter.d_model,
+                    "sae": _sae_info(sae_map[p], release) if p in sae_map else None}
+                for p in dict.fromkeys(dense + list(sae_map))}
+        first = next(iter(sae_map.values()), None)
+        config = {
+            "model": name, "model_fingerprint": _model_fingerprint(model), "family": adapter.family,
+            "points": info, "sae": None if first is None else {
+                "release": info[next(iter(sae_map))]["sae"]["release"], "k": first.k, "d_sae": first.d_sae,
+                "layers": [int(p.split(".")[1]) for p in sae_map]},
+            "context_len": context_len, "batch_size": batch_size, "token_budget": token_budget,
+            "dtype": str(dtype).removeprefix("torch."), "store_dtype": str(store_dtype).removeprefix("torch."),
+            "bos_policy": {"packing": packing, "separator_id": separator_id, "prepend_bos_id": prepend_bos_id,
+                           "positions": "context position in the packed row; in 'concat' packing a row may "
+                                        "start mid-document, so position 0 is not always a document start"},
+            "corpus": corpus_id or _corpus_id(corpus), "text_column": text_column, "world_size": world,
+            "rows_per_shard": batch_size * max(1, shard_tokens // (batch_size * context_len)),
+            "use_cache": False}
+        writer = ShardWriter(out_dir, config, rank=rank, world_size=world, overwrite=overwrite)
+        if overwrite and rank == 0:
+            (Path(out_dir) / "manifest.json").unlink(missing_ok=True)
+        run = _collect_rank(writer, adapter, corpus, tokenizer, device, dense, sae_map, config, pad_id,
+                            progress and rank == 0)
+        return _finish(writer, run, world, created)
+    finally:
+        if created:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def _collect_rank(writer: ShardWriter, adapter, corpus, tokenizer, device, dense, sae_map, config, pad_id,
+                  progress: bool) -> dict:
+    """This rank's loop: rows -> batches -> shards, from the writer's resume cursor to this rank's budget."""
+    from tqdm.auto import tqdm
+
+    world, rank = writer.world_size, writer.rank
+    budget = config["token_budget"] // world + (rank < config["token_budget"] % world)
+    context_len, batch_size, rows_per_shard = config["context_len"], config["batch_size"], config["rows_per_shard"]
+    policy = config["bos_policy"]
+    cursor = tuple(writer.cursor or (0, 0))
+    stored = start_tokens = writer.n_tokens
+    encoders = {name: _encoder(sae) for name, sae in sae_map.items()}
+    last_block = max(parse_hook_name(p).layer for p in config["points"])
+    exhausted = writer.complete or cursor[0] < 0
+    rows = iter(()) if exhausted else pack_rows(
+        _rank_documents(corpus, rank, world, cursor[0], config["text_column"], tokenizer), context_len,
+        packing=policy["packing"], separator_id=policy["separator_id"], prepend_bos_id=policy["prepend_bos_id"],
+        start=cursor)
+    bar = tqdm(total=budget, initial=stored, unit="tok", unit_scale=True, disable=not progress,
+               desc=f"collect rank {rank}", smoothing=0.1)
+    t0, shard, shard_rows, shard_pad = time.perf_counter(), [], 0, 0
+    while stored < budget and not writer.complete:
+        batch, n = [], 0
+        while len(batch) < batch_size and stored + n < budget:
+            row = next(rows, None)
+            if row is None:
+                exhausted = True
+                break
+            if len(row.tokens) > budget - stored - n:
+                keep = budget - stored - n
+                row = Row(row.tokens[:keep], row.doc_index[:keep], row.cursor)
+            batch.append(row)
+            n += len(row.tokens)
+        if batch:
+            shard.append(_forward_batch(adapter.text_model, adapter, batch, context_len, pad_id, device, dense,
+                                        encoders, last_block, _DTYPES[config["store_dtype"]]))
+            stored, shard_rows, shard_pad = stored + n, shard_rows + len(batch), shard_pad + len(batch) * context_len - n
+            bar.update(n)
+            bar.set_postfix(pad=f"{100 * writer.n_pad / max(1, writer.n_pad + stored):.1f}%", refresh=False)
+        if shard and (shard_rows >= rows_per_shard or exhausted or stored >= budget):
+            tensors = {k: torch.cat([b[k] for b in shard]) if len(shard) > 1 else shard[0][k] for k in shard[0]}
+            writer.write(tensors, n_rows=shard_rows, n_pad=shard_pad, cursor=list(batch[-1].cursor if batch else
+                                                                                   (-1, 0)))
+            shard, shard_rows, shard_pad = [], 0, 0
+        if exhausted:
+            break
+    writer.flush()
+    bar.close()
+    seconds = time.perf_counter() - t0
+    return {"rank": rank, "tokens_this_run": stored - start_tokens, "seconds": seconds, "tokens": stored,
+            "corpus_exhausted": exhausted and stored < budget}
+
+
+def _finish(writer: ShardWriter, run: dict, world: int, created: bool) -> CollectSummary:
+    import torch.distributed as dist
+
+    writer.finish(run)
+    distributed = world > 1 and dist.is_available() and dist.is_initialized()
+    if distributed:
+        dist.barrier()
+    manifest = merge_manifest(writer.root, write=writer.rank == 0)
+    if distributed:
+        dist.barrier()
+    stats = manifest["rank_stats"]
+    seconds = max(s.get("seconds", 0.0) for s in stats) if stats else run["seconds"]
+    this_run = sum(s.get("tokens_this_run", 0) for s in stats)
+    summary = CollectSummary(str(writer.root), manifest["n_tokens"], this_run, len(manifest["shards"]),
+                             manifest["padding_fraction"], seconds, this_run / max(seconds, 1e-9),
+                             sum(s["bytes"] for s in manifest["shards"]), world, manifest["complete"])
+    if writer.rank == 0 and run.get("corpus_exhausted"):
+        print(f"note: the corpus ran out before token_budget on rank 0 ({run['tokens']:,} tokens)")
+    return summary

@@ -1,0 +1,199 @@
+"""collect(): stored activations and codes equal a direct forward, packing, resume (a real SIGKILL), the CLI."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hooks import capture
+from qwen_scope.collect import collect, load_corpus, pack_rows
+from qwen_scope.store import ActivationStore
+from saes.loading import load
+from tests.factories import tiny_model, tiny_tokenizer, write_sae_release
+
+REPO = Path(__file__).resolve().parents[2]
+WORDS = "the cat sat on a mat while seven quick foxes jumped over lazy dogs in gated delta rule land".split()
+
+
+def write_corpus(path: Path, n_docs: int = 40, seed: int = 0) -> Path:
+    """A jsonl corpus of ``n_docs`` documents of 1..30 words (some longer than a row, one empty)."""
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for i in range(n_docs):
+            n = int(torch.randint(1, 30, (1,), generator=g)) if i != 5 else 0
+            words = [WORDS[int(j)] for j in torch.randint(0, len(WORDS), (n,), generator=g)]
+            f.write(json.dumps({"id": i, "text": " ".join(words)}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("collect")
+    return {"model": tiny_model("qwen3_5"), "tok": tiny_tokenizer(),
+            "corpus": load_corpus(write_corpus(root / "corpus.jsonl")),
+            "release": write_sae_release(root), "root": root}
+
+
+def _rows(store: ActivationStore) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each packed row, from the stored positions (a row restarts at position 0)."""
+    starts = torch.nonzero(store.positions() == 0).flatten().tolist() + [store.n_tokens]
+    return list(zip(starts[:-1], starts[1:]))
+
+
+def test_stored_activations_equal_a_direct_forward_of_each_row(setup, tmp_path):
+    points = ["resid_post.1", "blocks.3.hook_resid_post", "attn_out.2", "mlp_out.0"]
+    summary = collect(setup["model"], setup["corpus"], points=points, token_budget=600, context_len=32,
+                      out_dir=tmp_path, batch_size=4, store_dtype=torch.float32, tokenizer=setup["tok"],
+                      shard_tokens=256, progress=False)
+    store = ActivationStore(tmp_path, verify=True)
+    assert summary.n_tokens == store.n_tokens == 600 and summary.complete
+    assert store.points == ["resid_post.1", "resid_post.3", "attn_out.2", "mlp_out.0"]
+    assert store.manifest["padding_fraction"] == summary.padding_fraction < 32 / 632
+    rows = _rows(store)
+    assert [b - a for a, b in rows][:-1] == [32] * (len(rows) - 1)
+    for a, b in rows[:3] + rows[-2:]:
+        ids = store.token_ids()[a:b][None]
+        with capture(setup["model"], store.points) as cap:
+            setup["model"](input_ids=ids, use_cache=False)
+        for p in store.points:
+            torch.testing.assert_close(store.dense(p, a, b), cap[p][0], rtol=1e-5, atol=1e-5)
+
+
+def test_token_stream_is_the_corpus_concatenated_with_eos_and_doc_index_tracks_documents(setup, tmp_path):
+    collect(setup["model"], setup["corpus"], points=["resid_post.0"], token_budget=500, context_len=32,
+            out_dir=tmp_path, batch_size=3, tokenizer=setup["tok"], progress=False)
+    store = ActivationStore(tmp_path)
+    texts = setup["corpus"]["text"]
+    stream, docs = [], []
+    for i, t in enumerate(texts):
+        ids = setup["tok"](t, add_special_tokens=False)["input_ids"] + [0]
+        stream += ids
+        docs += [i] * len(ids)
+    assert store.token_ids().tolist() == stream[:500] and store.doc_index().tolist() == docs[:500]
+    assert store.positions().tolist() == [i % 32 for i in range(500)]
+    assert store.manifest["bos_policy"]["separator_id"] == 0 and store.dense("resid_post.0").dtype == torch.bfloat16
+
+
+def test_stored_sae_codes_equal_encode_sparse(setup, tmp_path):
+    collect(setup["model"], setup["corpus"], points=["resid_post.1"], sae_layers=[1, 3],
+            release=str(setup["release"]), token_budget=300, context_len=32, out_dir=tmp_path, batch_size=4,
+            store_dtype=torch.float32, tokenizer=setup["tok"], progress=False)
+    store = ActivationStore(tmp_path)
+    assert store.manifest["sae"]["layers"] == [1, 3] and store.manifest["sae"]["k"] == 8
+    assert store.point_info("resid_post.3")["dense"] is False
+    sae1, sae3 = (load(setup["release"], n) for n in (1, 3))
+    codes = store.sae_codes("resid_post.1")
+    want = sae1.encode_sparse(store.dense("resid_post.1"))
+    assert torch.equal(codes.indices, want.indices) and torch.equal(codes.values, want.values)
+    a, b = _rows(store)[2]
+    with capture(setup["model"], ["resid_post.3"]) as cap:
+        setup["model"](input_ids=store.token_ids()[a:b][None], use_cache=False)
+    want3 = sae3.encode_sparse(cap["resid_post.3"][0])
+    got3 = store.sae_codes("resid_post.3", a, b)
+    assert torch.equal(got3.indices, want3.indices)
+    torch.testing.assert_close(got3.values, want3.values, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(store.feature_acts("resid_post.3", a, b), sae3.encode(cap["resid_post.3"][0]),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_pack_rows_resumes_from_every_cursor_and_document_packing_pads(setup):
+    docs = [(i, 10 * i, list(range(100 * i, 100 * i + n))) for i, n in enumerate([5, 0, 17, 3, 40, 1])]
+    rows = list(pack_rows(docs, 8, separator_id=-1))
+    flat = [t for r in rows for t in r.tokens]
+    assert flat == [t for _, _, d in docs for t in d + [-1]] and all(len(r.tokens) == 8 for r in rows[:-1])
+    for i, row in enumerate(rows[:-1]):
+        rest = list(pack_rows([d for d in docs if d[0] >= row.cursor[0]], 8, separator_id=-1, start=row.cursor))
+        assert rest == rows[i + 1:], i
+    bos = list(pack_rows(docs, 8, separator_id=-1, prepend_bos_id=7))
+    assert all(r.tokens[0] == 7 for r in bos) and bos[1].doc_index[0] == bos[1].doc_index[1]
+    by_doc = list(pack_rows(docs, 8, packing="document"))
+    assert [r.tokens for r in by_doc] == [d[:8] for _, _, d in docs if d] and by_doc[2].doc_index == [30] * 3
+
+
+def test_document_packing_reports_its_padding(setup, tmp_path):
+    summary = collect(setup["model"], setup["corpus"], points=["resid_post.2"], token_budget=400, context_len=64,
+                      out_dir=tmp_path, batch_size=4, packing="document", tokenizer=setup["tok"], progress=False)
+    store = ActivationStore(tmp_path)
+    rows = _rows(store)
+    assert summary.padding_fraction == pytest.approx(1 - 400 / (64 * len(rows)))
+    assert store.manifest["n_pad"] == 64 * len(rows) - 400
+    assert len(set(store.doc_index()[a].item() for a, _ in rows)) == len(rows)
+
+
+def test_rerun_resumes_or_refuses_a_changed_config(setup, tmp_path):
+    kw = dict(points=["resid_post.1"], context_len=32, out_dir=tmp_path, batch_size=2, tokenizer=setup["tok"],
+              progress=False, shard_tokens=64)
+    first = collect(setup["model"], setup["corpus"], token_budget=300, **kw)
+    again = collect(setup["model"], setup["corpus"], token_budget=300, **kw)
+    assert again.n_tokens == first.n_tokens == 300 and again.n_shards == first.n_shards
+    with pytest.raises(ValueError, match="different collection.*token_budget"):
+        collect(setup["model"], setup["corpus"], token_budget=400, **kw)
+    with pytest.raises(ValueError, match="nothing to collect"):
+        collect(setup["model"], setup["corpus"], token_budget=400, **{**kw, "points": None, "overwrite": True})
+
+
+KILL_SCRIPT = """
+import sys, time, torch
+sys.path.insert(0, {repo!r})
+from qwen_scope.collect import collect, load_corpus
+from tests.factories import tiny_model, tiny_tokenizer
+model = tiny_model("qwen3_5")
+if {slow}:
+    model.model.layers[0].register_forward_pre_hook(lambda *a: time.sleep(0.03))
+collect(model, load_corpus({corpus!r}), points=["resid_post.1"], sae_layers=[2], release={release!r},
+        token_budget=800, context_len=32, out_dir={out!r}, batch_size=2, shard_tokens=64,
+        tokenizer=tiny_tokenizer(), progress=False)
+"""
+
+
+def _script(setup, out: Path, slow: bool) -> str:
+    return textwrap.dedent(KILL_SCRIPT.format(repo=str(REPO), corpus=str(setup["root"] / "corpus.jsonl"),
+                                              release=str(setup["release"]), out=str(out), slow=slow))
+
+
+@pytest.mark.slow
+def test_sigkill_at_any_moment_then_resume_gives_exactly_the_uninterrupted_store(setup, tmp_path):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-c", _script(setup, killed, slow=True)], cwd=REPO)
+    progress = killed / "rank000" / "progress.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if progress.exists() and len(json.loads(progress.read_text())["shards"]) >= 3:
+            break
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    state = json.loads(progress.read_text())
+    assert proc.returncode == -signal.SIGKILL and not state["complete"] and 3 <= len(state["shards"]) < 13
+    exec(compile(_script(setup, killed, slow=False), "resume", "exec"), {})
+    exec(compile(_script(setup, whole, slow=False), "whole", "exec"), {})
+    a, b = ActivationStore(killed, verify=True), ActivationStore(whole, verify=True)
+    assert a.n_tokens == b.n_tokens == 800 and a.manifest["complete"]
+    for get in (ActivationStore.token_ids, ActivationStore.doc_index, ActivationStore.positions):
+        assert torch.equal(get(a), get(b))
+    assert torch.equal(a.dense("resid_post.1"), b.dense("resid_post.1"))
+    assert all(torch.equal(x, y) for x, y in zip(a.sae_codes("resid_post.2"), b.sae_codes("resid_post.2")))
+    assert [s["sha256"] for s in a.shards] == [s["sha256"] for s in b.shards]
+
+
+def test_cli_collect_writes_a_store(setup, tmp_path):
+    from qwen_scope.cli import main
+
+    model_dir = tmp_path / "tiny"
+    setup["model"].save_pretrained(model_dir)
+    setup["tok"].save_pretrained(model_dir)
+    rc = main(["collect", str(model_dir), str(setup["root"] / "corpus.jsonl"), "--out", str(tmp_path / "acts"),
+               "--points", "resid_post.0,resid_post.2", "--sae-layers", "1", "--release", str(setup["release"]),
+               "--tokens", "200", "--context-len", "32", "--batch-size", "2", "--dtype", "float32", "--no-progress"])
+    assert rc == 0
+    store = ActivationStore(tmp_path / "acts")
+    assert store.n_tokens == 200 and store.points == ["resid_post.0", "resid_post.2", "resid_post.1"]
+    assert store.manifest["config"]["dtype"] == "float32"
