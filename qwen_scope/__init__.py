@@ -7,6 +7,8 @@ from qwen_scope.scope import Scope  # noqa: E402
 from qwen_scope.features import FeatureStat, LayerFeatures, TextFeatures, text_features  # noqa: E402
 from qwen_scope.steering import (FeatureEdit, Generation, SteeringResult, Sweep, ablate, add, clamp,  # noqa: E402
                                 steer, steering, sweep)
+from qwen_scope.compare import Comparison, FeatureDiff, LayerComparison, compare  # noqa: E402
 
 __all__ = ["ActivationStore", "Scope", "FeatureStat", "LayerFeatures", "TextFeatures", "text_features",
-           "FeatureEdit", "Generation", "SteeringResult", "Sweep", "ablate", "add", "clamp", "steer", "steering", "sweep"]
+           "FeatureEdit", "Generation", "SteeringResult", "Sweep", "ablate", "add", "clamp", "steer", "steering", "sweep",
+           "Comparison", "FeatureDiff", "LayerComparison", "compare"]
