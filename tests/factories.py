@@ -109,3 +109,26 @@ def tiny_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
+def write_hub_cache_release(cache_dir: Path, repo_id: str = "Qwen/SAE-Res-Qwen3.5-Nano-Base-W0K-L0_8",
+                            n_layers: int = N_LAYERS, d_model: int = D_MODEL, d_sae: int = 256, seed: int = 0,
+                            commit: str = "0123456789abcdef0123456789abcdef01234567", layers=None) -> Path:
+    """Write SAE files into a Hugging Face hub cache layout (``models--org--name/{blobs,refs/main,snapshots/<commit>}``,
+    snapshot entries symlinked to blobs as huggingface_hub does); return the snapshot directory.
+
+    ``layers`` (default ``range(n_layers)``) picks which ``layer{n}.sae.pt`` files exist; layer n uses ``seed + n``."""
+    import hashlib
+
+    repo = Path(cache_dir) / f"models--{repo_id.replace('/', '--')}"
+    snapshot, blobs = repo / "snapshots" / commit, repo / "blobs"
+    for d in (snapshot, blobs, repo / "refs"):
+        d.mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    for n in (range(n_layers) if layers is None else layers):
+        tmp = blobs / f"tmp-layer{n}"
+        torch.save(random_sae_state(d_model, d_sae, seed + n), tmp)
+        blob = blobs / hashlib.sha256(tmp.read_bytes()).hexdigest()
+        tmp.replace(blob)
+        (snapshot / f"layer{n}.sae.pt").symlink_to(Path("..", "..", "blobs", blob.name))
+    return snapshot
