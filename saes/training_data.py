@@ -102,8 +102,9 @@ def store_activations(store, point: str, *, chunk_tokens: int = 65536, shuffle_b
         raise ValueError(f"store has no point {point!r}; it holds {points}. Collect it first, e.g. "
                          f"`qwen-scope collect --points {point}`")
     if hasattr(store, "iter_shuffled"):
-        for item in store.iter_shuffled(point, kind="dense", chunk_tokens=chunk_tokens, seed=seed):
-            yield item[1] if isinstance(item, tuple) else item
+        # One shuffled epoch; callers wanting more passes chain several calls with different seeds.
+        yield from store.iter_shuffled(point, chunk_tokens, buffer_tokens=shuffle_buffer, seed=seed, kind="dense",
+                                       dtype=torch.float32)
         return
     chunks = (payload for _, payload in store.iter_chunks(point, kind="dense", chunk_tokens=chunk_tokens))
     yield from rebatch(chunks, chunk_tokens, shuffle_buffer=shuffle_buffer, seed=seed)
