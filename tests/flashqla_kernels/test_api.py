@@ -77,11 +77,11 @@ def test_equals_transformers_torch_fallback(family, heads):
     import importlib
 
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    q, k, v, g, beta, h0 = make_inputs(2, 130, 2, 4, dtype=torch.float32)
+    q, k, v, g, beta, h0 = make_inputs(2, 70, 2, 4, dtype=torch.float32)
     if heads == "hv":
         q, k = q.repeat_interleave(2, dim=2), k.repeat_interleave(2, dim=2)
     kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    for ours, theirs, n in ((chunk_gated_delta_rule, mod.torch_chunk_gated_delta_rule, 130),
+    for ours, theirs, n in ((chunk_gated_delta_rule, mod.torch_chunk_gated_delta_rule, 70),
                             (recurrent_gated_delta_rule, mod.torch_recurrent_gated_delta_rule, 3)):
         theirs = getattr(theirs, "__wrapped__", theirs)
         args = [x[:, :n] for x in (q, k, v, g, beta)]
