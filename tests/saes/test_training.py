@@ -182,3 +182,19 @@ def test_store_activations_reads_dense_chunks():
 def test_train_sae_rejects_empty_input():
     with pytest.raises(ValueError, match="no activations"):
         train_sae(iter([]), SAETrainingConfig(d_sae=8, k=2, n_tokens=10), progress=False)
+
+
+def test_store_activations_prefers_the_stores_shuffled_iterator():
+    calls = []
+
+    class ShuffledStore:
+        points = ["resid_post.0"]
+
+        def iter_shuffled(self, point, batch_size, buffer_tokens=1 << 20, seed=0, *, kind="dense", dtype=None,
+                          drop_last=False):
+            calls.append((point, batch_size, buffer_tokens, seed, kind, dtype))
+            yield torch.ones(batch_size, 4)
+
+    got = list(store_activations(ShuffledStore(), "resid_post.0", chunk_tokens=32, shuffle_buffer=64, seed=5))
+    assert calls == [("resid_post.0", 32, 64, 5, "dense", torch.float32)]
+    assert len(got) == 1 and got[0].shape == (32, 4)
