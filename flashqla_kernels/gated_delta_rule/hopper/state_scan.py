@@ -1,0 +1,74 @@
+"""Stage 3 (context parallelism only): the sequential state passing over segments, exactly.
+
+For each sequence: ``S_0 = h0`` (or zeros) and ``S_{i+1} = M_i S_i + H_i`` over its segments; every segment's
+start state is written to ``h_init``. One K x K x bDV GEMM per segment: cheap next to the chunk work.
+
+Grid (V / bDV, Hv, N). ``seqs[n] = (first segment, number of segments, first row of H/M)``.
+"""
+import tilelang.language as T
+import torch
+
+from flashqla_kernels.gated_delta_rule.hopper._common import compile_kernel
+
+BDV = 64
+
+
+def build_state_scan(Hv: int, K: int, V: int, has_h0: bool):
+    bDV = min(BDV, V)
+    num_seqs = T.dynamic("num_seqs")
+    num_h0 = T.dynamic("num_h0")
+    num_maps = T.dynamic("num_maps")
+    num_segs = T.dynamic("num_segs")
+
+    @T.prim_func
+    def gdn_state_scan(
+        h0: T.Tensor((num_h0, Hv, K, V), "float32"),
+        hs: T.Tensor((num_maps, Hv, K, V), "float32"),
+        ms: T.Tensor((num_maps, Hv, K, K), "float32"),
+        seqs: T.Tensor((num_seqs, 3), "int32"),
+        h_init: T.Tensor((num_segs, Hv, K, V), "float32"),
+    ):
+        with T.Kernel(V // bDV, Hv, num_seqs, threads=128) as (bv, bh, bn):
+            v0 = bv * bDV
+            first = T.alloc_var("int32")
+            count = T.alloc_var("int32")
+            first_map = T.alloc_var("int32")
+            first = seqs[bn, 0]
+            count = seqs[bn, 1]
+            first_map = seqs[bn, 2]
+            m_sh = T.alloc_shared((K, K), "bfloat16")
+            s_sh = T.alloc_shared((K, bDV), "bfloat16")
+            s_f = T.alloc_fragment((K, bDV), "float32")
+            if has_h0:
+                T.copy(h0[bn, bh, :, v0:v0 + bDV], s_f)
+            else:
+                T.clear(s_f)
+            for i in T.serial(count - 1):
+                T.copy(s_f, h_init[first + i, bh, :, v0:v0 + bDV])
+                T.copy(ms[first_map + i, bh, :, :], m_sh)
+                T.copy(s_f, s_sh)
+                T.copy(hs[first_map + i, bh, :, v0:v0 + bDV], s_f)
+                T.fence_proxy_async()
+                T.gemm(m_sh, s_sh, s_f)
+            T.copy(s_f, h_init[first + count - 1, bh, :, v0:v0 + bDV])
+
+    return gdn_state_scan
+
+
+def state_scan(h0, hs, ms, seqs, num_segs: int):
+    """Start state of every segment.
+
+    Args:
+        h0: [N, Hv, K, V] fp32 or None (zeros). hs: [R, Hv, K, V], ms: [R, Hv, K, K] fp32 segment maps.
+        seqs: [N, 3] int32. num_segs: total segments.
+
+    Returns:
+        h_init [num_segs, Hv, K, V] fp32.
+    """
+    Hv, K, V = hs.shape[1], hs.shape[2], hs.shape[3]
+    kernel = compile_kernel(build_state_scan, Hv, K, V, h0 is not None)
+    h_init = torch.empty((num_segs, Hv, K, V), dtype=torch.float32, device=hs.device)
+    if h0 is None:
+        h0 = torch.empty((1, Hv, K, V), dtype=torch.float32, device=hs.device)
+    kernel(h0, hs, ms, seqs, h_init)
+    return h_init
