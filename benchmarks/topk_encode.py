@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import platform
 import subprocess
@@ -23,8 +24,9 @@ from pathlib import Path
 import torch
 
 from saes import TopKSAE
-from saes import fused_encode as fe
 from saes import hopper_topk as hk
+
+fe = importlib.import_module("saes.fused_encode")  # the module (saes.fused_encode is the function)
 
 SHAPES = [(2048, 32768, 100), (4096, 65536, 50), (4096, 65536, 100)]
 
@@ -100,6 +102,8 @@ def bench_shape(d_model: int, d_sae: int, k: int, configs: list[tuple[int, int]]
         cand = hk.topk_candidates(x[:16384], sae.W_enc, sae.b_enc.float(), c)
         row["flagged_rows_per_16k"] = int(hk.merge_candidates(cand, k)[2].sum())
         row["fused_ms"] = time_ms(lambda: fe.fused_encode(x, sae, backend="tilelang"))
+        row["check_split"] = check(fe._encode_split(x, sae), sae, x)
+        row["split_ms"] = time_ms(lambda: fe._encode_split(x, sae))
         row["merge_ms"] = time_ms(lambda: hk.merge_candidates(cand, k)) * n / 16384
         row["kernel_c1_ms"] = time_ms(lambda: hk.topk_candidates(x[:16384], sae.W_enc, sae.b_enc.float(), 1)) * n / 16384
         row["torch_bf16_ms"] = time_ms(lambda: sae_bf16.encode_sparse(x), reps=5)
@@ -108,6 +112,7 @@ def bench_shape(d_model: int, d_sae: int, k: int, configs: list[tuple[int, int]]
         del codes, cand
     row["speedup_vs_torch_bf16"] = row["torch_bf16_ms"] / row["fused_ms"]
     row["speedup_vs_torch_fp32"] = row["torch_fp32_ms"] / row["fused_ms"]
+    row["split_speedup_vs_torch_bf16"] = row["torch_bf16_ms"] / row["split_ms"]
     row["fused_tflops"] = flops / row["fused_ms"] / 1e9
     row["addmm_tflops"] = flops / row["addmm_bf16_ms"] / 1e9
     print(json.dumps(row), flush=True)
@@ -122,7 +127,8 @@ def environment() -> dict:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = ""
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
             "tilelang": tilelang.__version__, "python": platform.python_version(), "commit": commit,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
@@ -136,15 +142,16 @@ def markdown(env: dict, rows: list[dict]) -> str:
         "32768 tokens; CUDA-event medians. Checked before timing: exact top-k (float64) on 2048 tokens.",
         "",
         "| d_model -> d_sae | k | torch bf16 (ms) | torch fp32 (ms) | fused (ms) | speedup vs bf16 | speedup vs fp32 "
-        "| kernel / merge / kernel c=1 / cuBLAS addmm (ms) | fused TFLOP/s | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| kernel / merge / kernel c=1 / cuBLAS addmm (ms) | fused TFLOP/s | exact | unfused: addmm + TileLang top-c (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['d_model']} -> {r['d_sae']} | {r['k']} | {r['torch_bf16_ms']:.2f} | {r['torch_fp32_ms']:.1f} | "
             f"{r['fused_ms']:.2f} | {r['speedup_vs_torch_bf16']:.2f}x | {r['speedup_vs_torch_fp32']:.1f}x | "
             f"{r['kernel_ms']:.2f} / {r['merge_ms']:.2f} / "
-            f"{r['kernel_c1_ms']:.2f} / {r['addmm_bf16_ms']:.2f} | {r['fused_tflops']:.0f} | {r['check']['ok']} |")
+            f"{r['kernel_c1_ms']:.2f} / {r['addmm_bf16_ms']:.2f} | {r['fused_tflops']:.0f} | {r['check']['ok']} | "
+            f"{r['split_ms']:.2f} ({r['split_speedup_vs_torch_bf16']:.2f}x, exact {r['check_split']['ok']}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -155,17 +162,22 @@ def main() -> None:
                         help="mainloop (block_K x stages) to try on the first shape; the fastest exact one is kept")
     parser.add_argument("--precompile", type=int, default=0, metavar="WORKERS",
                         help="first compile every kernel variant (and the GPU tests') in this many processes")
+    parser.add_argument("--precompile-only", action="store_true", help="stop after --precompile")
     args = parser.parse_args()
     configs = [tuple(int(v) for v in s.split("x")) for s in args.configs.split(",")]
     env = environment()
     print(json.dumps(env), flush=True)
     if args.precompile:
-        variants = [(256, 2048, 10, "bfloat16", hk.DEFAULT_CONFIG), (2048, 32768, 8, "bfloat16", hk.DEFAULT_CONFIG)]
+        variants = [(256, 2048, 10, "bfloat16", hk.DEFAULT_CONFIG), (2048, 32768, 8, "bfloat16", hk.DEFAULT_CONFIG),
+                    ("preacts", 2048, 10, "bfloat16")]
         for d_model, d_sae, k in SHAPES:
             for cfg in configs:
                 variants += [(d_model, d_sae, c, "bfloat16", cfg) for c in (hk.candidates_per_tile(k, d_sae), 1)]
+            variants.append(("preacts", d_sae, hk.candidates_per_tile(k, d_sae), "bfloat16"))
         hk.precompile(sorted(set(variants), key=str), workers=args.precompile)
         print(f"precompiled {len(set(variants))} variants", flush=True)
+    if args.precompile_only:
+        return
     rows = [bench_shape(*SHAPES[0], configs)]
     rows += [bench_shape(*shape, [tuple(rows[0]["config"])]) for shape in SHAPES[1:]]
     out = Path(args.out)

@@ -131,3 +131,24 @@ def _encode_tilelang(x: torch.Tensor, sae, chunk_tokens: int = CHUNK_TOKENS) -> 
         values[start : start + xc.shape[0]] = v
         indices[start : start + xc.shape[0]] = i
     return SparseCodes(values, indices)
+
+
+def _encode_split(x: torch.Tensor, sae, chunk_tokens: int = 8192) -> SparseCodes:
+    """Unfused variant for comparison: cuBLAS ``addmm`` writes bf16 pre-activations per chunk, the TileLang epilogue
+    kernel reads them back. Selection at the precision of the stored pre-activations (ties at bf16)."""
+    W_enc, k = sae.W_enc.detach(), sae.k
+    b_enc = sae.b_enc.detach().to(x.dtype)
+    c = hopper_topk.candidates_per_tile(k, W_enc.shape[0])
+    values = torch.empty(x.shape[0], k, device=x.device, dtype=x.dtype)
+    indices = torch.empty(x.shape[0], k, device=x.device, dtype=torch.long)
+    for start in range(0, x.shape[0], chunk_tokens):
+        xc = x[start : start + chunk_tokens]
+        cand = hopper_topk.topk_candidates_from_preacts(torch.addmm(b_enc, xc, W_enc.T), c)
+        v, i, flagged = hopper_topk.merge_candidates(cand, k)
+        rows = flagged.nonzero().squeeze(1)
+        if rows.numel():
+            exact = sae.encode_sparse(xc[rows])
+            v[rows], i[rows] = exact.values.float(), exact.indices
+        values[start : start + xc.shape[0]] = v
+        indices[start : start + xc.shape[0]] = i
+    return SparseCodes(values, indices)

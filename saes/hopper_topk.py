@@ -47,9 +47,30 @@ def candidates_per_tile(k: int, d_sae: int, flag_rate: float = 1e-3) -> int:
     return BLOCK_N
 
 
+def _select_top_c(T, block_m: int, c: int, n_tok):
+    """The epilogue shared by both kernels: the top-c keys of each row of ``keys [block_m, BLOCK_N]`` into ``Cand``."""
+
+    @T.macro
+    def select(keys, step, last, Cand, bx, by):
+        T.fill(last, 0)
+        for r in T.serial(c):
+            # keys hold (key - last extracted key) mod 2^32: extracted ones are small, the rest >= 2^31, so the
+            # unsigned max is the next key down. One max and one subtract per element per round.
+            T.reduce_max(keys, step, dim=1)
+            for i in T.Parallel(block_m):
+                last[i] = last[i] + step[i]
+                if by * block_m + i < n_tok:
+                    Cand[by * block_m + i, bx, r] = T.reinterpret(last[i], "int32")
+            if r < c - 1:
+                for i, j in T.Parallel(block_m, BLOCK_N):
+                    keys[i, j] = keys[i, j] - step[i]
+
+    return select
+
+
 def build_topk_candidates(d_model: int, d_sae: int, c: int, dtype: str = "bfloat16",
                           config: tuple[int, int] = DEFAULT_CONFIG):
-    """The TileLang prim_func ``kernel(X [N, d_model], W_enc [d_sae, d_model], b_enc fp32 [d_sae], cand fp32 [N, NT, c])``.
+    """The fused prim_func ``kernel(X [N, d_model], W_enc [d_sae, d_model], b_enc fp32 [d_sae], cand int32 [N, NT, c])``.
 
     N (tokens) is dynamic; d_model must be a multiple of BLOCK_K and d_sae of BLOCK_N. ``config`` = (block_K, stages).
     """
@@ -59,6 +80,7 @@ def build_topk_candidates(d_model: int, d_sae: int, c: int, dtype: str = "bfloat
     n_tiles = d_sae // BLOCK_N
     n_tok = T.dynamic("N")
     keep_mask = -(1 << _LOW_BITS)
+    select = _select_top_c(T, BLOCK_M, c, n_tok)
 
     @T.prim_func
     def kernel(X: T.Tensor((n_tok, d_model), dtype), W: T.Tensor((d_sae, d_model), dtype),
@@ -81,19 +103,56 @@ def build_topk_candidates(d_model: int, d_sae: int, c: int, dtype: str = "bfloat
             for i, j in T.Parallel(BLOCK_M, BLOCK_N):
                 bits = T.max(T.reinterpret(acc[i, j] + Bias[bx * BLOCK_N + j], "int32"), 0)
                 keys[i, j] = T.cast(T.bitwise_or(T.bitwise_and(bits, keep_mask), BLOCK_N - 1 - j), "uint32")
-            T.fill(last, 0)
-            for r in T.serial(c):
-                # keys hold (key - last extracted key) mod 2^32: extracted ones are small, the rest >= 2^31, so the
-                # unsigned max is the next key down. One subtract and one max per element per round.
-                T.reduce_max(keys, step, dim=1)
-                for i in T.Parallel(BLOCK_M):
-                    last[i] = last[i] + step[i]
-                    if by * BLOCK_M + i < n_tok:
-                        Cand[by * BLOCK_M + i, bx, r] = T.reinterpret(last[i], "int32")
-                for i, j in T.Parallel(BLOCK_M, BLOCK_N):
-                    keys[i, j] = keys[i, j] - step[i]
+            select(keys, step, last, Cand, bx, by)
 
     return kernel
+
+
+SPLIT_BLOCK_M, SPLIT_THREADS = 64, 256
+
+
+def build_topk_candidates_from_preacts(d_sae: int, c: int, dtype: str = "bfloat16"):
+    """The unfused prim_func ``kernel(Pre [N, d_sae], cand int32 [N, NT, c])``: the same epilogue on pre-activations
+    already in memory (``addmm`` output, bias included). Same keys up to the rounding of ``Pre``."""
+    import tilelang.language as T
+
+    n_tiles = d_sae // BLOCK_N
+    n_tok = T.dynamic("N")
+    keep_mask = -(1 << _LOW_BITS)
+    select = _select_top_c(T, SPLIT_BLOCK_M, c, n_tok)
+
+    @T.prim_func
+    def kernel(Pre: T.Tensor((n_tok, d_sae), dtype), Cand: T.Tensor((n_tok, n_tiles, c), "int32")):
+        with T.Kernel(n_tiles, T.ceildiv(n_tok, SPLIT_BLOCK_M), threads=SPLIT_THREADS) as (bx, by):
+            tile = T.alloc_fragment((SPLIT_BLOCK_M, BLOCK_N), dtype)
+            keys = T.alloc_fragment((SPLIT_BLOCK_M, BLOCK_N), "uint32")
+            step = T.alloc_fragment((SPLIT_BLOCK_M,), "uint32")
+            last = T.alloc_fragment((SPLIT_BLOCK_M,), "uint32")
+            T.copy(Pre[by * SPLIT_BLOCK_M, bx * BLOCK_N], tile)
+            for i, j in T.Parallel(SPLIT_BLOCK_M, BLOCK_N):
+                bits = T.max(T.reinterpret(T.cast(tile[i, j], "float32"), "int32"), 0)
+                keys[i, j] = T.cast(T.bitwise_or(T.bitwise_and(bits, keep_mask), BLOCK_N - 1 - j), "uint32")
+            select(keys, step, last, Cand, bx, by)
+
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def compile_topk_candidates_from_preacts(d_sae: int, c: int, dtype: str = "bfloat16"):
+    """Compile the unfused candidate kernel for sm_90a (cached like ``compile_topk_candidates``)."""
+    import tilelang
+
+    return tilelang.compile(build_topk_candidates_from_preacts(d_sae, c, dtype), target=TARGET)
+
+
+def topk_candidates_from_preacts(pre: torch.Tensor, c: int) -> torch.Tensor:
+    """Launch the unfused kernel on ``pre [N, d_sae]`` (bf16/fp16, bias included); returns ``cand [N, NT, c]`` int32."""
+    n, d_sae = pre.shape
+    kernel = compile_topk_candidates_from_preacts(d_sae, c, _TL_DTYPES[pre.dtype])
+    cand = torch.empty(n, d_sae // BLOCK_N, c, device=pre.device, dtype=torch.int32)
+    if n:
+        kernel(pre, cand)
+    return cand
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,7 +167,8 @@ def compile_topk_candidates(d_model: int, d_sae: int, c: int, dtype: str = "bflo
 def precompile(variants: list[tuple], workers: int = 8) -> None:
     """Compile many ``compile_topk_candidates(*variant)`` in parallel processes, filling tilelang's disk cache.
 
-    Each variant is ``(d_model, d_sae, c[, dtype[, config]])``; later compiles of the same variant load from the cache.
+    Each variant is ``(d_model, d_sae, c[, dtype[, config]])`` for the fused kernel or ``("preacts", d_sae, c[, dtype])``
+    for the unfused one; later compiles of the same variant load from the cache.
     """
     import concurrent.futures
     import multiprocessing
@@ -120,6 +180,8 @@ def precompile(variants: list[tuple], workers: int = 8) -> None:
 
 
 def _compile_source(variant: tuple) -> int:
+    if variant[0] == "preacts":
+        return len(compile_topk_candidates_from_preacts(*variant[1:]).get_kernel_source())
     return len(compile_topk_candidates(*variant).get_kernel_source())
 
 

@@ -3,13 +3,17 @@ through its torch twin) equals encode_sparse up to ties, flagged rows included; 
 sm_90a without a GPU; on Hopper the kernel itself matches encode_sparse on random and structured inputs."""
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from saes import SparseCodes, TopKSAE
-from saes import fused_encode as fe
 from saes import hopper_topk as hk
 from tests.factories import random_sae_state
+
+# The package re-exports the function under the module's name, so reach the module itself.
+fe = importlib.import_module("saes.fused_encode")
 
 BN = hk.BLOCK_N
 
@@ -161,6 +165,14 @@ def test_kernel_lowers_and_compiles_for_sm90a_without_a_gpu(dtype):
     src = kernel.get_kernel_source()
     assert "wgmma" in src and "tma_load" in src
     assert "AllReduce<tl::MaxOp, 4" in src  # row reductions stay within a quad of one warp (FullRow policy)
+    assert "Cand[" in src and "keys" in src
+
+
+@pytest.mark.slow
+def test_unfused_epilogue_kernel_compiles_for_sm90a_without_a_gpu():
+    pytest.importorskip("tilelang")
+    src = hk.compile_topk_candidates_from_preacts(1024, 5).get_kernel_source()
+    assert "AllReduce<tl::MaxOp" in src and "Cand[" in src
 
 
 def _structured_inputs(n, d_model, d_sae, device):
@@ -211,6 +223,8 @@ def test_kernel_writes_every_candidate_and_chunks_agree():
     assert (cand == twin).float().mean() > 0.95
     decoded = (cand & -256).view(torch.float32)
     assert (decoded - (twin & -256).view(torch.float32)).abs().max() < 1e-2
+    split = fe._encode_split(x, sae)
+    assert_topk_up_to_ties(split, _true_acts(x, sae), sae.k, rel=2**-7, abs_=1e-3)
     whole = fe._encode_tilelang(x, sae)
     pieces = fe._encode_tilelang(x, sae, chunk_tokens=100)
     # Rows are computed alike in any chunk (a recomputed row may differ in its last fp32 bits).
