@@ -142,6 +142,21 @@ class _LayerSteer:
         return (h + delta).to(act.dtype)
 
 
+def _group_edits(table: Mapping[int, TopKSAE], edits: Sequence[FeatureEdit]) -> dict[int, list[FeatureEdit]]:
+    """Check every edit against the SAEs and group them by layer."""
+    by_layer: dict[int, list[FeatureEdit]] = {}
+    for e in edits:
+        if not isinstance(e, FeatureEdit):
+            raise TypeError(f"edits must be FeatureEdit (use add/clamp/ablate), got {type(e).__name__}")
+        if e.layer not in table:
+            raise KeyError(f"no SAE at layer {e.layer} for {e}; SAEs are loaded at layers {sorted(table)}")
+        if not 0 <= e.feature < table[e.layer].d_sae:
+            raise ValueError(f"feature {e.feature} out of range for the layer-{e.layer} SAE (d_sae "
+                             f"{table[e.layer].d_sae})")
+        by_layer.setdefault(e.layer, []).append(e)
+    return by_layer
+
+
 @contextlib.contextmanager
 def steering(scope, edits: Sequence[FeatureEdit], *, saes: Mapping[int, TopKSAE] | None = None,
              prompt_length: int | None = None) -> Iterator[dict[str, int]]:
@@ -162,16 +177,7 @@ def steering(scope, edits: Sequence[FeatureEdit], *, saes: Mapping[int, TopKSAE]
     """
     model = getattr(scope, "model", scope)
     table = dict(saes) if saes is not None else dict(getattr(scope, "saes", {}))
-    by_layer: dict[int, list[FeatureEdit]] = {}
-    for e in edits:
-        if not isinstance(e, FeatureEdit):
-            raise TypeError(f"edits must be FeatureEdit (use add/clamp/ablate), got {type(e).__name__}")
-        if e.layer not in table:
-            raise KeyError(f"no SAE at layer {e.layer} for {e}; SAEs are loaded at layers {sorted(table)}")
-        if not 0 <= e.feature < table[e.layer].d_sae:
-            raise ValueError(f"feature {e.feature} out of range for the layer-{e.layer} SAE (d_sae "
-                             f"{table[e.layer].d_sae})")
-        by_layer.setdefault(e.layer, []).append(e)
+    by_layer = _group_edits(table, edits)
     fns = {f"resid_post.{n}": _LayerSteer(table[n], es, prompt_length) for n, es in by_layer.items()}
     with intervene(model, fns) as handle:
         yield handle.fired
@@ -278,6 +284,7 @@ def steer(scope, prompt: str, edits: FeatureEdit | Sequence[FeatureEdit], *, max
         >>> r.steered.text
     """
     edit_list = (edits,) if isinstance(edits, FeatureEdit) else tuple(edits)
+    _group_edits(scope.saes, edit_list)
     ids = scope.tokenize(prompt, template)
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, **generate_kwargs)
     base = _generate(scope, ids, top_n, seed, **kwargs) if baseline else None

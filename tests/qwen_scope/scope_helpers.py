@@ -25,3 +25,13 @@ def orthonormal_sae(d_sae: int = 32, seed: int = 0) -> TopKSAE:
 def tiny_scope(family: str = "qwen3_5", layers=(1, 2), k: int = 8, model_name: str | None = None) -> Scope:
     saes = {n: tiny_sae(k=k, seed=n) for n in layers}
     return Scope(tiny_model(family), tiny_tokenizer(), saes, model_name=model_name)
+
+
+def write_tiny_checkpoint(root, family: str = "qwen3_5"):
+    """Save a tiny model + byte tokenizer (a local "checkpoint" directory) and an SAE release; return both paths."""
+    from tests.factories import write_sae_release
+
+    model_dir = root / "tiny-qwen"
+    tiny_model(family).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    return model_dir, write_sae_release(root)

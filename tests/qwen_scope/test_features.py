@@ -94,3 +94,23 @@ def test_table_lists_every_token_and_unknown_layer_is_named():
         feats[2]
     with pytest.raises(KeyError, match="no SAE at layer 3"):
         scope.features(TEXT, layers=[3])
+
+
+def test_features_command_prints_tokens_and_writes_json(tmp_path, capsys):
+    import json
+
+    from qwen_scope.cli import main
+    from tests.qwen_scope.scope_helpers import write_tiny_checkpoint
+
+    model_dir, release_dir = write_tiny_checkpoint(tmp_path)
+    out = tmp_path / "feats.json"
+    assert main(["features", "--model", str(model_dir), "--release", str(release_dir), "--layers", "1-2",
+                 "--text", "hello", "--top", "3", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "layer 1: FVE" in printed and "layer 2: FVE" in printed and "'h'" in printed
+    data = json.loads(out.read_text())
+    assert data["tokens"] == list("hello") and set(data["layers"]) == {"1", "2"}
+    assert all(len(t) == 3 for t in data["layers"]["1"]["per_token"])
+    assert main(["features", "--model", str(model_dir), "--release", str(release_dir), "--layers", "1",
+                 "--text", "hello there", "--versus", "bye now"]) == 0
+    assert "rate_a" in capsys.readouterr().out

@@ -161,3 +161,35 @@ def test_sweep_zero_strength_is_the_baseline():
     assert torch.equal(result.runs[0].token_ids, result.baseline.token_ids)
     assert not torch.equal(result.runs[1].token_ids, result.baseline.token_ids)
     assert len(result.table().splitlines()) == 3
+
+
+def test_steer_command_side_by_side_edits_and_sweep(tmp_path, capsys):
+    import json
+
+    from qwen_scope.cli import main
+    from tests.qwen_scope.scope_helpers import write_tiny_checkpoint
+
+    model_dir, release_dir = write_tiny_checkpoint(tmp_path)
+    common = ["--model", str(model_dir), "--release", str(release_dir), "--prompt", PROMPT, "--max-new-tokens", "4"]
+    out = tmp_path / "steer.json"
+    assert main(["steer", *common, "--layer", "1", "--feature", "7", "--strength", "strong",
+                 "--edit", "2:9:clamp:3@generated", "--json", str(out)]) == 0
+    assert "| steered" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["fired"] == {"resid_post.1": 4, "resid_post.2": 4}
+    assert [e["value"] for e in data["edits"]] == [3.0, 100.0]
+    assert len(data["steered"]["tokens"]) == 4 and len(data["steered"]["top"][0]) == 5
+    assert main(["steer", *common, "--layer", "1", "--feature", "7", "--sweep", "0,50"]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 3
+    with pytest.raises(SystemExit, match="nothing to steer"):
+        main(["steer", *common])
+
+
+def test_bf16_model_with_fp32_sae_steers_within_bf16_rounding():
+    scope = Scope(tiny_model("qwen3_5", dtype=torch.bfloat16), tiny_tokenizer(), {1: orthonormal_sae()})
+    ids = scope.tokenize(PROMPT)
+    base = _resid(scope, ids, ["resid_post.1"])["resid_post.1"]
+    steered = _resid(scope, ids, ["resid_post.1"], [add(1, 2, 4.0, positions="prompt")])["resid_post.1"]
+    assert steered.dtype == torch.bfloat16
+    expected = (base.float() + 4.0 * scope.sae(1).W_dec[:, 2]).bfloat16()
+    torch.testing.assert_close(steered, expected, atol=0, rtol=0)
