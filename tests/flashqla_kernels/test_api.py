@@ -129,6 +129,15 @@ def test_zero_length_input_returns_empty_output_and_the_initial_state():
     for op in OPS:
         o, s = op(q, k, v, g, beta, initial_state=h0, output_final_state=True)
         assert o.shape == (2, 0, 2, 8) and torch.equal(s, h0)
+    q, k, v, g, beta, h0 = make_inputs(1, 10, 1, 2, n_states=3)
+    offsets = torch.tensor([0, 0, 10, 10])  # empty sequences keep their initial state
+    for op in OPS:
+        o, s = op(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=offsets,
+                  use_qk_l2norm_in_kernel=True)
+        o_ref, s_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                      cu_seqlens=offsets, use_qk_l2norm_in_kernel=True)
+        assert torch.equal(s[0], h0[0]) and torch.equal(s[2], h0[2])
+        assert (o - o_ref).abs().max() <= 1e-10 and (s - s_ref).abs().max() <= 1e-10
 
 
 def test_scale_zero_is_honoured_not_replaced_by_default():

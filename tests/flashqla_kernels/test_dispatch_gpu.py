@@ -47,16 +47,16 @@ def test_public_op_runs_the_kernels_and_matches_the_reference():
 def test_grad_inputs_fall_back_to_the_differentiable_torch_path(monkeypatch):
     q, k, v, g, beta, h0, cu = _cuda_inputs([70, 1])
     monkeypatch.setattr(api, "_warned_grad", False)
-    v = v.float().requires_grad_()
+    v = v.detach().requires_grad_()  # bf16 inputs the kernels support, but one requires grad
     with pytest.warns(UserWarning, match="forward-only"):
-        o, _ = chunk_gated_delta_rule(q.float(), k.float(), v, g, beta, initial_state=h0, cu_seqlens=cu,
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
                                       use_qk_l2norm_in_kernel=True)
     (dv,) = torch.autograd.grad(o.sum(), v)
     vd = v.detach().double().requires_grad_()
     o_ref, _ = recurrent_gated_delta_rule_ref(q.double(), k.double(), vd, g.double(), beta.double(),
                                               initial_state=h0.double(), cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
     (dv_ref,) = torch.autograd.grad(o_ref.sum(), vd)
-    assert rel_l2(dv, dv_ref) <= 1e-4
+    assert dv.dtype == torch.bfloat16 and rel_l2(dv, dv_ref) <= 1e-2
 
 
 def _tiny_qwen35_head128():
