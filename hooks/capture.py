@@ -261,8 +261,8 @@ def intervene(model: nn.Module, edits: Mapping[str, Edit | Sequence[Edit]]) -> I
         if not point.writable:
             raise ValueError(f"{point.name} is capture-only (editing the norm input would not change the residual); "
                              f"edit attn_out.{point.layer} or resid_post.{point.layer} instead")
-        for fn in ([fns] if callable(fns) else list(fns)):
-            pairs.append((point, _counted(fn, point.name, handle)))
+        for j, fn in enumerate([fns] if callable(fns) else list(fns)):
+            pairs.append((point, _counted(fn, point.name, handle) if j == 0 else fn))
     with _hooked(adapter, pairs):
         yield handle
 

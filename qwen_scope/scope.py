@@ -100,6 +100,9 @@ class Scope:
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if layers is not None and release is None:
+            raise ValueError(f"layers={layers!r} given without a release; pass release= (an SAE release id, hub "
+                             "repo or local directory) to load SAEs at those layers")
         device = torch.device(device or "cpu")
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         model = AutoModelForCausalLM.from_pretrained(str(model_id), dtype=dtype, revision=revision,

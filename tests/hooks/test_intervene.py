@@ -121,7 +121,10 @@ def test_bad_return_shape_and_capture_only_points_are_refused():
 def test_hooks_are_removed_after_an_exception_inside_the_block():
     model = tiny_model("qwen3_5_vl")
     with pytest.raises(KeyError):
-        with intervene(model, {"resid_post.2": lambda act, ctx: act, "attn_out.1": [lambda a, c: a, lambda a, c: a]}):
+        with torch.no_grad(), intervene(model, {"resid_post.2": lambda act, ctx: act,
+                                                "attn_out.1": [lambda a, c: a, lambda a, c: a]}) as handle:
             assert _hook_count(model) == 4
+            model(input_ids=_ids(), use_cache=False)
+            assert handle.fired == {"resid_post.2": 1, "attn_out.1": 1}
             {}["missing"]
     assert _hook_count(model) == 0
