@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-probe", type=int, default=30, help="steps timed to turn the budget into a step count")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
