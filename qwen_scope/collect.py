@@ -20,7 +20,6 @@ loses only the shard in flight. Under ``torchrun`` document ``i`` goes to rank `
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import os
@@ -32,7 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hooks import capture, get_adapter, parse_hook_name
+from hooks import collect as forward_collect
+from hooks import get_adapter, parse_hook_name
 from qwen_scope.store import ShardWriter, merge_manifest
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -163,38 +163,13 @@ def pack_rows(docs: Iterable[tuple[int, int, list[int]]], context_len: int, *, p
 
 
 # ---------------------------------------------------------------------------------------------- model side
-class _Stop(Exception):
-    """Raised by a hook after the deepest requested block: nothing later is computed."""
-
-
-@contextlib.contextmanager
-def _stop_after(block: nn.Module):
-    def hook(module, args, output):
-        raise _Stop
-
-    handle = block.register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
 def _encoder(sae):
-    """The fastest exact ``x [n, d_model] -> SparseCodes`` for ``sae``: ``saes.fused_encode`` where it applies."""
+    """``x [n, d_model] -> SparseCodes``: ``saes.fused_encode`` (TileLang on Hopper, else chunked torch) if present."""
     try:
-        from saes import fused_encode
+        from saes.fused_encode import fused_encode
     except ImportError:
         return sae.encode_sparse
-    encode = getattr(fused_encode, "encode_sparse", None) or getattr(fused_encode, "fused_encode_sparse", None)
-    why_not = getattr(fused_encode, "unsupported_reason", None)
-    if encode is None:
-        return sae.encode_sparse
-
-    def run(x: torch.Tensor):
-        if why_not is not None and why_not(sae, x) is not None:
-            return sae.encode_sparse(x)
-        return encode(sae, x)
-    return run
+    return lambda x: fused_encode(x, sae)
 
 
 def _model_fingerprint(model: nn.Module) -> str:
@@ -268,14 +243,18 @@ def _sae_info(sae, release) -> dict:
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Copy to the CPU: small tensors asynchronously into pinned memory (the caller synchronises), large ones
+    (dense captures, 100s of MB) into pageable memory, which does not grow the pinned cache by power-of-two blocks."""
     if t.device.type == "cpu":
         return t.contiguous()
+    if t.numel() * t.element_size() > 1 << 26:
+        return t.cpu()
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return out.copy_(t, non_blocking=True)
 
 
-def _forward_batch(model_run, adapter, batch: list[Row], context_len: int, pad_id: int, device,
-                   dense: list[str], encoders: dict, last_block: int, store_dtype) -> dict[str, torch.Tensor]:
+def _forward_batch(adapter, batch: list[Row], context_len: int, pad_id: int, device, dense: list[str],
+                   encoders: dict, store_dtype) -> dict[str, torch.Tensor]:
     """Run one padded batch ``[B, context_len]``; return the shard columns of its real tokens (CPU)."""
     B = len(batch)
     ids = torch.full((B, context_len), pad_id, dtype=torch.long)
@@ -283,10 +262,9 @@ def _forward_batch(model_run, adapter, batch: list[Row], context_len: int, pad_i
         ids[i, :len(row.tokens)] = torch.tensor(row.tokens)
     keep = torch.arange(context_len)[None] < torch.tensor([len(r.tokens) for r in batch])[:, None]  # [B, L]
     full, keep_dev = bool(keep.all()), keep.to(device)
-    with torch.inference_mode(), capture(adapter.model, dense + list(encoders)) as cap, \
-            _stop_after(adapter.layers[last_block]):
-        with contextlib.suppress(_Stop):
-            model_run(input_ids=ids.to(device), use_cache=False)
+    # One cache-less forward that stops after the deepest requested block (no later blocks, no lm_head).
+    cap = forward_collect(adapter.model, dense + list(encoders), input_ids=ids.to(device))
+    with torch.no_grad():
         out = {"token_ids": ids[keep].int(), "doc_index": torch.tensor([d for r in batch for d in r.doc_index]),
                "positions": torch.arange(context_len).expand(B, -1)[keep].int()}
         acts = {name: (cap[name].reshape(-1, adapter.d_model) if full else cap[name][keep_dev])
@@ -413,7 +391,6 @@ def _collect_rank(writer: ShardWriter, adapter, corpus, tokenizer, device, dense
     cursor = tuple(writer.cursor or (0, 0))
     stored = start_tokens = writer.n_tokens
     encoders = {name: _encoder(sae) for name, sae in sae_map.items()}
-    last_block = max(parse_hook_name(p).layer for p in config["points"])
     exhausted = writer.complete or cursor[0] < 0
     rows = iter(()) if exhausted else pack_rows(
         _rank_documents(corpus, rank, world, cursor[0], config["text_column"], tokenizer), context_len,
@@ -435,8 +412,8 @@ def _collect_rank(writer: ShardWriter, adapter, corpus, tokenizer, device, dense
             batch.append(row)
             n += len(row.tokens)
         if batch:
-            shard.append(_forward_batch(adapter.text_model, adapter, batch, context_len, pad_id, device, dense,
-                                        encoders, last_block, _DTYPES[config["store_dtype"]]))
+            shard.append(_forward_batch(adapter, batch, context_len, pad_id, device, dense, encoders,
+                                        _DTYPES[config["store_dtype"]]))
             stored, shard_rows, shard_pad = stored + n, shard_rows + len(batch), shard_pad + len(batch) * context_len - n
             bar.update(n)
             bar.set_postfix(pad=f"{100 * writer.n_pad / max(1, writer.n_pad + stored):.1f}%", refresh=False)

@@ -1,0 +1,362 @@
+"""Activation-collection throughput on one H200: bare forward vs ``qwen_scope.collect`` writing a real store.
+
+Model: the Qwen3.5-2B-shaped random bf16 model of ``shared/reference/anchors-h200.md`` (hidden 2048, 24 layers: 18 GDN
+with Hk = Hv = 16 and 6 full attention, vocab 248320, 2.39 B parameters), steps of 8 x 4096 tokens, ``use_cache=False``.
+Arms, per GDN backend (ours = ``flashqla_kernels.patch_transformers(backend="tilelang")``, FLA = transformers with
+flash-linear-attention importable, torch = transformers' pure-torch ``torch_chunk_gated_delta_rule``):
+  (a) bare forward of ``model.model`` (no hooks, no lm_head);
+  (b) ``collect`` of all 24 ``resid_post`` points, dense bf16, into the store on local disk (fsync per shard);
+  (c1) ``collect`` of SAE codes (32K wide, k = 100) at layer 23 (the whole forward runs), codes written;
+  (c24) the same at all 24 layers.
+Encode backend: ``saes.fused_encode`` (TileLang on sm_90); the ``*-torch-encode`` arms force the torch path (bf16 addmm
++ ReLU + topk). Timing: one warm-up collection (compiles kernels, fills allocator caches), then a timed ``collect`` of
+``--steps`` steps, wall clock around the whole call (shard writes and the final fsync included). MFU = (model FLOPs +
+SAE-encode FLOPs) x tokens/s / the bf16 matmul peak measured in the same run.
+
+Correctness first: the three GDN backends' final hidden states on a 1 x 4096 batch are compared (rel. L2), the fused
+encode is compared with ``encode_sparse``, and one stored row is compared with a direct capture.
+
+Usage (GPU machine): ``python benchmarks/collect_throughput.py --out <dir> [--steps 3] [--budget-s 170]``;
+writes ``collect_throughput.json`` and ``collect_throughput.md`` into ``--out`` after every arm.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.metadata as md
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+os.environ.setdefault("FLA_FLASH_QLA", "0")
+
+import torch  # noqa: E402
+
+B, T, D_SAE, K, D_MODEL, N_LAYERS, DEVICE = 8, 4096, 32768, 100, 2048, 24, "cuda"
+GDN_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
+
+
+def model_config(tiny: bool = False):
+    import transformers as tf
+
+    if tiny:
+        return tf.Qwen3_5TextConfig(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+            linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False)
+    return tf.Qwen3_5TextConfig(
+        vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False, max_position_embeddings=8192)
+
+
+def build_model(tiny: bool = False):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = model_config(tiny)
+    config._attn_implementation = "sdpa"
+    with torch.device(DEVICE):
+        model = tf.Qwen3_5ForCausalLM(config)
+    return model.to(torch.bfloat16).eval().requires_grad_(False)
+
+
+def model_flops_per_token(model) -> float:
+    """2 x non-embedding params + causal attention scores (6 layers) + GDN chunk math (18 layers)."""
+    cfg = model.config
+    params = sum(p.numel() for p in model.model.parameters()) - model.model.embed_tokens.weight.numel()
+    n_full = cfg.layer_types.count("full_attention")
+    attention = n_full * 2 * T * cfg.num_attention_heads * cfg.head_dim
+    gdn = (len(cfg.layer_types) - n_full) * cfg.linear_num_value_heads * (
+        4 * 2 * 64 * 64 * 128 + 3 * 2 * 64 * 128 * 128) / 64
+    return 2 * params + attention + gdn
+
+
+def random_sae(seed: int):
+    from saes import TopKSAE
+
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    w = torch.randn(D_SAE, D_MODEL, generator=g, device=DEVICE) / D_MODEL ** 0.5
+    b_enc = 0.01 * torch.randn(D_SAE, generator=g, device=DEVICE)
+    sae = TopKSAE(w.bfloat16(), w.T.contiguous().bfloat16(), b_enc.bfloat16(),
+                  torch.zeros(D_MODEL, device=DEVICE).bfloat16(), k=K, compute_dtype=torch.bfloat16)
+    return sae.requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------------- GDN backends
+class Backends:
+    """Switch transformers' Qwen3.5 GDN op between ours, FLA and the pure-torch path (module global swap)."""
+
+    def __init__(self):
+        self.module = importlib.import_module(GDN_MODULE)
+        self.original = self.module.torch_chunk_gated_delta_rule
+        cells = [c.cell_contents for c in (self.original.__closure__ or []) if callable(c.cell_contents)]
+        self.fla = any(getattr(f, "__module__", "").startswith("fla") for f in cells)
+        pure = getattr(self.original, "__wrapped__", self.original)
+        params = set(inspect.signature(pure).parameters)
+        self.torch_path = lambda *a, **kw: pure(*a, **{k: v for k, v in kw.items() if k in params})
+
+    def available(self) -> list[str]:
+        out = []
+        try:
+            import flashqla_kernels  # noqa: F401
+            out.append("ours")
+        except ImportError:
+            pass
+        return out + (["fla"] if self.fla else []) + ["torch"]
+
+    def use(self, name: str) -> None:
+        from flashqla_kernels import unpatch_transformers, patch_transformers
+
+        unpatch_transformers()
+        self.module.torch_chunk_gated_delta_rule = self.original
+        if name == "ours":
+            patch_transformers(backend="tilelang" if DEVICE == "cuda" else None)
+        elif name == "torch":
+            self.module.torch_chunk_gated_delta_rule = self.torch_path
+
+
+# ---------------------------------------------------------------------------------------------- measurements
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def sync_time(fn, steps: int) -> float:
+    sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync()
+    return (time.perf_counter() - t) / steps
+
+
+def matmul_peak() -> float:
+    n = 8192 if DEVICE == "cuda" else 512
+    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    sync_time(lambda: a @ b, 3)
+    return 2 * n ** 3 / sync_time(lambda: a @ b, 20)
+
+
+def disk_write_gbps(work: Path) -> float:
+    data = torch.randint(0, 255, (1 << (30 if DEVICE == "cuda" else 24),), dtype=torch.uint8).numpy()
+    path = work / "disk_probe"
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(memoryview(data))
+        f.flush()
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t
+    path.unlink()
+    return data.nbytes / dt / 1e9
+
+
+def corpus(n_tokens: int, vocab: int) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    docs, total = [], 0
+    while total < n_tokens:
+        n = int(torch.randint(500, 6000, (1,), generator=g))
+        docs.append({"input_ids": torch.randint(0, vocab, (n,), generator=g).tolist()})
+        total += n
+    return docs
+
+
+def collect_arm(model, docs, work: Path, steps: int, *, points=None, saes=None, check=False) -> tuple[float, dict]:
+    """Seconds per step of a timed ``collect`` after a one-step warm-up; the summary of the timed call."""
+    from qwen_scope.collect import collect
+
+    kw = dict(points=points, saes=saes, context_len=T, batch_size=B, shard_tokens=B * T, progress=False,
+              corpus_id="bench", overwrite=True)
+    collect(model, docs, token_budget=B * T, out_dir=work / "warm", **kw)
+    sync()
+    t = time.perf_counter()
+    summary = collect(model, docs, token_budget=steps * B * T, out_dir=work / "timed", **kw)
+    dt = time.perf_counter() - t
+    info = {"n_tokens": summary.n_tokens, "bytes": summary.bytes, "shards": summary.n_shards}
+    if check:
+        info["check"] = check_store(model, work / "timed", saes)
+    for d in ("warm", "timed"):
+        shutil.rmtree(work / d, ignore_errors=True)
+    return dt / steps, info
+
+
+def check_store(model, path: Path, saes) -> dict:
+    """The store's first row against a direct capture: dense max |diff|, code-index agreement."""
+    from hooks import collect as forward_collect
+    from qwen_scope.store import ActivationStore
+
+    store = ActivationStore(path, verify=True)
+    ids = store.token_ids()[:T][None].to(DEVICE)
+    points = [p for p in store.points if store.point_info(p)["dense"]][-1:] + list(
+        f"resid_post.{n}" for n in (saes or {}))[:1]
+    cap = forward_collect(model, points, input_ids=ids)
+    out = {}
+    for p in points:
+        x = cap[p][0]
+        if store.point_info(p)["dense"]:
+            out[f"{p} dense max|diff|"] = float((store.dense(p, 0, T).to(DEVICE).float() - x.float()).abs().max())
+        if store.point_info(p)["sae"]:
+            want = saes[int(p.split(".")[1])].encode_sparse(x)
+            got = store.sae_codes(p, 0, T)
+            same = (got.indices.to(DEVICE).sort(-1).values == want.indices.sort(-1).values).all(-1).float().mean()
+            out[f"{p} code indices equal (fraction)"] = float(same)
+    return out
+
+
+def correctness(model, backends: Backends, names: list[str]) -> dict:
+    from hooks import collect as forward_collect
+
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    ids = torch.randint(0, model.config.vocab_size, (1, T), generator=g, device=DEVICE)
+    outs, result = {}, {}
+    for name in names:
+        backends.use(name)
+        last = f"resid_post.{N_LAYERS - 1}"
+        outs[name] = forward_collect(model, [last], input_ids=ids)[last].float()
+    ref = outs.get("fla", outs.get("torch"))
+    for name, o in outs.items():
+        result[f"gdn {name} vs {'fla' if 'fla' in outs else 'torch'} rel-L2 (last resid_post)"] = float(
+            (o - ref).norm() / ref.norm())
+    from saes.fused_encode import explain_backend, fused_encode
+
+    sae = random_sae(0)
+    x = outs[names[0]][0].bfloat16()
+    fused, plain = fused_encode(x, sae), sae.encode_sparse(x)
+    result["encode backend"] = explain_backend(x, sae)
+    result["fused vs encode_sparse: index sets equal (fraction of tokens)"] = float(
+        (fused.indices.sort(-1).values == plain.indices.sort(-1).values).all(-1).float().mean())
+    result["fused vs encode_sparse: max |value diff| / max value"] = float(
+        (fused.values.float() - plain.values.float()).abs().max() / plain.values.float().abs().max())
+    return result
+
+
+def versions() -> dict:
+    out = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)", "torch": torch.__version__, "date": datetime.datetime.now(
+        datetime.timezone.utc).isoformat(timespec="seconds")}
+    for dist in ("transformers", "triton", "tilelang", "flash-linear-attention", "fla-core", "flash-qla"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = None
+    try:
+        out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        out["commit"] = None
+    return out
+
+
+def write(out: Path, result: dict) -> None:
+    (out / "collect_throughput.json").write_text(json.dumps(result, indent=1))
+    v, rows = result["env"], result["arms"]
+    lines = [f"# Collection throughput ({v['gpu']}, {v['date']})", "",
+             f"torch {v['torch']}, transformers {v['transformers']}, triton {v['triton']}, tilelang {v['tilelang']}, "
+             f"fla {v['fla-core'] or v['flash-linear-attention']}, commit {v['commit']}. Model: Qwen3.5-2B-shaped random "
+             f"bf16 ({result['params_b']:.2f} B params, {result['model_gflop_per_token']:.2f} GFLOP/token), steps "
+             f"of {B} x {T} tokens, use_cache=False, SAE {D_SAE} wide k={K}. bf16 matmul peak measured: "
+             f"{result['peak_tflops']:.0f} TFLOP/s; disk write with fsync: {result['disk_write_GBps']:.2f} GB/s.", "",
+             "| GDN backend | arm | tokens/s | ms/step | MFU | vs (a) same backend | note |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "tokens_per_s" in r:
+            lines.append(f"| {r['backend']} | {r['arm']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.1f} | "
+                         f"{100 * r['mfu']:.1f}% | {100 * r['vs_a']:.1f}% | {r.get('note', '')} |")
+        else:
+            lines.append(f"| {r['backend']} | {r['arm']} | - | - | - | - | {r.get('error', r.get('note', ''))} |")
+    lines += ["", "Checks:", ""] + [f"- {k}: {v}" for k, v in result["checks"].items()]
+    (out / "collect_throughput.md").write_text("\n".join(lines) + "\n")
+
+
+ARMS = [  # (backend, arm) in priority order: the time budget cuts from the end
+    ("ours", "a"), ("ours", "c1"), ("ours", "c24"), ("ours", "b"), ("fla", "a"), ("fla", "c1"), ("torch", "a"),
+    ("torch", "c1"), ("ours", "c1-torch-encode"), ("ours", "c24-torch-encode"), ("fla", "c24"), ("fla", "b")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--work", type=Path, default=Path("/tmp/collect_bench"))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=170.0)
+    parser.add_argument("--tiny", action="store_true", help="dry run of every code path on a tiny model (CPU ok)")
+    args = parser.parse_args()
+    global B, T, D_SAE, K, D_MODEL, N_LAYERS, DEVICE
+    if args.tiny:
+        B, T, D_SAE, K, D_MODEL, N_LAYERS = 2, 128, 512, 8, 64, 4
+        DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    result = {"env": versions(), "arms": [], "checks": {}}
+    result["peak_tflops"] = matmul_peak() / 1e12
+    result["disk_write_GBps"] = disk_write_gbps(args.work)
+    model = build_model(args.tiny)
+    flops = model_flops_per_token(model)
+    result["model_gflop_per_token"] = flops / 1e9
+    result["params_b"] = sum(p.numel() for p in model.parameters()) / 1e9
+    backends = Backends()
+    names = backends.available()
+    result["checks"].update(correctness(model, backends, names))
+    print(json.dumps(result, indent=1), flush=True)
+    docs = corpus((args.steps + 1) * B * T + 10_000, model.config.vocab_size)
+    sae_all = {n: random_sae(100 + n) for n in range(N_LAYERS)}
+    bare = {}
+    for backend, arm in ARMS:
+        row = {"backend": backend, "arm": arm}
+        result["arms"].append(row)
+        if backend not in names:
+            row["note"] = "backend not available"
+            continue
+        if time.perf_counter() - t0 > args.budget_s:
+            row["note"] = "skipped: time budget"
+            continue
+        backends.use(backend)
+        try:
+            sae_flops, info = 0.0, {}
+            if arm == "a":
+                ids = torch.randint(0, model.config.vocab_size, (B, T), device=DEVICE)
+                with torch.no_grad():
+                    run = lambda: model.model(input_ids=ids, use_cache=False)  # noqa: E731
+                    sync_time(run, 1)
+                    sec = sync_time(run, args.steps)
+                bare[backend] = sec
+            elif arm == "b":
+                sec, info = collect_arm(model, docs, args.work, args.steps,
+                                        points=[f"resid_post.{n}" for n in range(N_LAYERS)], check=backend == "ours")
+                row["note"] = f"{info['bytes'] / info['n_tokens'] / 1024:.0f} KiB/token written"
+            else:
+                layers = [N_LAYERS - 1] if arm.startswith("c1") else list(range(N_LAYERS))
+                saes = {n: sae_all[n] for n in layers}
+                if arm.endswith("torch-encode"):
+                    fe = importlib.import_module("saes.fused_encode")
+                    saved, fe.unsupported_reason = fe.unsupported_reason, lambda x, sae: "forced torch"
+                try:
+                    sec, info = collect_arm(model, docs, args.work, args.steps, saes=saes,
+                                            check=backend == "ours" and arm == "c1")
+                finally:
+                    if arm.endswith("torch-encode"):
+                        fe.unsupported_reason = saved
+                sae_flops = len(layers) * 2 * D_MODEL * D_SAE
+            row.update(ms_per_step=1e3 * sec, tokens_per_s=B * T / sec,
+                       mfu=(flops + sae_flops) * B * T / sec / (result["peak_tflops"] * 1e12))
+            row["vs_a"] = bare[backend] / sec if backend in bare else float("nan")
+            if "check" in info:
+                result["checks"].update({f"{backend} {arm}: {k}": v for k, v in info["check"].items()})
+        except Exception as err:  # noqa: BLE001 - one failing arm must not lose the others
+            row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+        print(json.dumps(row), f"t={time.perf_counter() - t0:.0f}s", flush=True)
+        write(args.out, result)
+    result["wall_s"] = time.perf_counter() - t0
+    write(args.out, result)
+    print((args.out / "collect_throughput.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
