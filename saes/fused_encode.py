@@ -99,11 +99,11 @@ def fused_encode(x: torch.Tensor, sae, *, backend: str | None = None) -> SparseC
         raise ValueError(f"fused_encode(backend='tilelang') cannot run: {reason}; use backend='torch' or None")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, d_model)
-    with torch.no_grad():
-        codes = _encode_torch(x2, sae) if reason is not None else _encode_tilelang(x2, sae)
+    codes = _encode_torch(x2, sae) if reason is not None else _encode_tilelang(x2, sae)
     return SparseCodes(codes.values.reshape(*lead, sae.k), codes.indices.reshape(*lead, sae.k))
 
 
+@torch.no_grad()
 def _encode_torch(x: torch.Tensor, sae, max_block_bytes: int = MAX_BLOCK_BYTES) -> SparseCodes:
     """``sae.encode_sparse`` over blocks of rows of ``x [N, d_model]`` (at most ``max_block_bytes`` of fp32 pre-acts)."""
     rows = max(1, max_block_bytes // (4 * sae.W_enc.shape[0]))
@@ -113,6 +113,7 @@ def _encode_torch(x: torch.Tensor, sae, max_block_bytes: int = MAX_BLOCK_BYTES) 
     return SparseCodes(torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts]))
 
 
+@torch.no_grad()
 def _encode_tilelang(x: torch.Tensor, sae, chunk_tokens: int = CHUNK_TOKENS) -> SparseCodes:
     """Kernel candidates + merge per chunk of tokens; flagged rows recomputed with ``encode_sparse``."""
     W_enc, k = sae.W_enc.detach().contiguous(), sae.k
@@ -133,6 +134,7 @@ def _encode_tilelang(x: torch.Tensor, sae, chunk_tokens: int = CHUNK_TOKENS) -> 
     return SparseCodes(values, indices)
 
 
+@torch.no_grad()
 def _encode_split(x: torch.Tensor, sae, chunk_tokens: int = 8192) -> SparseCodes:
     """Unfused variant for comparison: cuBLAS ``addmm`` writes bf16 pre-activations per chunk, the TileLang epilogue
     kernel reads them back. Selection at the precision of the stored pre-activations (ties at bf16)."""
