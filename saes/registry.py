@@ -72,6 +72,25 @@ class Release:
         """Canonical hook point of the SAE of ``layer``: ``resid_post.{n}`` (output of decoder block n)."""
         return f"resid_post.{int(layer)}"
 
+    def model_mismatch(self, model_id: str) -> str | None:
+        """Why applying this set to ``model_id`` deserves a warning, or ``None`` when it is the training model.
+
+        Base-trained SAEs on the matching instruct model are reasonable (the model card says so) but shifted;
+        any other model is a different residual stream.
+        """
+        def split(name: str) -> tuple[str, bool]:
+            name = name.strip().rstrip("/").split("/")[-1].lower()
+            return (name[:-5], True) if name.endswith("-base") else (name, False)
+
+        (theirs, their_base), (ours, our_base) = split(model_id), split(self.model_id)
+        if theirs == ours and their_base == our_base:
+            return None
+        if theirs == ours:
+            return (f"{self.id} was trained on {self.model_id} ({self.trained_on}); {model_id} is the "
+                    f"{'base' if their_base else 'post-trained'} sibling: features transfer "
+                    f"but activations shift (expect lower explained variance)")
+        return f"{self.id} was trained on {self.model_id}, not {model_id}: its features may not apply"
+
     def check_layer(self, layer: int) -> int:
         """Return ``layer`` as int or raise ``ValueError`` naming the valid range."""
         if isinstance(layer, bool) or not isinstance(layer, int):

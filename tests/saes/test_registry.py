@@ -91,3 +91,14 @@ def test_unknown_ids_and_layers_raise_helpful_errors():
         r.check_layer(24)
     with pytest.raises(TypeError):
         r.check_layer("3")
+
+
+def test_model_mismatch_notes_base_instruct_and_foreign_models():
+    r = get_release("qwen-scope-3.5-2b-base-w32k-l50")
+    assert r.model_mismatch("Qwen/Qwen3.5-2B-Base") is None
+    assert r.model_mismatch("/models/qwen3.5-2b-base/") is None
+    assert "post-trained sibling" in r.model_mismatch("Qwen/Qwen3.5-2B")
+    assert "not Qwen/Qwen3-8B" in r.model_mismatch("Qwen/Qwen3-8B")
+    instruct = get_release("qwen-scope-3.5-27b-w80k-l50")
+    assert instruct.model_mismatch("Qwen/Qwen3.5-27B") is None
+    assert "base sibling" in instruct.model_mismatch("Qwen/Qwen3.5-27B-Base")
