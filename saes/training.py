@@ -125,8 +125,9 @@ class SAETrainer(nn.Module):
         return pre, values, indices
 
     def _decode(self, values: torch.Tensor, indices: torch.Tensor, bias: bool = True) -> torch.Tensor:
-        out = nn.functional.embedding_bag(indices, self.W_dec.T, mode="sum", per_sample_weights=values)
-        return out + self.b_dec if bias else out
+        # Dense decode: on CPU and for moderate d_sae a scatter + matmul beats embedding_bag several times over.
+        z = values.new_zeros(values.shape[0], self.W_dec.shape[1]).scatter(1, indices, values)
+        return nn.functional.linear(z, self.W_dec, self.b_dec if bias else None)
 
     def dead_mask(self) -> torch.Tensor:
         """``[d_sae]`` bool: latents that have not fired for ``dead_after_tokens`` tokens."""

@@ -59,6 +59,7 @@ def spliced_loss(model, wins: torch.Tensor, layer: int | None, sae: TopKSAE | No
     total, count = 0.0, 0
     try:
         for ids in wins.split(batch_seqs):
+            ids = ids.to(next(model.parameters()).device)
             logits = model(input_ids=ids, use_cache=False).logits[:, 1:-1]
             total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 2:].reshape(-1),
                                            reduction="sum"))
@@ -86,13 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", default="all")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy 2-core machine)")
+    p.add_argument("--device", default="cpu", help="where the model runs and the SAEs train (cpu or cuda)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device).eval()
     n_layers = len(decoder_layers(model))
     layers = list(range(n_layers)) if args.layers == "all" else [int(x) for x in args.layers.split(",")]
     out = Path(args.out or Path(args.model) / RELEASE.format(w=args.d_sae // 1024, k=args.k))
@@ -111,16 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         config = SAETrainingConfig(d_sae=args.d_sae, k=args.k, n_tokens=args.n_tokens, batch_size=args.batch_size,
                                    lr=args.lr, seed=args.seed + n)
         t1 = time.time()
-        result = train_sae(acts[n], config, desc=f"layer {n}")
+        result = train_sae(acts[n].to(args.device), config, desc=f"layer {n}", progress=args.device == "cpu")
         # Report the weights as shipped (cast to the stored dtype and back).
         sae = TopKSAE.from_release_state({k: v.to(dtype).float() for k, v in result.sae.release_state().items()},
                                          k=args.k)
-        m = evaluate_sae(sae, val_acts[n])
+        m = evaluate_sae(sae.to(args.device), val_acts[n])
         m["train_fve"] = result.final["fve"]
         m["spliced_loss"] = spliced_loss(model, val_wins, n, sae, args.batch_seqs)
         m["clean_loss"] = clean
         m["train_seconds"] = round(time.time() - t1, 1)
-        saes[n], metrics[n], histories[n] = sae, m, result.history
+        saes[n], metrics[n], histories[n] = sae.cpu(), m, result.history
         print(f"layer {n}: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                                          for k, v in m.items()), flush=True)
     info = {"config": vars(args), "layer_types": list(model.config.layer_types), "metrics": metrics,
