@@ -46,6 +46,7 @@ class SAETrainingConfig:
         n_tokens: training tokens; the run takes ``ceil(n_tokens / batch_size)`` steps.
         batch_size: tokens per step (default 4096).
         lr: Adam learning rate; ``None`` = Gao et al.'s ``2e-4 / sqrt(d_sae / 2**14)``.
+        lr_decay_fraction: the learning rate decays linearly to 0 over this final fraction of the steps.
         aux_k: latents the AuxK loss may use; ``None`` = ``min(d_model // 2, d_sae)``.
         aux_coef: weight of the AuxK loss (1/32, as Qwen-Scope).
         dead_after_tokens: a latent that has not fired for this many tokens counts as dead.
@@ -60,6 +61,7 @@ class SAETrainingConfig:
     n_tokens: int
     batch_size: int = 4096
     lr: float | None = None
+    lr_decay_fraction: float = 0.2
     aux_k: int | None = None
     aux_coef: float = 1 / 32
     dead_after_tokens: int = 1_000_000
@@ -115,6 +117,7 @@ class SAETrainer(nn.Module):
         self.register_buffer("scale", scale)
         self.register_buffer("tokens_since_fired", torch.zeros(config.d_sae, dtype=torch.long))
         self.aux_k = min(config.aux_k or max(d_model // 2, 1), config.d_sae)
+        self.n_steps_done = 0
         self.to(config.device or first_batch.device)
         self.optimizer = torch.optim.Adam(self.parameters(), lr=config.resolved_lr(), betas=(0.9, 0.999),
                                           eps=6.25e-10)
@@ -148,7 +151,10 @@ class SAETrainer(nn.Module):
         self._project_decoder_grad()
         if self.config.grad_clip is not None:
             nn.utils.clip_grad_norm_(self.parameters(), self.config.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.n_steps_done)
         self.optimizer.step()
+        self.n_steps_done += 1
         with torch.no_grad():
             self.W_dec.div_(self.W_dec.norm(dim=0, keepdim=True).clamp_min(1e-8))
             fired = torch.zeros_like(self.tokens_since_fired, dtype=torch.bool)
@@ -157,6 +163,12 @@ class SAETrainer(nn.Module):
             var = (xn - xn.mean(0)).pow(2).sum(-1).mean()
             return {"loss": float(loss), "mse": float(mse), "aux": float(aux), "fve": float(1 - mse / var),
                     "l0": float((values > 0).sum(-1).float().mean()), "dead": float(self.dead_mask().float().mean())}
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of step ``step``: constant, then linear decay to 0 over ``lr_decay_fraction`` of the run."""
+        total = self.config.n_steps
+        decay = max(1, round(total * self.config.lr_decay_fraction))
+        return self.config.resolved_lr() * min(1.0, (total - step) / decay)
 
     def _aux_loss(self, pre: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         dead = self.dead_mask()

@@ -198,3 +198,12 @@ def test_store_activations_prefers_the_stores_shuffled_iterator():
     got = list(store_activations(ShuffledStore(), "resid_post.0", chunk_tokens=32, shuffle_buffer=64, seed=5))
     assert calls == [("resid_post.0", 32, 64, 5, "dense", torch.float32)]
     assert len(got) == 1 and got[0].shape == (32, 4)
+
+
+def test_learning_rate_is_constant_then_decays_linearly_to_zero():
+    x, _ = planted(256, seed=4)
+    trainer = SAETrainer(32, SAETrainingConfig(d_sae=64, k=4, n_tokens=1000, batch_size=10, lr=1e-3,
+                                               lr_decay_fraction=0.2), x)
+    lrs = [trainer.lr_at(s) for s in range(100)]
+    assert lrs[:80] == [1e-3] * 80
+    assert lrs[80] == pytest.approx(1e-3) and lrs[90] == pytest.approx(5e-4) and lrs[99] == pytest.approx(5e-5)
