@@ -176,11 +176,13 @@ def main() -> None:
     env = environment()
     print(json.dumps(env), flush=True)
     if args.precompile:
-        variants = [(256, 2048, 10, "bfloat16", hk.DEFAULT_CONFIG), (2048, 32768, 8, "bfloat16", hk.DEFAULT_CONFIG),
-                    ("preacts", 2048, 10, "bfloat16")]
+        # The GPU tests' kernels, then every shape x config with its c, 1 (timing) and 4c (re-run of flagged rows).
+        variants = [(256, 2048, c, "bfloat16", hk.DEFAULT_CONFIG) for c in (10, 40)]
+        variants += [(2048, 32768, 32, "bfloat16", hk.DEFAULT_CONFIG), ("preacts", 2048, 10, "bfloat16")]
         for d_model, d_sae, k in SHAPES:
+            c = hk.candidates_per_tile(k, d_sae)
             for cfg in configs:
-                variants += [(d_model, d_sae, c, "bfloat16", cfg) for c in (hk.candidates_per_tile(k, d_sae), 1)]
+                variants += [(d_model, d_sae, cc, "bfloat16", cfg) for cc in (c, 1, min(hk.BLOCK_N, 4 * c))]
             variants.append(("preacts", d_sae, hk.candidates_per_tile(k, d_sae), "bfloat16"))
         hk.precompile(sorted(set(variants), key=str), workers=args.precompile)
         print(f"precompiled {len(set(variants))} variants", flush=True)

@@ -114,18 +114,28 @@ def _encode_torch(x: torch.Tensor, sae, max_block_bytes: int = MAX_BLOCK_BYTES) 
 
 
 @torch.no_grad()
-def _encode_tilelang(x: torch.Tensor, sae, chunk_tokens: int = CHUNK_TOKENS) -> SparseCodes:
-    """Kernel candidates + merge per chunk of tokens; flagged rows recomputed with ``encode_sparse``."""
+def _encode_tilelang(x: torch.Tensor, sae, chunk_tokens: int = CHUNK_TOKENS, *, c: int | None = None,
+                     candidates=None) -> SparseCodes:
+    """Kernel candidates + certified merge per chunk of tokens.
+
+    Rows the merge cannot certify are re-run through the kernel with ``4 c`` candidates per tile (few rows, so cheap),
+    and those still uncertain go to ``encode_sparse``. ``candidates`` replaces the kernel (tests pass its torch twin).
+    """
+    candidates = candidates or hopper_topk.topk_candidates
     W_enc, k = sae.W_enc.detach().contiguous(), sae.k
     b_enc = sae.b_enc.detach().float().contiguous()
-    c = hopper_topk.candidates_per_tile(k, W_enc.shape[0])
+    c = c or hopper_topk.candidates_per_tile(k, W_enc.shape[0])
     values = torch.empty(x.shape[0], k, device=x.device, dtype=x.dtype)
     indices = torch.empty(x.shape[0], k, device=x.device, dtype=torch.long)
     for start in range(0, x.shape[0], chunk_tokens):
         xc = x[start : start + chunk_tokens].contiguous()
-        cand = hopper_topk.topk_candidates(xc, W_enc, b_enc, c)
-        v, i, flagged = hopper_topk.merge_candidates(cand, k)
+        v, i, flagged = hopper_topk.merge_candidates(candidates(xc, W_enc, b_enc, c), k)
         rows = flagged.nonzero().squeeze(1)
+        wider = min(hopper_topk.BLOCK_N, 4 * c)
+        if rows.numel() and wider > c:
+            v2, i2, still = hopper_topk.merge_candidates(candidates(xc[rows], W_enc, b_enc, wider), k)
+            v[rows], i[rows] = v2, i2
+            rows = rows[still]
         if rows.numel():
             exact = sae.encode_sparse(xc[rows])
             v[rows], i[rows] = exact.values.float(), exact.indices

@@ -47,13 +47,8 @@ def assert_topk_up_to_ties(codes: SparseCodes, acts: torch.Tensor, k: int, rel: 
 def _kernel_twin(x, sae, c=None):
     """The TileLang path with the kernel replaced by its torch twin (same keys, same merge, same recompute)."""
     c = c or hk.candidates_per_tile(sae.k, sae.d_sae)
-    cand = hk.topk_candidates_reference(x, sae.W_enc, sae.b_enc, c)
-    values, indices, flagged = hk.merge_candidates(cand, sae.k)
-    rows = flagged.nonzero().squeeze(1)
-    if rows.numel():
-        exact = sae.encode_sparse(x[rows])
-        values[rows], indices[rows] = exact.values.float(), exact.indices
-    return SparseCodes(values, indices), flagged
+    flagged = hk.merge_candidates(hk.topk_candidates_reference(x, sae.W_enc, sae.b_enc, c), sae.k)[2]
+    return fe._encode_tilelang(x, sae, c=c, candidates=hk.topk_candidates_reference), flagged
 
 
 # ---------------------------------------------------------------------------------------------------- torch backend
@@ -114,7 +109,7 @@ def test_keys_order_like_values_and_decode_to_column_and_truncated_value():
     assert not flagged.any()
 
 
-def test_rows_whose_topk_crowds_one_tile_are_flagged_and_recomputed():
+def test_rows_whose_topk_crowds_one_tile_are_flagged_rerun_wider_or_recomputed():
     sae = _sae(d_sae=16 * BN, k=8)
     with torch.no_grad():
         # 12 strong features in tile 1 for tokens whose first coordinate is positive: more than c of the top-k there.
@@ -131,7 +126,15 @@ def test_rows_whose_topk_crowds_one_tile_are_flagged_and_recomputed():
     # Unrecomputed, the crowded rows would be wrong: only c of their 8 strongest features survive the tile.
     best = _true_acts(x, sae).topk(sae.k, dim=1).values
     assert ((values[crowded] - best[crowded]).abs().amax(dim=1) > 1).all()
+    # The wider re-run (4c = 16 per tile) certifies them all: encode_sparse is never needed.
+    calls = []
+    sae.encode_sparse = lambda rows: calls.append(rows) or TopKSAE.encode_sparse(sae, rows)
     codes, _ = _kernel_twin(x, sae, c=c)
+    assert calls == []
+    assert_topk_up_to_ties(codes, _true_acts(x, sae), sae.k, rel=2**-14)
+    # A candidate source that cannot widen (always 2 per tile): the uncertain rows go to encode_sparse.
+    codes = fe._encode_tilelang(x, sae, c=2, candidates=lambda xs, w, b, c: hk.topk_candidates_reference(xs, w, b, 2))
+    assert len(calls) == 1 and len(calls[0]) >= crowded.sum()
     assert_topk_up_to_ties(codes, _true_acts(x, sae), sae.k, rel=2**-14)
 
 
