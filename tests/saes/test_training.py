@@ -207,3 +207,22 @@ def test_learning_rate_is_constant_then_decays_linearly_to_zero():
     lrs = [trainer.lr_at(s) for s in range(100)]
     assert lrs[:80] == [1e-3] * 80
     assert lrs[80] == pytest.approx(1e-3) and lrs[90] == pytest.approx(5e-4) and lrs[99] == pytest.approx(5e-5)
+
+
+def test_trains_from_a_collected_activation_store(tmp_path):
+    from qwen_scope.collect import collect
+    from qwen_scope.store import ActivationStore
+    from tests.factories import tiny_model
+
+    g = torch.Generator().manual_seed(0)
+    corpus = [{"input_ids": torch.randint(0, 256, (40,), generator=g).tolist()} for _ in range(30)]
+    collect(tiny_model("qwen3_5"), corpus, points=["resid_post.1"], token_budget=1000, context_len=32,
+            out_dir=tmp_path / "store", batch_size=4, store_dtype=torch.float32, separator_id=None, progress=False)
+    store = ActivationStore(tmp_path / "store")
+    got = torch.cat(list(store_activations(store, "resid_post.1", chunk_tokens=128, shuffle_buffer=512)))
+    want = store.dense("resid_post.1", 0, 1000).float()
+    assert got.shape == (1000, 64)
+    assert torch.equal(got[got[:, 0].argsort()], want[want[:, 0].argsort()])
+    config = SAETrainingConfig(d_sae=128, k=4, n_tokens=1000, batch_size=128, log_every=4)
+    result = train_sae(store_activations(store, "resid_post.1", chunk_tokens=128), config, progress=False)
+    assert result.final["tokens"] == 1000 and result.sae.d_model == 64
