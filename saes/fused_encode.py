@@ -85,7 +85,7 @@ def fused_encode(x: torch.Tensor, sae, *, backend: str | None = None) -> SparseC
         for tokens with fewer than k positive pre-activations.
 
     Example:
-        >>> sae = saes.load("SAE-Res-Qwen3.5-2B-W32K-L0_100", layer=12, device="cuda", dtype=torch.bfloat16)
+        >>> sae = saes.load("qwen-scope-3.5-2b-base-w32k-l100", layer=12, device="cuda", dtype=torch.bfloat16)
         >>> codes = fused_encode(resid, sae)          # resid [B, T, 2048] bf16 -> values/indices [B, T, 100]
     """
     if backend not in (None, *BACKENDS):

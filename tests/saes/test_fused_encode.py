@@ -31,8 +31,7 @@ def _true_acts(x, sae) -> torch.Tensor:
 
 def assert_topk_up_to_ties(codes: SparseCodes, acts: torch.Tensor, k: int, rel: float = 2**-7, abs_: float = 1e-4):
     """Every index is distinct and carries its own activation; the values are the k largest; swaps are ties only."""
-    values, indices = codes.values.reshape(-1, k).double().cpu(), codes.indices.reshape(-1, k).cpu()
-    acts = acts.cpu()
+    values, indices = codes.values.reshape(-1, k).double().to(acts.device), codes.indices.reshape(-1, k).to(acts.device)
     assert not torch.isnan(values).any()
     assert ((indices >= 0) & (indices < acts.shape[1])).all()
     assert (indices.sort(dim=1).values.diff(dim=1) > 0).all(), "an index repeats within a row"
