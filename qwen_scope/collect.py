@@ -23,6 +23,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import queue
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -253,20 +255,85 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return out.copy_(t, non_blocking=True)
 
 
-def _forward_batch(adapter, batch: list[Row], context_len: int, pad_id: int, device, dense: list[str],
-                   encoders: dict, store_dtype) -> dict[str, torch.Tensor]:
-    """Run one padded batch ``[B, context_len]``; return the shard columns of its real tokens (CPU)."""
-    B = len(batch)
-    ids = torch.full((B, context_len), pad_id, dtype=torch.long)
-    for i, row in enumerate(batch):
-        ids[i, :len(row.tokens)] = torch.tensor(row.tokens)
-    keep = torch.arange(context_len)[None] < torch.tensor([len(r.tokens) for r in batch])[:, None]  # [B, L]
-    full, keep_dev = bool(keep.all()), keep.to(device)
+@dataclass(frozen=True)
+class _Batch:
+    """Rows ready for the GPU (built in the prefetch thread): ``ids``/``keep`` ``[B, context_len]``."""
+
+    rows: list[Row]
+    ids: torch.Tensor
+    keep: torch.Tensor
+    doc_index: torch.Tensor
+    n_tokens: int
+
+
+def _batches(rows: Iterator[Row], budget: int, batch_size: int, context_len: int, pad_id: int) -> Iterator[_Batch]:
+    """Group rows into right-padded batches until ``budget`` real tokens (the last row is cut to fit)."""
+    while budget > 0:
+        batch, n = [], 0
+        while len(batch) < batch_size and n < budget:
+            row = next(rows, None)
+            if row is None:
+                break
+            if len(row.tokens) > budget - n:
+                row = Row(row.tokens[:budget - n], row.doc_index[:budget - n], row.cursor)
+            batch.append(row)
+            n += len(row.tokens)
+        if not batch:
+            return
+        ids = torch.full((len(batch), context_len), pad_id, dtype=torch.long)
+        for i, row in enumerate(batch):
+            ids[i, :len(row.tokens)] = torch.tensor(row.tokens)
+        keep = torch.arange(context_len)[None] < torch.tensor([len(r.tokens) for r in batch])[:, None]
+        yield _Batch(batch, ids, keep, torch.tensor([d for r in batch for d in r.doc_index]), n)
+        budget -= n
+
+
+_END = object()
+
+
+def _prefetch(items: Iterator, depth: int = 2) -> Iterator:
+    """Produce ``items`` in a background thread (tokenizing, packing) while the GPU runs the previous batch."""
+    slots: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+
+    def put(x) -> bool:
+        while not stop.is_set():
+            try:
+                slots.put(x, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work() -> None:
+        try:
+            for x in items:
+                if not put(x):
+                    return
+            put(_END)
+        except BaseException as err:  # handed to the consumer, re-raised there
+            put(err)
+
+    threading.Thread(target=work, daemon=True, name="collect-prefetch").start()
+    try:
+        while (x := slots.get()) is not _END:
+            if isinstance(x, BaseException):
+                raise x
+            yield x
+    finally:
+        stop.set()
+
+
+def _forward_batch(adapter, batch: _Batch, device, dense: list[str], encoders: dict, store_dtype
+                   ) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
+    """Run one batch; return its shard columns (real tokens only, on the CPU) and an event to wait for on CUDA."""
+    B, L = batch.ids.shape
+    full, keep_dev = bool(batch.keep.all()), batch.keep.to(device)
     # One cache-less forward that stops after the deepest requested block (no later blocks, no lm_head).
-    cap = forward_collect(adapter.model, dense + list(encoders), input_ids=ids.to(device))
+    cap = forward_collect(adapter.model, dense + list(encoders), input_ids=batch.ids.to(device))
     with torch.no_grad():
-        out = {"token_ids": ids[keep].int(), "doc_index": torch.tensor([d for r in batch for d in r.doc_index]),
-               "positions": torch.arange(context_len).expand(B, -1)[keep].int()}
+        out = {"token_ids": batch.ids[batch.keep].int(), "doc_index": batch.doc_index,
+               "positions": torch.arange(L).expand(B, -1)[batch.keep].int()}
         acts = {name: (cap[name].reshape(-1, adapter.d_model) if full else cap[name][keep_dev])
                 for name in dict.fromkeys(dense + list(encoders))}
         for name in dense:
@@ -275,9 +342,12 @@ def _forward_batch(adapter, batch: list[Row], context_len: int, pad_id: int, dev
             values, indices = encode(acts[name])
             out[f"sae.{name}.values"] = _to_host(values.to(store_dtype))
             out[f"sae.{name}.indices"] = _to_host(indices.int())
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    return out
+    if device.type != "cuda":
+        return out, None
+    # The pinned copies land asynchronously: the next batch is launched before they are waited for.
+    event = torch.cuda.Event()
+    event.record()
+    return out, event
 
 
 # ---------------------------------------------------------------------------------------------- the verb
@@ -328,7 +398,7 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
             EOS, None for none), prepend_bos_id: see the module doc.
         shard_tokens: about this many tokens per shard (a whole number of batches). overwrite: discard a previous
             collection with another config in ``out_dir`` (the same config always resumes).
-        progress: show a progress bar (rank 0). corpus_id: name the corpus in the config hash when it has no
+        progress: show a progress bar with tokens/s and ETA, then the summary (rank 0). corpus_id: name the corpus in the config hash when it has no
             ``datasets`` fingerprint (e.g. a streaming dataset).
     Returns:
         ``CollectSummary``; the store is read with ``ActivationStore(out_dir)``.
@@ -372,7 +442,10 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
             (Path(out_dir) / "manifest.json").unlink(missing_ok=True)
         run = _collect_rank(writer, adapter, corpus, tokenizer, device, dense, sae_map, config, pad_id,
                             progress and rank == 0)
-        return _finish(writer, run, world, created)
+        summary = _finish(writer, run, world, created)
+        if progress and rank == 0:
+            print(summary)
+        return summary
     finally:
         if created:
             import torch.distributed as dist
@@ -398,32 +471,32 @@ def _collect_rank(writer: ShardWriter, adapter, corpus, tokenizer, device, dense
         start=cursor)
     bar = tqdm(total=budget, initial=stored, unit="tok", unit_scale=True, disable=not progress,
                desc=f"collect rank {rank}", smoothing=0.1)
-    t0, shard, shard_rows, shard_pad = time.perf_counter(), [], 0, 0
-    while stored < budget and not writer.complete:
-        batch, n = [], 0
-        while len(batch) < batch_size and stored + n < budget:
-            row = next(rows, None)
-            if row is None:
-                exhausted = True
-                break
-            if len(row.tokens) > budget - stored - n:
-                keep = budget - stored - n
-                row = Row(row.tokens[:keep], row.doc_index[:keep], row.cursor)
-            batch.append(row)
-            n += len(row.tokens)
-        if batch:
-            shard.append(_forward_batch(adapter, batch, context_len, pad_id, device, dense, encoders,
-                                        _DTYPES[config["store_dtype"]]))
-            stored, shard_rows, shard_pad = stored + n, shard_rows + len(batch), shard_pad + len(batch) * context_len - n
-            bar.update(n)
-            bar.set_postfix(pad=f"{100 * writer.n_pad / max(1, writer.n_pad + stored):.1f}%", refresh=False)
-        if shard and (shard_rows >= rows_per_shard or exhausted or stored >= budget):
-            tensors = {k: torch.cat([b[k] for b in shard]) if len(shard) > 1 else shard[0][k] for k in shard[0]}
-            writer.write(tensors, n_rows=shard_rows, n_pad=shard_pad, cursor=list(batch[-1].cursor if batch else
-                                                                                   (-1, 0)))
+    t0, shard, shard_rows, shard_pad, event = time.perf_counter(), [], 0, 0, None
+    store_dtype = _DTYPES[config["store_dtype"]]
+
+    def flush(after: tuple[int, int]) -> None:
+        if event is not None:
+            event.synchronize()
+        tensors = {k: torch.cat([b[k] for b in shard]) if len(shard) > 1 else shard[0][k] for k in shard[0]}
+        writer.write(tensors, n_rows=shard_rows, n_pad=shard_pad, cursor=list(after))
+
+    after = (-1, 0)
+    for batch in _prefetch(_batches(rows, budget - stored, batch_size, context_len, pad_id)):
+        out, event = _forward_batch(adapter, batch, device, dense, encoders, store_dtype)
+        shard.append(out)
+        stored, shard_rows = stored + batch.n_tokens, shard_rows + len(batch.rows)
+        shard_pad += len(batch.rows) * context_len - batch.n_tokens
+        after = batch.rows[-1].cursor
+        bar.update(batch.n_tokens)
+        bar.set_postfix(pad=f"{100 * (writer.n_pad + shard_pad) / max(1, writer.n_pad + shard_pad + stored):.1f}%",
+                        refresh=False)
+        # Shards hold whole batches, so a resumed run forms exactly the batches of an uninterrupted one.
+        if shard_rows >= rows_per_shard:
+            flush(after)
             shard, shard_rows, shard_pad = [], 0, 0
-        if exhausted:
-            break
+    if shard:
+        flush(after)
+    exhausted = exhausted or stored < budget
     writer.flush()
     bar.close()
     seconds = time.perf_counter() - t0

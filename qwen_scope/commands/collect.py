@@ -10,6 +10,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import os
 
 NAME = "collect"
 HELP = "collect activations and/or SAE codes of a corpus into a sharded, resumable store (torchrun-aware)"
@@ -77,8 +78,7 @@ def run(args: argparse.Namespace) -> int:
         separator_id=None if args.no_separator else "eos", prepend_bos_id=args.bos_id,
         shard_tokens=args.shard_tokens, device=args.device, overwrite=args.overwrite,
         progress=not args.no_progress, corpus_id=f"{args.corpus}:{args.name}:{args.split}" if args.streaming else None)
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+    # With a progress bar, collect() already printed the summary (rank 0).
+    if args.no_progress and int(os.environ.get("RANK", "0")) == 0:
         print(summary)
     return 0

@@ -19,7 +19,7 @@ from tests.qwen_scope.test_collect import write_corpus
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
-import sys, torch
+import os, sys, torch
 sys.path.insert(0, {repo!r})
 import torch.distributed as dist
 from qwen_scope.collect import collect, load_corpus
@@ -28,7 +28,8 @@ summary = collect(tiny_model("qwen3_5"), load_corpus({corpus!r}), points=["resid
                   context_len=32, out_dir={out!r}, batch_size=2, shard_tokens=64, store_dtype=torch.float32,
                   tokenizer=tiny_tokenizer(), progress=False)
 assert not dist.is_initialized()
-print("SUMMARY", summary.world_size, summary.n_tokens, summary.complete)
+# One write() per line: the two ranks share the pipe and print() would interleave.
+os.write(1, f"SUMMARY {{summary.world_size}} {{summary.n_tokens}} {{summary.complete}}\\n".encode())
 """
 
 
