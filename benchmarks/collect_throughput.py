@@ -237,8 +237,8 @@ def correctness(model, backends: Backends, names: list[str]) -> dict:
 
 
 def versions() -> dict:
-    out = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)", "torch": torch.__version__, "date": datetime.datetime.now(
-        datetime.timezone.utc).isoformat(timespec="seconds")}
+    out = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)", "torch": torch.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     for dist in ("transformers", "triton", "tilelang", "flash-linear-attention", "fla-core", "flash-qla"):
         try:
             out[dist] = md.version(dist)
@@ -257,11 +257,13 @@ def write(out: Path, result: dict) -> None:
     v, rows = result["env"], result["arms"]
     lines = [f"# Collection throughput ({v['gpu']}, {v['date']})", "",
              f"torch {v['torch']}, transformers {v['transformers']}, triton {v['triton']}, tilelang {v['tilelang']}, "
-             f"fla {v['fla-core'] or v['flash-linear-attention']}, commit {v['commit']}. Model: Qwen3.5-2B-shaped random "
+             f"fla {v['fla-core'] or v['flash-linear-attention']}, commit {v['commit']}. "
+             "Model: Qwen3.5-2B-shaped random "
              f"bf16 ({result['params_b']:.2f} B params, {result['model_gflop_per_token']:.2f} GFLOP/token), steps "
              f"of {B} x {T} tokens, use_cache=False, SAE {D_SAE} wide k={K}. bf16 matmul peak measured: "
              f"{result['peak_tflops']:.0f} TFLOP/s; disk write with fsync: {result['disk_write_GBps']:.2f} GB/s.", "",
-             "| GDN backend | arm | tokens/s | ms/step | MFU | vs (a) same backend | note |", "|---|---|---|---|---|---|---|"]
+             "| GDN backend | arm | tokens/s | ms/step | MFU | vs (a) same backend | note |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "tokens_per_s" in r:
             lines.append(f"| {r['backend']} | {r['arm']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.1f} | "

@@ -235,6 +235,13 @@ def _resolve_saes(saes, release, sae_layers, adapter, device, sae_dtype) -> dict
     return out
 
 
+def _auto_shard_tokens(points: dict) -> int:
+    """Tokens per ~1 GiB shard (bf16 dense rows, k values + int32 indices per SAE point), capped at 2^18."""
+    per_token = 16 + sum(2 * p["d_model"] * p["dense"] + (6 * p["sae"]["k"] if p["sae"] else 0)
+                         for p in points.values())
+    return min(1 << 18, (1 << 30) // per_token)
+
+
 def _sae_info(sae, release) -> dict:
     sample = sae.W_enc.detach()[:4, :8].float().cpu().tolist()
     rel = getattr(getattr(sae, "release", None), "id", None) or (str(release) if release else None) or \
@@ -379,7 +386,7 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
             dtype: torch.dtype | None = None, store_dtype: torch.dtype = torch.bfloat16,
             sae_dtype: torch.dtype | None = None, text_column: str = "text", tokenizer=None,
             packing: str = "concat", separator_id: int | str | None = "eos", prepend_bos_id: int | None = None,
-            shard_tokens: int = 1 << 18, device: str | torch.device | None = None, overwrite: bool = False,
+            shard_tokens: int | None = None, device: str | torch.device | None = None, overwrite: bool = False,
             progress: bool = True, corpus_id: str | None = None) -> CollectSummary:
     """Collect activations and/or SAE codes of ``token_budget`` corpus tokens into a sharded store at ``out_dir``.
 
@@ -396,10 +403,11 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
         text_column: corpus column with text (a pre-tokenized ``input_ids`` column also works). tokenizer:
             needed for text when ``model`` is not an id. packing, separator_id (``"eos"`` = the tokenizer's
             EOS, None for none), prepend_bos_id: see the module doc.
-        shard_tokens: about this many tokens per shard (a whole number of batches). overwrite: discard a previous
+        shard_tokens: about this many tokens per shard, rounded to whole batches (default: shards of ~1 GiB, at
+            most 2^18 tokens). overwrite: discard a previous
             collection with another config in ``out_dir`` (the same config always resumes).
-        progress: show a progress bar with tokens/s and ETA, then the summary (rank 0). corpus_id: name the corpus in the config hash when it has no
-            ``datasets`` fingerprint (e.g. a streaming dataset).
+        progress: show a progress bar with tokens/s and ETA, then the summary (rank 0).
+        corpus_id: names the corpus in the config hash when it has no ``datasets`` fingerprint (streaming).
     Returns:
         ``CollectSummary``; the store is read with ``ActivationStore(out_dir)``.
 
@@ -424,6 +432,7 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
                     "sae": _sae_info(sae_map[p], release) if p in sae_map else None}
                 for p in dict.fromkeys(dense + list(sae_map))}
         first = next(iter(sae_map.values()), None)
+        shard_tokens = shard_tokens or _auto_shard_tokens(info)
         config = {
             "model": name, "model_fingerprint": _model_fingerprint(model), "family": adapter.family,
             "points": info, "sae": None if first is None else {

@@ -341,7 +341,7 @@ class ActivationStore:
                 f"n_tokens={self.n_tokens}, points={self.points}, complete={self.manifest.get('complete')})")
 
     def point_info(self, point: str) -> dict:
-        """What is stored for ``point``: ``{"dense": bool, "d_model": int, "sae": {release, layer, k, d_sae} | None}``."""
+        """What is stored for ``point``: ``{"dense": bool, "d_model": int, "sae": {release, layer, k, d_sae}|None}``."""
         points = self.manifest["points"]
         if point not in points:
             raise KeyError(f"point {point!r} is not in the store at {self.root}; stored points: {list(points)}")

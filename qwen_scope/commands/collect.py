@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--packing", choices=("concat", "document"), default="concat")
     p.add_argument("--no-separator", action="store_true", help="do not append EOS after each document")
     p.add_argument("--bos-id", type=int, default=None, help="token id put at position 0 of every row")
-    p.add_argument("--shard-tokens", type=_count, default=1 << 18)
+    p.add_argument("--shard-tokens", type=_count, default=None, help="tokens per shard (default: ~1 GiB shards)")
     p.add_argument("--device", default=None)
     p.add_argument("--overwrite", action="store_true", help="discard a store of another config in --out")
     p.add_argument("--no-progress", action="store_true")

@@ -197,3 +197,31 @@ def test_cli_collect_writes_a_store(setup, tmp_path):
     store = ActivationStore(tmp_path / "acts")
     assert store.n_tokens == 200 and store.points == ["resid_post.0", "resid_post.2", "resid_post.1"]
     assert store.manifest["config"]["dtype"] == "float32"
+
+
+def test_load_corpus_reads_local_jsonl_parquet_text_and_directories(tmp_path):
+    import datasets
+
+    rows = [{"text": f"document {i}"} for i in range(5)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "a.parquet"))
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.txt").write_text("\n".join(r["text"] for r in rows) + "\n")
+    assert load_corpus(tmp_path / "a.parquet")["text"] == [r["text"] for r in rows]
+    assert load_corpus(tmp_path / "t")["text"] == [r["text"] for r in rows]
+    streamed = load_corpus(tmp_path / "a.parquet", streaming=True)
+    assert [r["text"] for r in streamed] == [r["text"] for r in rows]
+    with pytest.raises(ValueError, match="one kind"):
+        (tmp_path / "t" / "b.parquet").write_bytes((tmp_path / "a.parquet").read_bytes())
+        load_corpus(tmp_path / "t")
+
+
+def test_cli_token_counts_accept_suffixes():
+    from qwen_scope.commands.collect import _count
+
+    assert (_count("10M"), _count("1.5k"), _count("2_000"), _count("1B")) == (10**7, 1500, 2000, 10**9)
+
+
+def test_a_missing_text_column_is_reported_from_the_prefetch_thread(setup, tmp_path):
+    with pytest.raises(ValueError, match=r"no 'body' column \(columns: \['id', 'text'\]\)"):
+        collect(setup["model"], setup["corpus"], points=["resid_post.0"], token_budget=64, context_len=32,
+                out_dir=tmp_path, text_column="body", tokenizer=setup["tok"], progress=False)
