@@ -404,8 +404,8 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
             needed for text when ``model`` is not an id. packing, separator_id (``"eos"`` = the tokenizer's
             EOS, None for none), prepend_bos_id: see the module doc.
         shard_tokens: about this many tokens per shard, rounded to whole batches (default: shards of ~1 GiB, at
-            most 2^18 tokens). overwrite: discard a previous
-            collection with another config in ``out_dir`` (the same config always resumes).
+            most 2^18 tokens).
+        overwrite: discard a previous collection of another config in ``out_dir`` (the same config resumes).
         progress: show a progress bar with tokens/s and ETA, then the summary (rank 0).
         corpus_id: names the corpus in the config hash when it has no ``datasets`` fingerprint (streaming).
     Returns:
