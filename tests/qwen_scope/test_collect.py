@@ -225,3 +225,23 @@ def test_a_missing_text_column_is_reported_from_the_prefetch_thread(setup, tmp_p
     with pytest.raises(ValueError, match=r"no 'body' column \(columns: \['id', 'text'\]\)"):
         collect(setup["model"], setup["corpus"], points=["resid_post.0"], token_budget=64, context_len=32,
                 out_dir=tmp_path, text_column="body", tokenizer=setup["tok"], progress=False)
+
+
+@pytest.mark.gpu
+def test_collect_on_cuda_in_bf16_matches_a_direct_capture_and_the_fused_encode(setup, tmp_path):
+    from saes.fused_encode import fused_encode
+
+    model = tiny_model("qwen3_5", dtype=torch.bfloat16).cuda()
+    sae = load(setup["release"], 2, device="cuda", dtype=torch.bfloat16)
+    collect(model, setup["corpus"], points=["resid_post.2"], saes={2: sae}, token_budget=400, context_len=64,
+            out_dir=tmp_path, batch_size=2, tokenizer=setup["tok"], progress=False)
+    store = ActivationStore(tmp_path, verify=True)
+    assert store.manifest["config"]["dtype"] == "bfloat16" and store.n_tokens == 400
+    a, b = _rows(store)[1]
+    with capture(model, ["resid_post.2"]) as cap:
+        model(input_ids=store.token_ids()[a:b][None].cuda(), use_cache=False)
+    torch.testing.assert_close(store.dense("resid_post.2", a, b).cuda(), cap["resid_post.2"][0], rtol=2e-2, atol=2e-2)
+    want = fused_encode(store.dense("resid_post.2").cuda(), sae)
+    got = store.sae_codes("resid_post.2")
+    agree = (got.indices.cuda().sort(-1).values == want.indices.sort(-1).values).all(-1).float().mean()
+    assert agree > 0.99
