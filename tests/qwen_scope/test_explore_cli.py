@@ -1,0 +1,84 @@
+"""``qwen-scope explore``: a real collection store (tiny model saved to disk + an SAE release directory) in, the
+dashboard and the feature database out, with the numbers of the store."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from qwen_scope.cli import main
+from qwen_scope.collect import collect
+from qwen_scope.explore import FeatureDatabase
+from qwen_scope.store import ActivationStore
+from tests.factories import tiny_model, write_sae_release
+
+NANO_TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+LAYER = 2
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from pathlib import Path
+
+    import qwen_scope
+
+    root = tmp_path_factory.mktemp("explore")
+    model_dir = root / "tiny-model"
+    tiny_model("qwen3_5").save_pretrained(model_dir)
+    data = Path(qwen_scope.__file__).parent / "data" / "nano"
+    for name in NANO_TOKENIZER:  # a byte-level tokenizer: ids < 256 fit the tiny model's vocabulary
+        shutil.copy(data / name, model_dir / name)
+    release = write_sae_release(root, d_sae=256)
+    corpus = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(60)]
+    collect(str(model_dir), corpus, sae_layers=[LAYER], release=str(release), token_budget=900, context_len=64,
+            out_dir=root / "store", separator_id=None, progress=False, dtype=torch.float32)
+    out = root / "dash"
+    code = main(["explore", "--store", str(root / "store"), "--release", str(release), "--out", str(out),
+                 "--max-features", "12", "--context", "3,2"])
+    return root, out, code
+
+
+def test_explore_writes_dashboard_and_database(run):
+    root, out, code = run
+    assert code == 0
+    pages = sorted(out.glob("features/*.html"))
+    assert len(pages) == 12 and (out / "index.html").exists() and (out / "plotly.min.js").exists()
+    db = FeatureDatabase.load(out / "database")
+    assert db.meta["point"] == f"resid_post.{LAYER}" and db.config.context == (3, 2)
+    assert sorted(int(p.stem) for p in pages) == sorted(db.top_features(12))
+    entries = json.loads((out / "index.html").read_text().split('id="qs-data">')[1].split("</script>")[0])
+    assert all(e["logits"] for e in entries), "the model was loaded: every page has a logit lens"
+
+
+def test_database_matches_the_store(run):
+    root, out, _ = run
+    store = ActivationStore(root / "store")
+    codes = store.sae_codes(f"resid_post.{LAYER}")
+    dense = codes.to_dense(256).float()
+    dense[store.positions() == 0] = 0
+    db = FeatureDatabase.load(out / "database")
+    assert torch.equal(db.count, (dense > 0).sum(0))
+    f = db.top_features(1)[0]
+    best = db.top_examples(f)[0]
+    assert best.token_index == int(dense[:, f].argmax()) and best.value == pytest.approx(float(dense[:, f].max()))
+    assert best.tokens[best.mark] == int(store.token_ids()[best.token_index])
+    card = json.loads((out / "json" / f"{f}.json").read_text())
+    assert card["maxActApprox"] == pytest.approx(best.value)
+
+
+def test_explore_reuses_the_database_and_can_skip_the_model(run, capsys):
+    root, out, _ = run
+    release = root / "SAE-Res-Qwen3.5-Nano-Base-W0K-L0_8"
+    assert main(["explore", "--store", str(root / "store"), "--release", str(release), "--out", str(out),
+                 "--features", "3,4", "--no-model"]) == 0
+    assert "reusing the feature database" in capsys.readouterr().out
+    entries = json.loads((out / "index.html").read_text().split('id="qs-data">')[1].split("</script>")[0])
+    assert [e["id"] for e in entries] == [3, 4] and entries[0]["logits"] == []
+
+
+def test_explore_names_missing_layers(run):
+    root, out, _ = run
+    with pytest.raises(SystemExit, match="no SAE codes at resid_post.0"):
+        main(["explore", "--store", str(root / "store"), "--out", str(out), "--layer", "0"])
