@@ -8,7 +8,13 @@ from qwen_scope.features import FeatureStat, LayerFeatures, TextFeatures, text_f
 from qwen_scope.steering import (FeatureEdit, Generation, SteeringResult, Sweep, ablate, add, clamp,  # noqa: E402
                                 steer, steering, sweep)
 from qwen_scope.compare import Comparison, FeatureDiff, LayerComparison, compare  # noqa: E402
+from qwen_scope.explore import (FeatureCard, FeatureDatabase, build_feature_database,  # noqa: E402
+                                comparison_figure, feature_card, feature_json, feature_views, layer_range_figure,
+                                prompt_heatmap, store_chunks, token_features_figure, write_dashboard)
 
 __all__ = ["ActivationStore", "Scope", "FeatureStat", "LayerFeatures", "TextFeatures", "text_features",
            "FeatureEdit", "Generation", "SteeringResult", "Sweep", "ablate", "add", "clamp", "steer", "steering", "sweep",
            "Comparison", "FeatureDiff", "LayerComparison", "compare"]
+__all__ += ["FeatureCard", "FeatureDatabase", "build_feature_database", "comparison_figure", "feature_card",
+            "feature_json", "feature_views", "layer_range_figure", "prompt_heatmap", "store_chunks",
+            "token_features_figure", "write_dashboard"]
