@@ -30,7 +30,7 @@ class DecodedExample:
         return self.example.mark
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class FeatureCard:
     """One feature: statistics, examples, histogram, co-occurrence, weight views, label and notes.
 
@@ -60,6 +60,12 @@ class FeatureCard:
     view: FeatureView | None = None
     logit_top: tuple[tuple[str, float], ...] = field(default=())
     logit_bottom: tuple[tuple[str, float], ...] = field(default=())
+
+    def __repr__(self) -> str:
+        label = f" {self.label!r}" if self.label else ""
+        best = "".join(self.top[0].strings) if self.top else ""
+        return (f"FeatureCard(#{self.feature}{label}: density {self.density:.3%}, max {self.max:.3f}, "
+                f"{len(self.top)} top examples, best {best!r})")
 
     def _repr_html_(self) -> str:
         from qwen_scope.explore.html import feature_card_html
