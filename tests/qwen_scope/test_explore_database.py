@@ -219,3 +219,15 @@ def test_store_adapter_feeds_the_builder(db, data):
                                    context=(4, 3), n_top=6, n_bins=4, per_bin=3)
     assert torch.equal(other.top.token_index, db.top.token_index)
     assert torch.equal(other.count, db.count)
+
+
+@pytest.mark.gpu
+def test_cuda_build_equals_cpu_build(db, data):
+    gpu = build_feature_database(chunks(data, 64), D_SAE, context=(4, 3), n_top=6, n_bins=4, per_bin=3,
+                                 device="cuda")
+    for name in ("count", "act_max", "hist", "cooc"):
+        assert torch.equal(getattr(db, name), getattr(gpu, name)), name
+    torch.testing.assert_close(db.act_sum, gpu.act_sum)
+    for name in ("value", "token_index", "ctx_tokens", "ctx_values"):
+        assert torch.equal(getattr(db.top, name), getattr(gpu.top, name)), name
+    assert gpu.samples.token_index.device.type == "cpu"
