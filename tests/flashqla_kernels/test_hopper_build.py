@@ -21,7 +21,7 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not __import__(
 # segment(Hk, Hv, K, V, bDV, dtype), scan(Hv, K, V, has_h0)
 CORE = [
     ("prep", (16, 32, 128, "bfloat16")),
-    ("fused", (16, 32, 128, 128, 64, "bfloat16", 128 ** -0.5, True)),
+    ("fused", (16, 32, 128, 128, 128, "bfloat16", 128 ** -0.5, True)),
     ("segment", (16, 32, 128, 128, 64, "bfloat16")),
     ("scan", (32, 128, 128, True)),
 ]
@@ -53,8 +53,9 @@ def _compile_and_check(stage, args):
     kernel = _common.compile_kernel(_builder(stage), *args)
     src = kernel.get_kernel_source()
     assert "__global__" in src
-    # every stage does its matrix work on Hopper's warpgroup MMA (wgmma), not on the legacy mma.sync path
-    assert "wgmma" in src or "gemm_ss" in src or "gemm_rs" in src, f"{stage}{args}: no tensor-core GEMM in the source"
+    # the recurrent stages run on Hopper's warpgroup MMA; prep's one small K K^T (64 threads) on mma.sync
+    want = "mma_sync" if stage == "prep" else "wgmma"
+    assert want in src, f"{stage}{args}: no {want} tensor-core GEMM in the generated CUDA"
     return src
 
 
@@ -82,31 +83,62 @@ def test_importing_hopper_does_not_import_tilelang():
 
 
 def test_plan_tables_for_ragged_varlen():
-    chunks, segs, maps, seqs = plan._tables((0, 1, 48, 200), 0, True)
+    chunks, segs, maps, seqs, map_chunks = plan._tables((0, 1, 48, 200), 0, True)
     assert chunks == [(0, 1), (1, 48), (48, 112), (112, 176), (176, 200)]
     # unsplit: one segment per sequence, starting from its own initial state, writing its own final state
     assert segs == [(0, 1, 0, 0), (1, 48, 1, 1), (48, 200, 2, 2)]
     assert maps == []
-    _, segs0, _, _ = plan._tables((0, 5), 0, False)
+    _, segs0, _, _, _ = plan._tables((0, 5), 0, False)
     assert segs0 == [(0, 5, -1, 0)]
 
 
 def test_plan_tables_with_context_parallel_segments():
-    chunks, segs, maps, seqs = plan._tables((0, 300, 301), 2, True)
+    chunks, segs, maps, seqs, map_chunks = plan._tables((0, 300, 301), 2, True)
     assert len(chunks) == 6
     # 300 tokens in 128-token segments: three segments, only the last writes the final state; every segment
     # starts from the scan's row with its own index
     assert segs == [(0, 128, 0, -1), (128, 256, 1, -1), (256, 300, 2, 0), (300, 301, 3, 1)]
     assert maps == [(0, 128), (128, 256)]
+    assert map_chunks == [(0, 2), (2, 4)]
     assert seqs == [(0, 3, 0), (3, 1, 2)]
+
+
+def test_warmup_starts_match_brute_force():
+    """Where a map's H may start (decay below -40 after that chunk) and where M is needed (-1), per head."""
+    import torch
+
+    pytest.importorskip("tilelang")
+    from flashqla_kernels.gated_delta_rule.hopper.segment_states import warmup_starts
+
+    cu = [0, 700, 705, 2000]
+    pl = plan.make_plan(cu, 3, 1, True, torch.device("cpu"), 2)
+    # head 0: g = 0 (M always needed), head 1: mild decay, head 2: strong decay
+    g = -torch.rand(cu[-1], 3) * torch.tensor([0.0, 0.3, 3.0])
+    gamma = torch.zeros_like(g)
+    for s, e in pl.chunks.tolist():
+        gamma[s:e] = g[s:e].cumsum(0)
+    starts = warmup_starts(gamma, pl)
+    for r, (s, e) in enumerate(pl.maps.tolist()):
+        for h in range(3):
+            want = max((c for c in range(s, e, 64) if g[c:e, h].sum() < -40), default=-1)
+            assert starts[r, h].item() == want
+    assert (starts[:, 0] == -1).all() and (starts[:, 2] > 0).any()
 
 
 def test_plan_splits_only_when_sms_would_idle():
     # many sequences x heads fill 132 SMs: no split
-    assert plan.choose_segment_chunks([64] * 16, 32, 2, 2, 132) == 0
-    assert plan.choose_segment_chunks([16] * 8, 16, 2, 2, 132) == 0
-    # one 32K-token sequence on 8 value heads would use 16 CTAs: split
-    L = plan.choose_segment_chunks([512], 8, 2, 2, 132)
-    assert 0 < L < 512
-    # tiny sequences are never split
-    assert plan.choose_segment_chunks([2, 3], 2, 2, 2, 132) == 0
+    assert plan.choose_segment_chunks([64] * 16, 32, 1, 132) == 0
+    assert plan.choose_segment_chunks([128] * 4, 32, 1, 132) == 0
+    # one 32K-token sequence (512 chunks): 32 heads -> 64-chunk segments (256 CTAs), 8 heads -> 32
+    assert plan.choose_segment_chunks([512], 32, 1, 132) == 64
+    assert plan.choose_segment_chunks([512], 8, 1, 132) == 32
+    # short sequences are never split below 32 chunks
+    assert plan.choose_segment_chunks([32], 16, 1, 132) == 0
+    assert plan.choose_segment_chunks([2, 3], 2, 1, 132) == 0
+
+
+def test_block_width_follows_parallelism():
+    assert plan.choose_block_v(1, 16, 128, 128, 132) == 64      # 16 heads, one sequence: more, narrower CTAs
+    assert plan.choose_block_v(8, 16, 128, 128, 132) == 128
+    assert plan.choose_block_v(1, 64, 256, 256, 132) == 32      # K = 256: state and tiles must fit
+    assert plan.choose_block_v(4, 32, 64, 64, 132) == 64

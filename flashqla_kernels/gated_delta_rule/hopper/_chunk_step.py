@@ -1,4 +1,4 @@
-"""The per-chunk math shared by the fused output stage and the segment-state stage (TileLang macros).
+"""Chunk loaders shared by the fused output stage and the segment-state stage (TileLang macros).
 
 Gate-factored form (FlashQLA), per chunk with incoming state S [K, bDV] (fp32, in registers):
 
@@ -17,40 +17,40 @@ from flashqla_kernels.gated_delta_rule.hopper._common import CHUNK, LOG2E
 C = CHUNK
 
 
-def make_loaders(Hv: int, group: int, K: int, bDV: int, dtype: str):
-    """Macros loading one chunk's tiles into shared memory; ``n`` valid rows starting at token ``cs``."""
+def make_loaders(K: int, bDV: int, dtype: str):
+    """Macros: ``load_tile`` (masked, synchronous: the ragged tail chunk), ``load_gates`` (gamma padded with its last
+    valid value, beta zero-padded) and ``decays`` (exp(gamma), exp(gamma_C - gamma); needs a barrier after
+    ``load_gates``)."""
 
     @T.macro
-    def load_qk(x, x_sh, cs, n, hk):
-        if n == C:
-            T.copy(x[cs:cs + C, hk, :], x_sh)
-        else:
-            for i, j in T.Parallel(C, K):
-                x_sh[i, j] = T.if_then_else(i < n, x[T.min(cs + i, cs + n - 1), hk, j], T.cast(0, dtype))
+    def load_tile(x, x_sh, buf, cs, n, head, col0, width):
+        for i, j in T.Parallel(C, width):
+            x_sh[buf, i, j] = T.if_then_else(i < n, x[T.min(cs + i, cs + n - 1), head, col0 + j],
+                                             T.cast(0, x_sh.dtype))
 
     @T.macro
-    def load_v(v, v_sh, cs, n, bh, v0):
-        if n == C:
-            T.copy(v[cs:cs + C, bh, v0:v0 + bDV], v_sh)
-        else:
-            for i, j in T.Parallel(C, bDV):
-                v_sh[i, j] = T.if_then_else(i < n, v[T.min(cs + i, cs + n - 1), bh, v0 + j], T.cast(0, dtype))
-
-    @T.macro
-    def load_a(a0, a_sh, cs, n, bh):
-        if n == C:
-            T.copy(a0[cs:cs + C, bh, :], a_sh)
-        else:
-            for i, j in T.Parallel(C, C):
-                a_sh[i, j] = T.if_then_else(i < n, a0[T.min(cs + i, cs + n - 1), bh, j], T.cast(0, dtype))
-
-    @T.macro
-    def load_gates(gamma, beta, g_sh, b_sh, eg_sh, er_sh, cs, n, bh):
+    def load_gates(gamma, beta, g_sh, b_sh, cs, n, bh):
         for i in T.Parallel(C):
             g_sh[i] = gamma[cs + T.min(i, n - 1), bh]
             b_sh[i] = T.if_then_else(i < n, beta[T.min(cs + i, cs + n - 1), bh], 0.0)
+
+    @T.macro
+    def fetch_gates(gamma, beta, gnext, cs, n, bh, tx):
+        # register prefetch, issued a whole chunk step before the values are stored (the load is not waited on)
+        if tx < C:
+            gnext[0] = gamma[cs + T.min(tx, n - 1), bh]
+            gnext[1] = T.if_then_else(tx < n, beta[T.min(cs + tx, cs + n - 1), bh], 0.0)
+
+    @T.macro
+    def store_gates(g_sh, b_sh, gnext, tx):
+        if tx < C:
+            g_sh[tx] = gnext[0]
+            b_sh[tx] = gnext[1]
+
+    @T.macro
+    def decays(g_sh, eg_sh, er_sh):
         for i in T.Parallel(C):
             eg_sh[i] = T.exp2(g_sh[i] * LOG2E)
             er_sh[i] = T.exp2((g_sh[C - 1] - g_sh[i]) * LOG2E)
 
-    return load_qk, load_v, load_a, load_gates
+    return load_tile, load_gates, decays, fetch_gates, store_gates

@@ -34,4 +34,5 @@ def compile_kernel(builder: Callable, *args):
 @functools.lru_cache(maxsize=None)
 def _compile_cached(builder: Callable, args: tuple):
     func = builder(*args)
-    return tilelang.compile(func, target=Target(TARGET), pass_configs=PASS_CONFIGS)
+    configs = {**PASS_CONFIGS, **getattr(builder, "pass_configs", {})}
+    return tilelang.compile(func, target=Target(TARGET), pass_configs=configs)

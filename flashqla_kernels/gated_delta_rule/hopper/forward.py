@@ -4,6 +4,8 @@ Imports torch only; the stage modules (and tilelang) are imported on the first c
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -61,9 +63,14 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def block_dv(K: int, V: int) -> int:
-    """Width of the V slice one CTA owns: 64, or 32 for K = 256 (the state stays in registers)."""
-    return min(V, 64 if K <= 128 else 32)
+def block_dv(N: int, Hv: int, K: int, V: int, device: torch.device) -> int:
+    """Width of the V slice one CTA owns (see ``plan.choose_block_v``); FLASHQLA_KERNELS_BLOCK_V overrides it."""
+    from flashqla_kernels.gated_delta_rule.hopper import plan
+
+    forced = int(os.environ.get("FLASHQLA_KERNELS_BLOCK_V", "0"))
+    if forced:
+        return min(V, forced)
+    return plan.choose_block_v(N, Hv, K, V, plan.num_sms(device))
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -90,7 +97,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
     scale = K ** -0.5 if scale is None else float(scale)
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
-    cu = list(range(0, B * Tn + 1, Tn)) if cu_seqlens is None else [int(x) for x in cu_seqlens.tolist()]
+    cu = list(range(0, B * Tn + 1, Tn)) if cu_seqlens is None else plan.host_offsets(cu_seqlens)
     N = len(cu) - 1
     q3 = q.reshape(B * Tn, Hk, K).contiguous()
     k3 = k.reshape(B * Tn, Hk, K).contiguous()
@@ -99,11 +106,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
     b3 = beta.reshape(B * Tn, Hv).to(torch.float32).contiguous()
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
 
-    bDV = block_dv(K, V)
-    pl = plan.make_plan(cu, Hv, V // bDV, K // bDV, h0 is not None, q.device, segment_chunks)
+    bDV = block_dv(N, Hv, K, V, q.device)
+    pl = plan.make_plan(cu, Hv, V // bDV, h0 is not None, q.device, segment_chunks)
     gamma, a0 = prep.prep(k3, g3, b3, pl.chunks, Hv)
     if pl.segment_chunks:
-        hs, ms = segment_states.segment_states(k3, v3, a0, gamma, b3, pl.maps, bDV=bDV)
+        hs, ms = segment_states.segment_states(k3, v3, a0, gamma, b3, pl, bDV=bDV)
         h_init = state_scan.state_scan(h0, hs, ms, pl.seqs, pl.segs.shape[0])
     else:
         h_init = h0 if h0 is not None else torch.zeros((1, Hv, K, V), dtype=torch.float32, device=q.device)

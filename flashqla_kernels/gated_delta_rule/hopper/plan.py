@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 CHUNK = 64
-CTAS_PER_SM = 2
-# Relative costs in "one chunk step of the fused stage" units, measured on an H200.
-MAP_STEP_COST = 0.6
-SCAN_STEP_COST = 0.4
-CP_FIXED_COST = 6.0
-SEGMENT_CHOICES = (4, 8, 16, 32, 64, 128, 256)
+# Measured on an H200 (benchmarks/results/gdn_forward.md): the fused stage runs one CTA per SM, so splitting pays only
+# while the unsplit CTAs (sequences x Hv x V slices) leave a quarter of the SMs idle; segments then aim at ~2 CTAs per SM, and
+# shorter segments than MIN_SEGMENT_CHUNKS cost more in maps and scan than they win.
+MIN_SEGMENT_CHUNKS = 32
+CTAS_PER_SM_TARGET = 2
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,8 @@ class Plan:
 
     chunks [NC, 2]: (start, end) of every chunk. segs [S, 4]: (start, end, init row, final row) per segment.
     maps [R, 2]: token ranges of the non-final segments (context parallelism only, else None).
+    map_chunks [R, 2]: their chunk-index ranges; map_of_chunk / chunk_of_map [M]: every chunk inside a map, with the
+    map it belongs to (to find where each map's state stops depending on its start, see ``segment_states``).
     seqs [N, 3]: (first segment, number of segments, first map row) per sequence (None without context parallelism).
     segment_chunks: the segment length in chunks, 0 when sequences are not split.
     """
@@ -34,42 +36,45 @@ class Plan:
     chunks: torch.Tensor
     segs: torch.Tensor
     maps: torch.Tensor | None
+    map_chunks: torch.Tensor | None
+    map_of_chunk: torch.Tensor | None
+    chunk_of_map: torch.Tensor | None
     seqs: torch.Tensor | None
     segment_chunks: int
 
 
-def _cost(seq_chunks: list[int], L: int, units: int, map_units: int, slots: int) -> float:
-    if L == 0:
-        return max(max(seq_chunks), sum(seq_chunks) * units / slots)
-    parts = [min(L, c - i) for c in seq_chunks for i in range(0, max(c, 1), L)]
-    main = max(max(parts), sum(seq_chunks) * units / slots)
-    split = [c - ((c - 1) // L) * L for c in seq_chunks]
-    map_chunks = sum(seq_chunks) - sum(split)
-    maps = MAP_STEP_COST * max(L, map_chunks * map_units / slots)
-    scan = SCAN_STEP_COST * max((c + L - 1) // L for c in seq_chunks)
-    return main + maps + scan + CP_FIXED_COST
+def choose_segment_chunks(seq_chunks: list[int], Hv: int, nV: int, num_sms: int) -> int:
+    """Segment length in chunks (a power of two >= 32), or 0 to keep every sequence whole.
 
-
-def choose_segment_chunks(seq_chunks: list[int], Hv: int, nV: int, nK: int, num_sms: int) -> int:
-    """Segment length in chunks that minimises the cost model (0 = do not split)."""
-    if not seq_chunks or max(seq_chunks) <= SEGMENT_CHOICES[0]:
+    Args:
+        seq_chunks: chunks per sequence. Hv: value heads. nV: V slices per head. num_sms: SMs on the device.
+    """
+    units = len(seq_chunks) * Hv * nV
+    if not seq_chunks or 4 * units >= 3 * num_sms:
         return 0
-    slots = num_sms * CTAS_PER_SM
-    best, best_cost = 0, _cost(seq_chunks, 0, Hv * nV, Hv * (nV + nK), slots)
-    for L in SEGMENT_CHOICES:
-        if L >= max(seq_chunks):
-            break
-        c = _cost(seq_chunks, L, Hv * nV, Hv * (nV + nK), slots)
-        if c < best_cost:
-            best, best_cost = L, c
-    return best
+    want = max(seq_chunks) * units / (CTAS_PER_SM_TARGET * num_sms)
+    L = MIN_SEGMENT_CHUNKS
+    while L < want:
+        L *= 2
+    return L if max(seq_chunks) > L else 0
+
+
+def choose_block_v(N: int, Hv: int, K: int, V: int, num_sms: int) -> int:
+    """V slice per CTA: 32 for K = 256 (registers and shared memory), else 128, or 64 when even 64-wide slices
+    of N x Hv heads would not fill half the SMs (more, shorter-lived CTAs)."""
+    if K > 128:
+        return min(V, 32)
+    if N * Hv * 2 <= num_sms // 2 or V < 128:
+        return min(V, 64)
+    return 128
 
 
 @functools.lru_cache(maxsize=64)
 def _tables(cu: tuple[int, ...], L: int, has_init: bool):
-    chunks, segs, maps, seqs = [], [], [], []
+    chunks, segs, maps, seqs, map_chunks = [], [], [], [], []
     for n in range(len(cu) - 1):
         bos, eos = cu[n], cu[n + 1]
+        c_bos = len(chunks)
         chunks += [(s, min(s + CHUNK, eos)) for s in range(bos, eos, CHUNK)]
         step = L * CHUNK if L else max(eos - bos, 1)
         starts = list(range(bos, eos, step)) or [bos]
@@ -81,41 +86,62 @@ def _tables(cu: tuple[int, ...], L: int, has_init: bool):
             segs.append((s, e, init, n if last else -1))
             if not last:
                 maps.append((s, e))
+                c0 = c_bos + (s - bos) // CHUNK
+                map_chunks.append((c0, c0 + (e - s + CHUNK - 1) // CHUNK))
         seqs.append((first, len(starts), first_map))
-    return chunks, segs, maps, seqs
+    return chunks, segs, maps, seqs, map_chunks
 
 
-def make_plan(cu_seqlens: list[int], Hv: int, nV: int, nK: int, has_init: bool, device: torch.device,
+def make_plan(cu_seqlens: list[int], Hv: int, nV: int, has_init: bool, device: torch.device,
               segment_chunks: int | None = None) -> Plan:
     """Build (or fetch) the plan for packed sequences with offsets ``cu_seqlens`` [N+1].
 
-    ``segment_chunks``: None picks by the cost model; 0 never splits; L > 0 forces L-chunk segments.
+    ``segment_chunks``: None picks by :func:`choose_segment_chunks`; 0 never splits; L > 0 forces L-chunk segments.
     The environment variable FLASHQLA_KERNELS_SEGMENT_CHUNKS overrides None.
     """
     if segment_chunks is None and os.environ.get("FLASHQLA_KERNELS_SEGMENT_CHUNKS"):
         segment_chunks = int(os.environ["FLASHQLA_KERNELS_SEGMENT_CHUNKS"])
     if segment_chunks is None:
         seq_chunks = [(cu_seqlens[i + 1] - cu_seqlens[i] + CHUNK - 1) // CHUNK for i in range(len(cu_seqlens) - 1)]
-        segment_chunks = choose_segment_chunks(seq_chunks, Hv, nV, nK, _num_sms(device))
+        segment_chunks = choose_segment_chunks(seq_chunks, Hv, nV, num_sms(device))
     return _device_plan(tuple(cu_seqlens), segment_chunks, has_init, device)
+
+
+_HOST_OFFSETS: dict = {}
+
+
+def host_offsets(cu_seqlens: torch.Tensor) -> list[int]:
+    """``cu_seqlens.tolist()`` without a device sync when the same, unmodified tensor object comes back (every
+    layer of a model forward passes the same one). Keyed on object identity, checked by weakref and version."""
+    key = id(cu_seqlens)
+    hit = _HOST_OFFSETS.get(key)
+    if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
+        return hit[2]
+    offsets = [int(x) for x in cu_seqlens.tolist()]
+    if len(_HOST_OFFSETS) > 64:
+        _HOST_OFFSETS.clear()
+    _HOST_OFFSETS[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, offsets)
+    return offsets
 
 
 @functools.lru_cache(maxsize=64)
 def _device_plan(cu: tuple[int, ...], L: int, has_init: bool, device: torch.device) -> Plan:
-    chunks, segs, maps, seqs = _tables(cu, L, has_init)
-    flat = [x for row in chunks for x in row] + [x for row in segs for x in row]
-    flat += [x for row in maps for x in row] + [x for row in seqs for x in row]
-    buf = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True)
-    a, b, c = 2 * len(chunks), 2 * len(chunks) + 4 * len(segs), 2 * len(chunks) + 4 * len(segs) + 2 * len(maps)
-    return Plan(
-        chunks=buf[:a].view(-1, 2),
-        segs=buf[a:b].view(-1, 4),
-        maps=buf[b:c].view(-1, 2) if L else None,
-        seqs=buf[c:].view(-1, 3) if L else None,
-        segment_chunks=L,
-    )
+    chunks, segs, maps, seqs, map_chunks = _tables(cu, L, has_init)
+    mid = [r for r, (c0, c1) in enumerate(map_chunks) for _ in range(c0, c1)]
+    mch = [c for c0, c1 in map_chunks for c in range(c0, c1)]
+    parts = [[x for row in t for x in row] for t in (chunks, segs, maps, seqs, map_chunks)] + [mid, mch]
+    buf = torch.tensor([x for p in parts for x in p], dtype=torch.int32).to(device, non_blocking=True)
+    views, at = [], 0
+    for p, width in zip(parts, (2, 4, 2, 3, 2, 1, 1)):
+        views.append(buf[at:at + len(p)].view(-1, width) if width > 1 else buf[at:at + len(p)].long())
+        at += len(p)
+    cp = bool(L)
+    return Plan(chunks=views[0], segs=views[1], maps=views[2] if cp else None, seqs=views[3] if cp else None,
+                map_chunks=views[4] if cp else None, map_of_chunk=views[5] if cp else None,
+                chunk_of_map=views[6] if cp else None, segment_chunks=L)
 
 
 @functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Multiprocessor count of a CUDA device."""
     return torch.cuda.get_device_properties(device).multi_processor_count

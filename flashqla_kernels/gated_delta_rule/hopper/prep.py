@@ -1,23 +1,25 @@
 """Stage 1: per (chunk, value head), the chunk-local gate cumsum and the gate-free UT inverse.
 
     gamma_i = sum_{j <= i} g_j                               (within the chunk, natural-log units)
-    A0      = (I + StrictLower(diag(beta) K K^T))^-1         (C x C, unit lower triangular)
+    A0      = (I + StrictLower(diag(beta) K K^T))^-1         (C x C, unit lower triangular), stored fp16
 
 A0 depends on k and beta only (FlashQLA's gate factoring): the fused stages re-apply the gate as
 ``Ag = Gamma * A0 * beta_col`` with Gamma_ij = exp(gamma_i - gamma_j) <= 1, which cannot overflow.
-The inverse is hierarchical and exact in fp32 on CUDA cores: four 16 x 16 diagonal blocks by forward substitution,
-then the block formula [[X, 0], [C, Y]]^-1 = [[X^-1, 0], [-Y^-1 C X^-1, Y^-1]] at 32 and at 64.
+The inverse is exact forward substitution in fp32, one column per thread: column c of A0 solves (I + L) x = e_c
+on its own, so the 64 threads never synchronise; L is read from shared memory as a broadcast and x stays in
+registers (fully unrolled, 16-row panels skip the zero upper part of L).
 Padded rows of a ragged tail chunk are neither read nor written.
 """
-
 import tilelang.language as T
 import torch
 
 from flashqla_kernels.gated_delta_rule.hopper._common import CHUNK, compile_kernel, tl_dtype
 
+PANEL = 16
+
 
 def build_prep(Hk: int, Hv: int, K: int, dtype: str):
-    """The prep kernel: grid (chunks, Hv), 128 threads. ``chunks[c] = (start, end)`` token offsets of chunk c."""
+    """The prep kernel: grid (chunks, Hv), 64 threads. ``chunks[c] = (start, end)`` token offsets of chunk c."""
     C = CHUNK
     group = Hv // Hk
     num_tokens = T.dynamic("num_tokens")
@@ -30,10 +32,11 @@ def build_prep(Hk: int, Hv: int, K: int, dtype: str):
         beta: T.Tensor((num_tokens, Hv), "float32"),
         chunks: T.Tensor((num_chunks, 2), "int32"),
         gamma: T.Tensor((num_tokens, Hv), "float32"),
-        a0: T.Tensor((num_tokens, Hv, C), dtype),
+        a0: T.Tensor((num_tokens, Hv, C), "float16"),
     ):
-        with T.Kernel(num_chunks, Hv, threads=128) as (bc, bh):
+        with T.Kernel(num_chunks, Hv, threads=C) as (bc, bh):
             hk = bh // group
+            tx = T.get_thread_binding()
             s0 = T.alloc_var("int32")
             s1 = T.alloc_var("int32")
             s0 = chunks[bc, 0]
@@ -43,80 +46,47 @@ def build_prep(Hk: int, Hv: int, K: int, dtype: str):
             k_sh = T.alloc_shared((C, K), dtype)
             g_sh = T.alloc_shared((C,), "float32")
             b_sh = T.alloc_shared((C,), "float32")
-            x_sh = T.alloc_shared((C, C + 1), "float32")
-            l_sh = T.alloc_shared((C, C + 1), "float32")
-            t_sh = T.alloc_shared((C // 2, C // 2 + 1), "float32")
+            l_sh = T.alloc_shared((C, C), "float32")
             kk = T.alloc_fragment((C, C), "float32")
-            acc16 = T.alloc_fragment((2, 16, 16), "float32")
-            acc32 = T.alloc_fragment((C // 2, C // 2), "float32")
-            cum = T.alloc_fragment((C,), "float32")
+            x = T.alloc_local((C,), "float32")
+            acc = T.alloc_local((4,), "float32")
 
             if n == C:
                 T.copy(k[s0:s0 + C, hk, :], k_sh)
             else:
                 for i, j in T.Parallel(C, K):
-                    k_sh[i, j] = T.if_then_else(i < n, k[s0 + i, hk, j], T.cast(0, dtype))
+                    k_sh[i, j] = T.if_then_else(i < n, k[T.min(s0 + i, s1 - 1), hk, j], T.cast(0, dtype))
             for i in T.Parallel(C):
-                g_sh[i] = T.if_then_else(i < n, g[s0 + i, bh], 0.0)
-                b_sh[i] = T.if_then_else(i < n, beta[s0 + i, bh], 0.0)
-
-            # gamma: chunk-local inclusive cumsum (64 x 64 masked sums; tiny next to the GEMM)
-            T.clear(cum)
-            for j in T.serial(C):
-                for i in T.Parallel(C):
-                    cum[i] += T.if_then_else(j <= i, g_sh[j], 0.0)
-            for i in T.Parallel(C):
-                if i < n:
-                    gamma[s0 + i, bh] = cum[i]
+                g_sh[i] = T.if_then_else(i < n, g[T.min(s0 + i, s1 - 1), bh], 0.0)
+                b_sh[i] = T.if_then_else(i < n, beta[T.min(s0 + i, s1 - 1), bh], 0.0)
 
             # L = StrictLower(diag(beta) K K^T)
             T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
             for i, j in T.Parallel(C, C):
                 l_sh[i, j] = T.if_then_else(j < i, kk[i, j] * b_sh[i], 0.0)
-                x_sh[i, j] = T.if_then_else(i == j, 1.0, 0.0)
 
-            # Level 1: the four 16 x 16 diagonal blocks, forward substitution row by row.
-            # X[r, c] = -L[r, c] - sum_{c < m < r} L[r, m] X[m, c]   (block-local r > c)
-            for r in T.serial(1, 16):
-                for bb, c in T.Parallel(4, 16):
-                    if c < r:
-                        acc = T.alloc_var("float32")
-                        acc = -l_sh[bb * 16 + r, bb * 16 + c]
-                        for m in T.serial(c + 1, r):
-                            acc -= l_sh[bb * 16 + r, bb * 16 + m] * x_sh[bb * 16 + m, bb * 16 + c]
-                        x_sh[bb * 16 + r, bb * 16 + c] = acc
+            # gamma_tx: chunk-local inclusive cumsum (broadcast reads)
+            for a in T.unroll(4):
+                acc[a] = 0.0
+            for j in T.unroll(C):
+                acc[j % 4] += T.if_then_else(j <= tx, g_sh[j], 0.0)
+            if tx < n:
+                gamma[s0 + tx, bh] = acc[0] + acc[1] + acc[2] + acc[3]
 
-            # Level 2: X[16+r, c] (within each 32-block p) = -Y1 (L10 X0)
-            T.clear(acc16)
-            for m in T.serial(16):
-                for p, r, c in T.Parallel(2, 16, 16):
-                    acc16[p, r, c] += l_sh[p * 32 + 16 + r, p * 32 + m] * x_sh[p * 32 + m, p * 32 + c]
-            for p, r, c in T.Parallel(2, 16, 16):
-                t_sh[p * 16 + r, c] = acc16[p, r, c]
-            T.clear(acc16)
-            for m in T.serial(16):
-                for p, r, c in T.Parallel(2, 16, 16):
-                    acc16[p, r, c] -= x_sh[p * 32 + 16 + r, p * 32 + 16 + m] * t_sh[p * 16 + m, c]
-            for p, r, c in T.Parallel(2, 16, 16):
-                x_sh[p * 32 + 16 + r, p * 32 + c] = acc16[p, r, c]
-
-            # Level 3: X[32+r, c] = -Y1 (L[32:, :32] Y0)
-            T.clear(acc32)
-            for m in T.serial(C // 2):
-                for r, c in T.Parallel(C // 2, C // 2):
-                    acc32[r, c] += l_sh[C // 2 + r, m] * x_sh[m, c]
-            for r, c in T.Parallel(C // 2, C // 2):
-                t_sh[r, c] = acc32[r, c]
-            T.clear(acc32)
-            for m in T.serial(C // 2):
-                for r, c in T.Parallel(C // 2, C // 2):
-                    acc32[r, c] -= x_sh[C // 2 + r, C // 2 + m] * t_sh[m, c]
-            for r, c in T.Parallel(C // 2, C // 2):
-                x_sh[C // 2 + r, c] = acc32[r, c]
-
-            for i, j in T.Parallel(C, C):
-                if i < n:
-                    a0[s0 + i, bh, j] = x_sh[i, j]
+            # column tx of (I + L)^-1: x_r = [r == tx] - sum_{m < r} L[r, m] x_m  (x_m = 0 for m < tx)
+            for r in T.unroll(C):
+                x[r] = 0.0
+            for rb in T.unroll(C // PANEL):
+                for rr in T.unroll(PANEL):
+                    for a in T.unroll(4):
+                        acc[a] = 0.0
+                    for m in T.unroll(PANEL * (rb + 1)):
+                        acc[m % 4] += l_sh[rb * PANEL + rr, m] * x[m]
+                    x[rb * PANEL + rr] = T.if_then_else(rb * PANEL + rr == tx, 1.0,
+                                                        -(acc[0] + acc[1] + acc[2] + acc[3]))
+            for r in T.unroll(C):
+                if r < n:
+                    a0[s0 + r, bh, tx] = x[r]
 
     return gdn_prep
 
@@ -134,7 +104,7 @@ def prep(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: torch.Ten
     Tn, Hk, K = k.shape
     kernel = compile_kernel(build_prep, Hk, Hv, K, tl_dtype(k.dtype))
     gamma = torch.empty((Tn, Hv), dtype=torch.float32, device=k.device)
-    a0 = torch.empty((Tn, Hv, CHUNK), dtype=k.dtype, device=k.device)
+    a0 = torch.empty((Tn, Hv, CHUNK), dtype=torch.float16, device=k.device)
     if chunks.shape[0] > 0:
         kernel(k, g, beta, chunks, gamma, a0)
     return gamma, a0

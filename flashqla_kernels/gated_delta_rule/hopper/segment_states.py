@@ -1,9 +1,15 @@
-"""Stage 2 (context parallelism only): each non-final segment's affine map, exactly.
+"""Stage 2 (context parallelism only): each non-final segment's affine map.
 
 A segment maps its incoming state linearly plus a constant: ``S_end = M S_start + H`` with
 ``H`` = the end state from a zero start (V columns) and ``M`` = the map applied to the identity with V = 0 (K columns).
 One kernel computes both: CTAs with ``bv < V / bDV`` run the state recurrence on V from zeros; the others run it on
-the identity's columns with no V input. No term is dropped (FlashQLA's auto-CP drops terms below exp(-10)).
+the identity's columns with no V input.
+
+Decay shortcut, exact to fp32: with g <= 0 and unit-norm keys, ||M|| <= exp(sum of g over the segment) and a token's
+contribution to H is scaled by at most exp(sum of g after it). Where that sum is below NEGLIGIBLE_LOG_DECAY = -40
+(exp(-40) = 4e-18, ten orders of magnitude under fp32 rounding) M is exactly representable as 0 and H only needs the
+chunks after that point, so per (segment, head) ``start[r, h]`` gives the token to start H from (-1: walk everything
+and compute M). FlashQLA's auto-CP cuts at -10 (4.5e-5: visible in bf16); heads with g = 0 get the full M here.
 
 Grid (V / bDV + K / bDV, Hv, segments). ``segs[s] = (start, end)``. Outputs H [S, Hv, K, V], M [S, Hv, K, K] fp32.
 """
@@ -14,6 +20,8 @@ from flashqla_kernels.gated_delta_rule.hopper._chunk_step import make_loaders
 from flashqla_kernels.gated_delta_rule.hopper._common import CHUNK, LOG2E, compile_kernel, tl_dtype
 
 C = CHUNK
+THREADS = 256
+NEGLIGIBLE_LOG_DECAY = -40.0
 
 
 def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str):
@@ -21,34 +29,41 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str)
     nV = V // bDV
     num_tokens = T.dynamic("num_tokens")
     num_segs = T.dynamic("num_segs")
-    load_qk, load_v, load_a, load_gates = make_loaders(Hv, group, K, bDV, dtype)
+    load_tile, _, _, fetch_gates, store_gates = make_loaders(K, bDV, dtype)
 
     @T.prim_func
     def gdn_segment_states(
         k: T.Tensor((num_tokens, Hk, K), dtype),
         v: T.Tensor((num_tokens, Hv, V), dtype),
-        a0: T.Tensor((num_tokens, Hv, C), dtype),
+        a0: T.Tensor((num_tokens, Hv, C), "float16"),
         gamma: T.Tensor((num_tokens, Hv), "float32"),
         beta: T.Tensor((num_tokens, Hv), "float32"),
         segs: T.Tensor((num_segs, 2), "int32"),
+        start: T.Tensor((num_segs, Hv), "int32"),
         hs: T.Tensor((num_segs, Hv, K, V), "float32"),
         ms: T.Tensor((num_segs, Hv, K, K), "float32"),
     ):
-        with T.Kernel(nV + K // bDV, Hv, num_segs, threads=128) as (bv, bh, bs):
+        with T.Kernel(nV + K // bDV, Hv, num_segs, threads=THREADS) as (bv, bh, bs):
             hk = bh // group
             is_m = bv >= nV
-            v0 = T.alloc_var("int32")
-            v0 = T.if_then_else(is_m, (bv - nV) * bDV, bv * bDV)
+            # column offset into V (state blocks) or into the identity's K columns (map blocks)
+            v0 = (bv - T.if_then_else(is_m, nV, 0)) * bDV
             s0 = T.alloc_var("int32")
             s1 = T.alloc_var("int32")
-            s0 = segs[bs, 0]
             s1 = segs[bs, 1]
+            skip = T.alloc_var("int32")
+            skip = start[bs, bh]
+            # M negligible: zero columns, no walk. H: start where earlier tokens stop mattering.
+            s0 = T.if_then_else(skip < 0, segs[bs, 0], T.if_then_else(is_m, s1, skip))
             cs = T.alloc_var("int32")
             n = T.alloc_var("int32")
+            buf = T.alloc_var("int32")
+            tx = T.get_thread_binding()
+            gnext = T.alloc_local((2,), "float32")
 
-            k_sh = T.alloc_shared((C, K), dtype)
-            v_sh = T.alloc_shared((C, bDV), dtype)
-            a_sh = T.alloc_shared((C, C), dtype)
+            k_sh = T.alloc_shared((2, C, K), dtype)
+            v_sh = T.alloc_shared((2, C, bDV), dtype)
+            a_sh = T.alloc_shared((2, C, C), "float16")
             s_sh = T.alloc_shared((K, bDV), dtype)
             w_sh = T.alloc_shared((C, bDV), dtype)
             ag_sh = T.alloc_shared((C, C), dtype)
@@ -62,34 +77,63 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str)
             vd_f = T.alloc_fragment((C, bDV), "float32")
 
             for i, j in T.Parallel(K, bDV):
-                s_f[i, j] = T.if_then_else(is_m and i == v0 + j, 1.0, 0.0)
+                s_f[i, j] = T.if_then_else(is_m and skip < 0 and i == v0 + j, 1.0, 0.0)
+            if is_m:
+                T.clear(v_sh)
+            if s1 - s0 >= C:
+                T.async_copy(k[s0:s0 + C, hk, :], k_sh[0, :, :])
+                if not is_m:
+                    T.async_copy(v[s0:s0 + C, bh, v0:v0 + bDV], v_sh[0, :, :])
+                T.async_copy(a0[s0:s0 + C, bh, :], a_sh[0, :, :])
 
+            fetch_gates(gamma, beta, gnext, s0, T.min(C, s1 - s0), bh, tx)
             for it in T.serial(T.ceildiv(s1 - s0, C)):
+                T.sync_threads()
+                buf = it % 2
                 cs = s0 + it * C
                 n = T.min(C, s1 - cs)
-                load_qk(k, k_sh, cs, n, hk)
-                if is_m:
-                    T.clear(v_sh)
-                else:
-                    load_v(v, v_sh, cs, n, bh, v0)
-                load_a(a0, a_sh, cs, n, bh)
-                load_gates(gamma, beta, g_sh, b_sh, eg_sh, er_sh, cs, n, bh)
+                if n < C:
+                    load_tile(k, k_sh, buf, cs, n, hk, 0, K)
+                    if not is_m:
+                        load_tile(v, v_sh, buf, cs, n, bh, v0, bDV)
+                    load_tile(a0, a_sh, buf, cs, n, bh, 0, C)
+                store_gates(g_sh, b_sh, gnext, tx)
+                if cs + C < s1:
+                    fetch_gates(gamma, beta, gnext, cs + C, T.min(C, s1 - cs - C), bh, tx)
+                T.sync_threads()
+                for i in T.Parallel(C):
+                    eg_sh[i] = T.exp2(g_sh[i] * LOG2E)
+                    er_sh[i] = T.exp2((g_sh[C - 1] - g_sh[i]) * LOG2E)
                 T.copy(s_f, s_sh)
+                T.ptx_wait_group(0)
+                T.fence_proxy_async()
+                T.sync_threads()
+                if cs + 2 * C <= s1:
+                    T.async_copy(k[cs + C:cs + 2 * C, hk, :], k_sh[1 - buf, :, :])
+                    if not is_m:
+                        T.async_copy(v[cs + C:cs + 2 * C, bh, v0:v0 + bDV], v_sh[1 - buf, :, :])
+                    T.async_copy(a0[cs + C:cs + 2 * C, bh, :], a_sh[1 - buf, :, :])
+
+                T.wgmma_gemm(k_sh[buf, :, :], s_sh, u_f, clear_accum=True)
                 for i, j in T.Parallel(C, C):
                     ag_sh[i, j] = T.if_then_else(
-                        j <= i, a_sh[i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E) * b_sh[j], 0.0)
-                T.fence_proxy_async()
-                T.gemm(k_sh, s_sh, u_f, clear_accum=True)
+                        j <= i, a_sh[buf, i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E) * b_sh[j], 0.0)
+                T.wait_wgmma(0)
                 for i, j in T.Parallel(C, bDV):
-                    w_sh[i, j] = v_sh[i, j] - eg_sh[i] * u_f[i, j]
+                    w_sh[i, j] = v_sh[buf, i, j] - eg_sh[i] * u_f[i, j]
                 T.fence_proxy_async()
-                T.gemm(ag_sh, w_sh, vd_f, clear_accum=True)
+                T.sync_threads()
+                T.wgmma_gemm(ag_sh, w_sh, vd_f, clear_accum=True)
+                T.wait_wgmma(0)
+                T.sync_threads()
                 for i, j in T.Parallel(C, bDV):
                     w_sh[i, j] = vd_f[i, j] * er_sh[i]
                 T.fence_proxy_async()
+                T.sync_threads()
                 for i, j in T.Parallel(K, bDV):
                     s_f[i, j] = s_f[i, j] * eg_sh[C - 1]
-                T.gemm(k_sh, w_sh, s_f, transpose_A=True)
+                T.wgmma_gemm(k_sh[buf, :, :], w_sh, s_f, transpose_A=True)
+                T.wait_wgmma(0)
 
             if is_m:
                 T.copy(s_f, ms[bs, bh, :, v0:v0 + bDV])
@@ -99,21 +143,46 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str)
     return gdn_segment_states
 
 
-def segment_states(k, v, a0, gamma, beta, segs, *, bDV: int):
-    """Each segment's map ``S_end = M S_start + H``.
+# Explicit barriers, as in the fused stage (double-buffered cp.async).
+build_segment_states.pass_configs = {"tl.disable_thread_storage_sync": True}
+
+
+def warmup_starts(gamma: torch.Tensor, pl) -> torch.Tensor:
+    """start [R, Hv] int32: per map and head, the first token whose contribution to H exceeds exp(-40) relative,
+    or -1 when the map's total decay stays above -40 (then M is needed and H walks everything).
 
     Args:
-        k: [T, Hk, K]; v: [T, Hv, V]; a0: [T, Hv, 64]; gamma, beta: [T, Hv] fp32; segs: [S, 2] int32 token ranges.
+        gamma: [T, Hv] fp32 chunk-local cumsum. pl: the Plan (map_chunks, map_of_chunk, chunk_of_map, chunks).
+    """
+    Hv = gamma.shape[1]
+    R = pl.map_chunks.shape[0]
+    chunk_total = gamma.index_select(0, pl.chunks[:, 1].long() - 1).double()  # [NC, Hv]
+    prefix = torch.cumsum(chunk_total, 0)
+    before = torch.cat([prefix.new_zeros(1, Hv), prefix[:-1]])
+    last = pl.map_chunks[:, 1].long() - 1
+    suffix = prefix[last[pl.map_of_chunk]] - before[pl.chunk_of_map]  # [M, Hv]: decay from chunk j to map end
+    cand = torch.where(suffix < NEGLIGIBLE_LOG_DECAY, pl.chunk_of_map[:, None], -1)
+    first = torch.full((R, Hv), -1, dtype=torch.long, device=gamma.device)
+    first.scatter_reduce_(0, pl.map_of_chunk[:, None].expand(-1, Hv), cand, reduce="amax")
+    tok = pl.chunks[:, 0].long()[first.clamp_min(0)]
+    return torch.where(first >= 0, tok, -1).to(torch.int32)
+
+
+def segment_states(k, v, a0, gamma, beta, pl, *, bDV: int):
+    """Each non-final segment's map ``S_end = M S_start + H``.
+
+    Args:
+        k: [T, Hk, K]; v: [T, Hv, V]; a0: [T, Hv, 64] fp16; gamma, beta: [T, Hv] fp32; pl: the Plan (its maps).
 
     Returns:
-        H [S, Hv, K, V] fp32 and M [S, Hv, K, K] fp32.
+        H [R, Hv, K, V] fp32 and M [R, Hv, K, K] fp32.
     """
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     kernel = compile_kernel(build_segment_states, Hk, Hv, K, V, bDV, tl_dtype(k.dtype))
-    S = segs.shape[0]
-    hs = torch.empty((S, Hv, K, V), dtype=torch.float32, device=k.device)
-    ms = torch.empty((S, Hv, K, K), dtype=torch.float32, device=k.device)
-    if S > 0:
-        kernel(k, v, a0, gamma, beta, segs, hs, ms)
+    R = pl.maps.shape[0]
+    hs = torch.empty((R, Hv, K, V), dtype=torch.float32, device=k.device)
+    ms = torch.empty((R, Hv, K, K), dtype=torch.float32, device=k.device)
+    if R > 0:
+        kernel(k, v, a0, gamma, beta, pl.maps, warmup_starts(gamma, pl), hs, ms)
     return hs, ms
