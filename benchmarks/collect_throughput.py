@@ -37,6 +37,23 @@ os.environ.setdefault("FLA_FLASH_QLA", "0")
 
 import torch  # noqa: E402
 
+
+def _bare_qwen_scope_package() -> None:
+    """Import ``qwen_scope.*`` submodules without running ``qwen_scope/__init__`` when an optional dependency of an
+    unrelated submodule (plotly, for the dashboards) is missing on the GPU host."""
+    import importlib.util
+    import sys
+    import types
+
+    if importlib.util.find_spec("plotly") is not None or "qwen_scope" in sys.modules:
+        return
+    package = types.ModuleType("qwen_scope")
+    package.__path__ = [str(Path(__file__).resolve().parents[1] / "qwen_scope")]
+    sys.modules["qwen_scope"] = package
+
+
+_bare_qwen_scope_package()
+
 B, T, D_SAE, K, D_MODEL, N_LAYERS, DEVICE = 8, 4096, 32768, 100, 2048, 24, "cuda"
 GDN_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
 
