@@ -171,7 +171,10 @@ def main() -> None:
     parser.add_argument("--precompile", type=int, default=0, metavar="WORKERS",
                         help="first compile every kernel variant (and the GPU tests') in this many processes")
     parser.add_argument("--precompile-only", action="store_true", help="stop after --precompile")
+    parser.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES),
+                        help="d_model x d_sae x k, comma-separated")
     args = parser.parse_args()
+    SHAPES[:] = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     configs = [tuple(int(v) for v in s.split("x")) for s in args.configs.split(",")]
     env = environment()
     print(json.dumps(env), flush=True)
