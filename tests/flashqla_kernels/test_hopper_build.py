@@ -22,7 +22,7 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not __import__(
 CORE = [
     ("prep", (16, 32, 128, "bfloat16")),
     ("fused", (16, 32, 128, 128, 128, "bfloat16", 128 ** -0.5, True)),
-    ("segment", (16, 32, 128, 128, 64, "bfloat16")),
+    ("segment", (16, 32, 128, 128, 128, "bfloat16")),
     ("scan", (32, 128, 128, True)),
 ]
 EXTRA = [

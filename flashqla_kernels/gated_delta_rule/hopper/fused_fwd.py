@@ -2,15 +2,14 @@
 parallelism) for one value head and one bDV-wide slice of V, keeping the state S [K, bDV] in registers:
 w, u, v_new and the per-chunk states never touch HBM. Writes o and, for a sequence's last segment, the final state.
 
-Latency hiding without warp specialisation: the next chunk's q/k/v/A0 tiles stream in by cp.async into the other
-half of a double buffer while this chunk computes, and the three GEMMs that only need the incoming state
-(Q K^T, K S, Q S) are issued back to back as asynchronous wgmma, the gate math running while they fly.
+Latency hiding without warp specialisation (two warpgroups share every GEMM): the next chunk's q/k/v/A0 tiles stream
+in by cp.async into the other half of a double buffer, its gates by a register prefetch, while this chunk computes;
+the GEMMs are asynchronous wgmma issued so that the chain the next chunk waits on (K S -> W -> Vd -> S update) goes
+first and Ag, Q K^T, Q S, Pg and the output GEMM fill its gaps.
 
 Grid (V / bDV, Hv, segments). ``segs[s] = (start, end, init, final)``: token range, the row of ``h_init`` to start
 from (-1: zeros) and the row of ``ht`` to write (-1: none).
 """
-import os
-
 import tilelang.language as T
 import torch
 
@@ -21,8 +20,7 @@ C = CHUNK
 THREADS = 256
 
 
-def build_fused_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool,
-                    overlap: bool = True):
+def build_fused_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool):
     group = Hv // Hk
     num_tokens = T.dynamic("num_tokens")
     num_segs = T.dynamic("num_segs")
@@ -122,72 +120,37 @@ def build_fused_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
                     T.async_copy(v[cs + C:cs + 2 * C, bh, v0:v0 + bDV], v_sh[1 - buf, :, :])
                     T.async_copy(a0[cs + C:cs + 2 * C, bh, :], a_sh[1 - buf, :, :])
 
-                if overlap:
-                    # K S first: it heads the chain K S -> W -> Vd -> S update that the next chunk waits on;
-                    # Ag, Q K^T and Q S fill the gaps
-                    T.wgmma_gemm(k_sh[buf, :, :], s_sh, u_f, clear_accum=True)
-                    T.wgmma_gemm(q_sh[buf, :, :], k_sh[buf, :, :], p_f, transpose_B=True, clear_accum=True)
-                    T.wgmma_gemm(q_sh[buf, :, :], s_sh, o_f, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        ag_sh[i, j] = T.if_then_else(
-                            j <= i, a_sh[buf, i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E) * b_sh[j], 0.0)
-                    T.wait_wgmma(2)
-                    for i, j in T.Parallel(C, bDV):
-                        w_sh[i, j] = v_sh[buf, i, j] - eg_sh[i] * u_f[i, j]
-                    T.fence_proxy_async()
-                    T.sync_threads()
-                    T.wgmma_gemm(ag_sh, w_sh, vd_f, clear_accum=True)
-                    T.wait_wgmma(2)
-                    for i, j in T.Parallel(C, C):
-                        pg_sh[i, j] = T.if_then_else(
-                            j <= i, p_f[i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E) * scale, 0.0)
-                    T.wait_wgmma(0)
-                    for i, j in T.Parallel(C, bDV):
-                        o_f[i, j] = o_f[i, j] * eg_sh[i] * scale
-                    T.copy(vd_f, vd_sh)
-                    for i, j in T.Parallel(C, bDV):
-                        vn_sh[i, j] = vd_f[i, j] * er_sh[i]
-                    for i, j in T.Parallel(K, bDV):
-                        s_f[i, j] = s_f[i, j] * eg_sh[C - 1]
-                    T.fence_proxy_async()
-                    T.sync_threads()
-                    T.wgmma_gemm(k_sh[buf, :, :], vn_sh, s_f, transpose_A=True)
-                    T.wgmma_gemm(pg_sh, vd_sh, o_f)
-                    T.wait_wgmma(0)
-                else:
-                    # three GEMMs on the incoming state, in flight together
-                    T.wgmma_gemm(q_sh[buf, :, :], k_sh[buf, :, :], p_f, transpose_B=True, clear_accum=True)
-                    T.wgmma_gemm(k_sh[buf, :, :], s_sh, u_f, clear_accum=True)
-                    T.wgmma_gemm(q_sh[buf, :, :], s_sh, o_f, clear_accum=True)
-                    T.wait_wgmma(2)
-                    # Pg = scale * Gamma * (Q K^T), Ag = Gamma * A0 * beta_col (causal)
-                    for i, j in T.Parallel(C, C):
-                        decay = T.exp2((g_sh[i] - g_sh[j]) * LOG2E)
-                        pg_sh[i, j] = T.if_then_else(j <= i, p_f[i, j] * decay * scale, 0.0)
-                        ag_sh[i, j] = T.if_then_else(j <= i, a_sh[buf, i, j] * decay * b_sh[j], 0.0)
-                    T.wait_wgmma(1)
-                    # W = V - exp(gamma) * (K S)
-                    for i, j in T.Parallel(C, bDV):
-                        w_sh[i, j] = v_sh[buf, i, j] - eg_sh[i] * u_f[i, j]
-                    T.fence_proxy_async()
-                    T.sync_threads()
-                    T.wgmma_gemm(ag_sh, w_sh, vd_f, clear_accum=True)
-                    T.wait_wgmma(0)
-                    # O = scale * exp(gamma) * (Q S); Vd and Vn = exp(gamma_C - gamma) * Vd to shared
-                    for i, j in T.Parallel(C, bDV):
-                        o_f[i, j] = o_f[i, j] * eg_sh[i] * scale
-                    T.copy(vd_f, vd_sh)
-                    # every warpgroup's Vd GEMM (reading w_sh) has completed before w_sh is overwritten
-                    T.sync_threads()
-                    for i, j in T.Parallel(C, bDV):
-                        w_sh[i, j] = vd_f[i, j] * er_sh[i]
-                    T.fence_proxy_async()
-                    T.sync_threads()
-                    T.wgmma_gemm(pg_sh, vd_sh, o_f)
-                    for i, j in T.Parallel(K, bDV):
-                        s_f[i, j] = s_f[i, j] * eg_sh[C - 1]
-                    T.wgmma_gemm(k_sh[buf, :, :], w_sh, s_f, transpose_A=True)
-                    T.wait_wgmma(0)
+                # K S first: it heads the chain K S -> W -> Vd -> S update that the next chunk waits on;
+                # Ag, Q K^T and Q S fill the gaps
+                T.wgmma_gemm(k_sh[buf, :, :], s_sh, u_f, clear_accum=True)
+                T.wgmma_gemm(q_sh[buf, :, :], k_sh[buf, :, :], p_f, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(q_sh[buf, :, :], s_sh, o_f, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    ag_sh[i, j] = T.if_then_else(
+                        j <= i, a_sh[buf, i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E) * b_sh[j], 0.0)
+                T.wait_wgmma(2)
+                for i, j in T.Parallel(C, bDV):
+                    w_sh[i, j] = v_sh[buf, i, j] - eg_sh[i] * u_f[i, j]
+                T.fence_proxy_async()
+                T.sync_threads()
+                T.wgmma_gemm(ag_sh, w_sh, vd_f, clear_accum=True)
+                T.wait_wgmma(2)
+                for i, j in T.Parallel(C, C):
+                    pg_sh[i, j] = T.if_then_else(
+                        j <= i, p_f[i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E) * scale, 0.0)
+                T.wait_wgmma(0)
+                for i, j in T.Parallel(C, bDV):
+                    o_f[i, j] = o_f[i, j] * eg_sh[i] * scale
+                T.copy(vd_f, vd_sh)
+                for i, j in T.Parallel(C, bDV):
+                    vn_sh[i, j] = vd_f[i, j] * er_sh[i]
+                for i, j in T.Parallel(K, bDV):
+                    s_f[i, j] = s_f[i, j] * eg_sh[C - 1]
+                T.fence_proxy_async()
+                T.sync_threads()
+                T.wgmma_gemm(k_sh[buf, :, :], vn_sh, s_f, transpose_A=True)
+                T.wgmma_gemm(pg_sh, vd_sh, o_f)
+                T.wait_wgmma(0)
 
                 if n == C:
                     T.copy(o_f, o[cs:cs + C, bh, v0:v0 + bDV])
@@ -219,9 +182,7 @@ def fused_fwd(q, k, v, a0, gamma, beta, h_init, segs, o, ht, *, scale: float, bD
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     store_final = ht is not None
-    overlap = os.environ.get("FLASHQLA_KERNELS_OVERLAP", "1") != "0"
-    kernel = compile_kernel(build_fused_fwd, Hk, Hv, K, V, bDV, tl_dtype(q.dtype), float(scale), store_final,
-                            overlap)
+    kernel = compile_kernel(build_fused_fwd, Hk, Hv, K, V, bDV, tl_dtype(q.dtype), float(scale), store_final)
     if ht is None:
         ht = torch.empty((1, Hv, K, V), dtype=torch.float32, device=q.device)
     kernel(q, k, v, a0, gamma, beta, h_init, segs, o, ht)
