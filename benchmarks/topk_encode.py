@@ -17,6 +17,7 @@ import argparse
 import datetime
 import importlib
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -135,6 +136,7 @@ def environment() -> dict:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = ""
+    commit = commit or os.environ.get("GIT_COMMIT", "")  # the device's copy of the tree has no git history
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     return {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
             "tilelang": tilelang.__version__, "python": platform.python_version(), "commit": commit,

@@ -116,10 +116,11 @@ def _encode_torch(x: torch.Tensor, sae, max_block_bytes: int = MAX_BLOCK_BYTES) 
 @torch.no_grad()
 def _encode_tilelang(x: torch.Tensor, sae, chunk_tokens: int = CHUNK_TOKENS, *, c: int | None = None,
                      candidates=None) -> SparseCodes:
-    """Kernel candidates + certified merge per chunk of tokens.
+    """Kernel candidates + certified merge per chunk of tokens, then one pass over the uncertain rows.
 
-    Rows the merge cannot certify are re-run through the kernel with ``4 c`` candidates per tile (few rows, so cheap),
-    and those still uncertain go to ``encode_sparse``. ``candidates`` replaces the kernel (tests pass its torch twin).
+    The chunks run without a host sync. Rows the merge cannot certify are then re-run through the kernel with ``4 c``
+    candidates per tile (few rows, so cheap), and those still uncertain go to ``encode_sparse``. ``candidates``
+    replaces the kernel (tests pass its torch twin).
     """
     candidates = candidates or hopper_topk.topk_candidates
     W_enc, k = sae.W_enc.detach().contiguous(), sae.k
@@ -127,20 +128,23 @@ def _encode_tilelang(x: torch.Tensor, sae, chunk_tokens: int = CHUNK_TOKENS, *, 
     c = c or hopper_topk.candidates_per_tile(k, W_enc.shape[0])
     values = torch.empty(x.shape[0], k, device=x.device, dtype=x.dtype)
     indices = torch.empty(x.shape[0], k, device=x.device, dtype=torch.long)
+    flagged = torch.empty(x.shape[0], device=x.device, dtype=torch.bool)
     for start in range(0, x.shape[0], chunk_tokens):
-        xc = x[start : start + chunk_tokens].contiguous()
-        v, i, flagged = hopper_topk.merge_candidates(candidates(xc, W_enc, b_enc, c), k)
-        rows = flagged.nonzero().squeeze(1)
-        wider = min(hopper_topk.BLOCK_N, 4 * c)
-        if rows.numel() and wider > c:
-            v2, i2, still = hopper_topk.merge_candidates(candidates(xc[rows], W_enc, b_enc, wider), k)
-            v[rows], i[rows] = v2, i2
-            rows = rows[still]
-        if rows.numel():
-            exact = sae.encode_sparse(xc[rows])
-            v[rows], i[rows] = exact.values.float(), exact.indices
-        values[start : start + xc.shape[0]] = v
-        indices[start : start + xc.shape[0]] = i
+        stop = min(start + chunk_tokens, x.shape[0])
+        v, i, f = hopper_topk.merge_candidates(candidates(x[start:stop].contiguous(), W_enc, b_enc, c), k)
+        values[start:stop], indices[start:stop], flagged[start:stop] = v, i, f
+    rows = flagged.nonzero().squeeze(1)
+    wider = min(hopper_topk.BLOCK_N, 4 * c)
+    if rows.numel() and wider > c:
+        still = []
+        for part in rows.split(chunk_tokens):
+            v, i, f = hopper_topk.merge_candidates(candidates(x[part], W_enc, b_enc, wider), k)
+            values[part], indices[part] = v, i
+            still.append(part[f])
+        rows = torch.cat(still)
+    for part in rows.split(chunk_tokens) if rows.numel() else ():
+        exact = sae.encode_sparse(x[part])
+        values[part], indices[part] = exact.values, exact.indices
     return SparseCodes(values, indices)
 
 

@@ -228,7 +228,11 @@ def merge_candidates(cand: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
         so the row is not certain and must be recomputed. Unflagged rows are exact (to the 2^-15 key precision).
     """
     n, n_tiles, c = cand.shape
-    top, slot = cand.reshape(n, n_tiles * c).topk(k, dim=1, sorted=True)
+    # An unsorted top-k then a sort of the k winners is cheaper than a sorted top-k (H200: 0.51 + ~0.05 vs 0.61 ms
+    # for 16384 x 1024 candidates).
+    top, slot = cand.reshape(n, n_tiles * c).topk(k, dim=1, sorted=False)
+    top, order = top.sort(dim=1, descending=True)
+    slot = slot.gather(1, order)
     column = (BLOCK_N - 1) - (top & (BLOCK_N - 1))
     indices = torch.div(slot, c, rounding_mode="floor") * BLOCK_N + column.long()
     values = (top & -(1 << _LOW_BITS)).view(torch.float32)
