@@ -72,6 +72,12 @@ def test_torch_backend_row_blocks_bound_memory_and_agree_to_fp32_rounding():
     assert (got.values - ref.values).abs().max() <= 1e-5 * ref.values.abs().max()
 
 
+def test_package_exports_the_function():
+    import saes
+
+    assert saes.fused_encode is fe.fused_encode and "fused_encode" in saes.__all__
+
+
 def test_cpu_input_falls_back_to_torch_and_tilelang_request_explains_why():
     sae, x = _sae(), torch.randn(4, 64)
     assert "CUDA" in fe.unsupported_reason(x, sae)
