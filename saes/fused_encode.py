@@ -4,12 +4,13 @@ Two backends, one result (``SparseCodes`` equal to ``TopKSAE.encode_sparse`` up 
 
 - ``"tilelang"`` (Hopper, sm_90): ``saes.hopper_topk`` computes the matmul with the ReLU and a per-tile top-c in the
   epilogue, writing ``c`` candidates per 256 features instead of 256 pre-activations; a small torch pass merges them
-  into the top-k and recomputes the rare rows it cannot certify (see ``hopper_topk.merge_candidates``). Values are the
+  into the top-k, re-runs the rare rows it cannot certify through the kernel with ``4 c`` candidates and hands any
+  still uncertain to ``encode_sparse`` (see ``hopper_topk.merge_candidates``). Values are the
   fp32-accumulated pre-activations (the default fp32 compute of ``TopKSAE``) with the 8 low mantissa bits cleared,
   returned in ``x.dtype``; features whose pre-activations agree to 2^-15 relative count as ties. No gradients.
 - ``"torch"`` (any device): ``encode_sparse`` over row blocks, so the pre-activations never take more than
   ``max_block_bytes`` at a time; bit-for-bit ``encode_sparse`` when the input fits one block, else equal to the last
-  fp32 bits (BLAS may round a row differently inside a smaller matmul).
+  fp32 bits (BLAS may round a row differently inside a smaller matmul). Inference only: no gradients either way.
 
 ``backend=None`` picks ``"tilelang"`` where ``unsupported_reason`` returns None, else ``"torch"``;
 ``explain_backend`` says which and why.
