@@ -94,6 +94,13 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
 
     B, Tn, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
+    if Tn == 0:
+        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        ht = None
+        if output_final_state:
+            ht = (initial_state.to(torch.float32).clone() if initial_state is not None
+                  else torch.zeros((N, Hv, K, V), dtype=torch.float32, device=q.device))
+        return v.new_empty(v.shape), ht
     scale = K ** -0.5 if scale is None else float(scale)
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
