@@ -12,15 +12,15 @@ padded row contributes exactly zero and Gamma never exceeds 1.
 """
 import tilelang.language as T
 
-from flashqla_kernels.gated_delta_rule.hopper._common import CHUNK, LOG2E
+from flashqla_kernels.gated_delta_rule.hopper._common import CHUNK
 
 C = CHUNK
 
 
 def make_loaders(K: int, bDV: int, dtype: str):
-    """Macros: ``load_tile`` (masked, synchronous: the ragged tail chunk), ``load_gates`` (gamma padded with its last
-    valid value, beta zero-padded) and ``decays`` (exp(gamma), exp(gamma_C - gamma); needs a barrier after
-    ``load_gates``)."""
+    """Macros: ``load_tile`` (masked, synchronous: the ragged tail chunk), ``fetch_gates`` (register prefetch of one
+    chunk's gamma, padded with its last valid value, and beta, zero-padded; issued a chunk step before use) and
+    ``store_gates`` (those registers to shared memory)."""
 
     @T.macro
     def load_tile(x, x_sh, buf, cs, n, head, col0, width):
@@ -29,14 +29,7 @@ def make_loaders(K: int, bDV: int, dtype: str):
                                              T.cast(0, x_sh.dtype))
 
     @T.macro
-    def load_gates(gamma, beta, g_sh, b_sh, cs, n, bh):
-        for i in T.Parallel(C):
-            g_sh[i] = gamma[cs + T.min(i, n - 1), bh]
-            b_sh[i] = T.if_then_else(i < n, beta[T.min(cs + i, cs + n - 1), bh], 0.0)
-
-    @T.macro
     def fetch_gates(gamma, beta, gnext, cs, n, bh, tx):
-        # register prefetch, issued a whole chunk step before the values are stored (the load is not waited on)
         if tx < C:
             gnext[0] = gamma[cs + T.min(tx, n - 1), bh]
             gnext[1] = T.if_then_else(tx < n, beta[T.min(cs + tx, cs + n - 1), bh], 0.0)
@@ -47,10 +40,4 @@ def make_loaders(K: int, bDV: int, dtype: str):
             g_sh[tx] = gnext[0]
             b_sh[tx] = gnext[1]
 
-    @T.macro
-    def decays(g_sh, eg_sh, er_sh):
-        for i in T.Parallel(C):
-            eg_sh[i] = T.exp2(g_sh[i] * LOG2E)
-            er_sh[i] = T.exp2((g_sh[C - 1] - g_sh[i]) * LOG2E)
-
-    return load_tile, load_gates, decays, fetch_gates, store_gates
+    return load_tile, fetch_gates, store_gates

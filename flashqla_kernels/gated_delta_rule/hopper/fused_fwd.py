@@ -26,7 +26,7 @@ def build_fused_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
     num_segs = T.dynamic("num_segs")
     num_init = T.dynamic("num_init")
     num_final = T.dynamic("num_final")
-    load_tile, _, _, fetch_gates, store_gates = make_loaders(K, bDV, dtype)
+    load_tile, fetch_gates, store_gates = make_loaders(K, bDV, dtype)
 
     @T.prim_func
     def gdn_fused_fwd(

@@ -29,7 +29,7 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str)
     nV = V // bDV
     num_tokens = T.dynamic("num_tokens")
     num_segs = T.dynamic("num_segs")
-    load_tile, _, _, fetch_gates, store_gates = make_loaders(K, bDV, dtype)
+    load_tile, fetch_gates, store_gates = make_loaders(K, bDV, dtype)
 
     @T.prim_func
     def gdn_segment_states(
