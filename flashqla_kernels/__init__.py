@@ -7,10 +7,15 @@ Example:
     >>> o, state = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, output_final_state=True)
     >>> with patched_transformers():
     ...     out = model.generate(ids)
+    >>> with patched_transformers(fused_layer=True):   # the whole GDN layer on the fused path
+    ...     logits = model(ids, use_cache=False).logits
 """
 from flashqla_kernels.gated_delta_rule import (
     chunk_gated_delta_rule, chunk_gated_delta_rule_ref, explain_backend, recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_ref,
+)
+from flashqla_kernels.gdn_layer import (
+    gdn_layer_forward, patch_gdn_layers, patched_gdn_layers, unpatch_gdn_layers,
 )
 from flashqla_kernels.patch import is_patched, patch_transformers, patched_transformers, unpatch_transformers
 
@@ -18,4 +23,5 @@ __all__ = [
     "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "explain_backend",
     "chunk_gated_delta_rule_ref", "recurrent_gated_delta_rule_ref",
     "patch_transformers", "unpatch_transformers", "patched_transformers", "is_patched",
+    "gdn_layer_forward", "patch_gdn_layers", "unpatch_gdn_layers", "patched_gdn_layers",
 ]

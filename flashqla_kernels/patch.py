@@ -10,6 +10,10 @@ GVA inputs for our op (ratio 1, or Hv/Hk), so no version switch is needed. Extra
 (``use_cache``, ``chunk_size``...) are accepted and ignored; ``cu_seqlens`` is honoured (transformers' own torch
 fallback rejects it).
 
+``fused_layer=True`` also replaces the GDN layers' whole forward with the fused layer path
+(``flashqla_kernels.gdn_layer``: token-major conv + gates + l2norm, our op, gated RMSNorm); its fallback for calls it
+does not handle is transformers' forward, which then runs the patched op.
+
 Patching is explicit, idempotent and restorable: importing this module changes nothing.
 """
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 
 from flashqla_kernels.gated_delta_rule.api import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from flashqla_kernels.gdn_layer import patch as _layer_patch
 
 __all__ = ["patch_transformers", "unpatch_transformers", "patched_transformers", "is_patched", "MODULES"]
 
@@ -76,7 +81,8 @@ def _import(name: str):
         return None
 
 
-def patch_transformers(backend: str | None = None, model: torch.nn.Module | None = None) -> list[str]:
+def patch_transformers(backend: str | None = None, model: torch.nn.Module | None = None,
+                       fused_layer: bool = False) -> list[str]:
     """Route the GDN layers of transformers' Qwen3-Next / Qwen3.5 / Qwen3.5-MoE onto ``chunk_gated_delta_rule`` and
     ``recurrent_gated_delta_rule``.
 
@@ -84,6 +90,8 @@ def patch_transformers(backend: str | None = None, model: torch.nn.Module | None
         backend: passed to our op on every call: None (automatic: TileLang kernels on sm_90 CUDA tensors without
             grad, else torch), "torch" or "tilelang".
         model: optional model whose GDN layers hold the functions as instance attributes (transformers < 5.15).
+        fused_layer: also run the GDN layers' whole forward on the fused layer path (``patch_gdn_layers``);
+            False leaves a fused-layer patch made earlier in place (``unpatch_transformers`` removes both).
 
     Returns:
         The patched targets, e.g. ``["transformers.models.qwen3_5.modeling_qwen3_5.torch_chunk_gated_delta_rule",
@@ -109,6 +117,8 @@ def patch_transformers(backend: str | None = None, model: torch.nn.Module | None
             patched.append(f"{name}.{attr}")
     if model is not None:
         patched += _patch_instances(model, backend)
+    if fused_layer:
+        patched += _layer_patch.patch_gdn_layers(backend)
     if not patched:
         raise RuntimeError("patch_transformers found nothing to patch: this transformers version has no "
                            f"{'/'.join(_GLOBALS)} globals in {', '.join(MODULES)}; for transformers < 5.15 pass "
@@ -145,12 +155,12 @@ def unpatch_transformers() -> list[str]:
         restored.append(f"{type(module).__name__}.{attr}")
     _saved_globals.clear()
     _saved_attrs.clear()
-    return restored
+    return restored + _layer_patch.unpatch_gdn_layers()
 
 
 def is_patched() -> bool:
-    """Whether any transformers function currently points at our op."""
-    return bool(_saved_globals or _saved_attrs)
+    """Whether any transformers function currently points at our op (or a GDN forward at the fused layer)."""
+    return bool(_saved_globals or _saved_attrs) or _layer_patch.gdn_layers_patched()
 
 
 def _current_backend() -> str | None:
@@ -162,19 +172,22 @@ def _current_backend() -> str | None:
 
 
 @contextlib.contextmanager
-def patched_transformers(backend: str | None = None, model: torch.nn.Module | None = None) -> Iterator[list[str]]:
+def patched_transformers(backend: str | None = None, model: torch.nn.Module | None = None,
+                         fused_layer: bool = False) -> Iterator[list[str]]:
     """Context manager form of ``patch_transformers``; on exit restores exactly the state found on entry
-    (unpatched, or patched with the backend in force before).
+    (unpatched, or patched with the backend in force before, with or without the fused layer).
 
     Example:
         >>> with patched_transformers(backend="torch"):
         ...     logits = model(ids).logits
     """
-    was_patched, previous = is_patched(), _current_backend()
+    ops_were_patched, previous = bool(_saved_globals or _saved_attrs), _current_backend()
+    layer_was_patched, previous_layer = _layer_patch.gdn_layers_patched(), _layer_patch._current_backend()
     try:
-        yield patch_transformers(backend, model)
+        yield patch_transformers(backend, model, fused_layer)
     finally:
-        if was_patched:
+        unpatch_transformers()
+        if ops_were_patched:
             patch_transformers(previous, model)
-        else:
-            unpatch_transformers()
+        if layer_was_patched:
+            _layer_patch.patch_gdn_layers(previous_layer)

@@ -1,0 +1,20 @@
+"""The whole Gated DeltaNet layer on fused stages: token-major conv + SiLU + split + l2norm + gates, our chunk op,
+gated RMSNorm; a restorable patch of transformers' Qwen3-Next / Qwen3.5 / Qwen3.5-MoE GDN layer forward.
+
+Importing this package touches neither CUDA nor tilelang, and patches nothing.
+
+Example:
+    >>> from flashqla_kernels.gdn_layer import patched_gdn_layers
+    >>> with patched_gdn_layers():
+    ...     logits = model(ids, use_cache=False).logits
+"""
+from flashqla_kernels.gdn_layer.layer import gdn_layer_forward, layer_unsupported_reason
+from flashqla_kernels.gdn_layer.ops import conv_qkv_gates, gated_norm, glue_kernel_reason
+from flashqla_kernels.gdn_layer.patch import (
+    gdn_layers_patched, patch_gdn_layers, patched_gdn_layers, unpatch_gdn_layers,
+)
+
+__all__ = [
+    "gdn_layer_forward", "layer_unsupported_reason", "conv_qkv_gates", "gated_norm", "glue_kernel_reason",
+    "patch_gdn_layers", "unpatch_gdn_layers", "patched_gdn_layers", "gdn_layers_patched",
+]

@@ -1,0 +1,122 @@
+"""The whole Gated DeltaNet layer of transformers' Qwen3.5 / Qwen3.5-MoE / Qwen3-Next on the fused path.
+
+``gdn_layer_forward(layer, hidden_states, cache, attention_mask)`` computes what the layer's own ``forward`` does
+(transformers 5.17-5.24, §2 of the transformers-gdn reference) with the token-major glue stages of ``ops`` and our
+public chunk / recurrent op, reading and writing the model's hybrid cache through its public API
+(``get/update_conv_state``, ``get/update_recurrent_state``) so the cache stays interchangeable with transformers'
+own path (conv state [B, C, Kc] in the model dtype, recurrent state [B, Hv, K, V] fp32).
+
+``layer_unsupported_reason`` says when the fused path must not run; the patch then calls transformers' forward.
+Cases handled: prefill with or without a cache, prefill continuation (a multi-token step after a cached prefix),
+the T = 1 decode step, 2-D padding masks (zeroed inputs, as transformers does). Not handled (fallback):
+packed sequences (``cu_seq_lens_q`` kwargs), caches recording the past for ``crop`` (speculative decoding),
+accelerate offload hooks on ``conv1d``, activations other than SiLU, and unknown GDN module layouts.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flashqla_kernels.gated_delta_rule.api import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from flashqla_kernels.gdn_layer import ops
+
+__all__ = ["gdn_layer_forward", "layer_unsupported_reason", "project"]
+
+
+def layer_unsupported_reason(layer: torch.nn.Module, cache: Any = None, kwargs: dict | None = None) -> str | None:
+    """Why ``gdn_layer_forward`` cannot run this call of ``layer``, or None.
+
+    Args:
+        layer: a transformers GDN module. cache: the call's cache (or None). kwargs: the call's extra kwargs.
+
+    Returns:
+        A sentence naming the unsupported feature, or None.
+    """
+    kwargs = kwargs or {}
+    if not (hasattr(layer, "in_proj_qkv") or hasattr(layer, "in_proj_qkvz")):
+        return f"{type(layer).__name__} has neither in_proj_qkv (Qwen3.5) nor in_proj_qkvz (Qwen3-Next)"
+    if getattr(layer, "activation", "silu") not in ("silu", "swish"):
+        return f"conv activation {layer.activation!r} is not SiLU"
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seqlens") is not None:
+        return "packed sequences (cu_seq_lens_q) are not handled by the fused layer"
+    if getattr(layer.conv1d, "_hf_hook", None) is not None:
+        return "conv1d carries an accelerate hook (offloading); transformers' forward fires it"
+    if cache is not None and hasattr(cache, "is_recording_past") and cache.is_recording_past(layer.layer_idx):
+        return "the cache records the past for crop(); transformers' forward keeps the full conv history"
+    return None
+
+
+def project(layer: torch.nn.Module, h: torch.Tensor):
+    """The input projections in token-major layout.
+
+    Args:
+        layer: the GDN module. h: [B, T, d_model].
+
+    Returns:
+        (qkv [B, T, 2*Hk*K + Hv*V] in [q | k | v] order, z [B, T, Hv*V], b [B, T, Hv], a [B, T, Hv]).
+        Qwen3.5 projections come out in this order already; Qwen3-Next's per-key-head grouped ones are regrouped
+        (one copy of qkv, as transformers does).
+    """
+    B, T, _ = h.shape
+    if hasattr(layer, "in_proj_qkv"):
+        return layer.in_proj_qkv(h), layer.in_proj_z(h), layer.in_proj_b(h), layer.in_proj_a(h)
+    q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(h), layer.in_proj_ba(h))
+    qkv = torch.cat([x.reshape(B, T, -1) for x in (q, k, v)], dim=-1)
+    return qkv, z.reshape(B, T, -1), b, a
+
+
+def _conv_prefix(conv_state: torch.Tensor | None, Kc: int) -> torch.Tensor | None:
+    """The Kc-1 tokens before this step, token-major [B, Kc-1, C], from the cache's [B, C, >=Kc] conv state."""
+    if conv_state is None or Kc == 1:
+        return None
+    return conv_state[..., -(Kc - 1):].transpose(1, 2)
+
+
+def gdn_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, cache: Any = None,
+                      attention_mask: torch.Tensor | None = None, *, backend: str | None = None) -> torch.Tensor:
+    """The GDN layer's forward on the fused path (same result as the layer's own forward).
+
+    Args:
+        layer: a ``Qwen3_5GatedDeltaNet`` / ``Qwen3_5MoeGatedDeltaNet`` / ``Qwen3NextGatedDeltaNet``.
+        hidden_states: [B, T, d_model] (the input norm's output).
+        cache: the model's hybrid cache (``DynamicCache`` / ``StaticCache``) or None (no state kept).
+        attention_mask: 2-D [B, T] padding mask (1 = token) or None.
+        backend: None (kernels where they run, else torch), "torch" or "tilelang"; for the glue and the chunk op.
+
+    Returns:
+        [B, T, d_model] in hidden_states' dtype. With a cache, its conv and recurrent states are updated.
+
+    Example:
+        >>> out = gdn_layer_forward(model.model.layers[0].linear_attn, h, cache=None)
+    """
+    if attention_mask is not None and attention_mask.dim() == 2:
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    B, T, _ = hidden_states.shape
+    Hk, K, Hv, V = layer.num_k_heads, layer.head_k_dim, layer.num_v_heads, layer.head_v_dim
+    Kc, idx = layer.conv_kernel_size, layer.layer_idx
+    conv_state = recurrent_state = None
+    if cache is not None:
+        conv_state = cache.get_conv_state(idx, state_idx=0)
+        recurrent_state = cache.get_recurrent_state(idx, state_idx=0)
+
+    qkv, z, b, a = project(layer, hidden_states)
+    q, k, v, g, beta = ops.conv_qkv_gates(qkv, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, a, b,
+                                          layer.A_log, layer.dt_bias, Hk=Hk, K=K, Hv=Hv, V=V,
+                                          prefix=_conv_prefix(conv_state, Kc), backend=backend)
+    if cache is not None:
+        # The cache appends the newest tokens to its state (or left-pads a fresh one) and keeps the last Kc.
+        cache.update_conv_state(qkv[:, -Kc:].transpose(1, 2), idx, conv_kernel_size=Kc)
+
+    op = recurrent_gated_delta_rule if (recurrent_state is not None and T == 1) else chunk_gated_delta_rule
+    o, final_state = op(q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,
+                        use_qk_l2norm_in_kernel=False, backend=backend)
+    if cache is not None:
+        cache.update_recurrent_state(final_state, idx)
+
+    if layer.norm._forward_hooks or layer.norm._forward_pre_hooks:
+        # Someone observes the norm: call the module so their hooks see transformers' [B*T*Hv, V] tensors.
+        y = layer.norm(o.reshape(-1, V), z.reshape(-1, V))
+    else:
+        y = ops.gated_norm(o, z, layer.norm.weight, layer.norm.variance_epsilon, backend=backend)
+    return layer.out_proj(y.reshape(B, T, Hv * V))

@@ -1,0 +1,89 @@
+"""The GDN layer's two glue stages with backend dispatch: TileLang kernels for CUDA sm_90 tensors, torch elsewhere.
+
+``conv_qkv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates) and ``gated_norm`` (gated RMSNorm) have one
+signature each across the torch formulation (``torch_path``) and the kernels (``hopper``). ``backend=None`` picks the
+kernels when ``glue_kernel_reason`` returns None, else torch; ``"torch"`` forces torch; ``"tilelang"`` forces the
+kernels or raises the reason. Importing this module touches neither CUDA nor tilelang.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from flashqla_kernels.gdn_layer import torch_path
+
+__all__ = ["conv_qkv_gates", "gated_norm", "glue_kernel_reason", "KERNEL_DTYPES"]
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+_HOPPER = "flashqla_kernels.gdn_layer.hopper"
+
+
+def glue_kernel_reason(*tensors: torch.Tensor | None) -> str | None:
+    """Why the glue kernels cannot run on these tensors, or None when they can.
+
+    Args:
+        tensors: the stage's activations (the first one's dtype decides; None entries are skipped).
+
+    Returns:
+        A sentence naming what is unsupported, or None.
+    """
+    xs = [x for x in tensors if x is not None]
+    x = xs[0]
+    if not all(t.is_cuda for t in xs):
+        return f"tensors are on {x.device}; the glue kernels run on CUDA tensors (sm_90) only"
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if (major, minor) != (9, 0):
+        return f"the glue kernels need an sm_90 GPU; {torch.cuda.get_device_name(x.device)} is sm_{major}{minor}"
+    if x.dtype not in KERNEL_DTYPES:
+        return f"activation dtype {x.dtype} unsupported by the glue kernels (bfloat16/float16 only)"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in xs):
+        return "an input requires grad and the glue kernels are forward-only"
+    return None
+
+
+def _use_kernels(backend: str | None, stage: str, *tensors) -> bool:
+    if backend not in (None, "torch", "tilelang"):
+        raise ValueError(f"backend must be one of None, 'torch', 'tilelang'; got {backend!r}")
+    if backend == "torch":
+        return False
+    reason = glue_kernel_reason(*tensors)
+    if reason is not None and backend == "tilelang":
+        raise ValueError(f"backend='tilelang' cannot run the {stage} kernel: {reason}. Pass backend=None to fall "
+                         "back to the torch formulation automatically.")
+    return reason is None
+
+
+def conv_qkv_gates(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
+                   b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, Hk: int, K: int, Hv: int, V: int,
+                   prefix: torch.Tensor | None = None, backend: str | None = None):
+    """Causal conv1d + SiLU + split + q/k l2norm + gates, token-major. Args/Returns as
+    ``torch_path.conv_split_l2norm_gates`` (q, k, v contiguous in qkv's dtype; g, beta fp32).
+
+    Example:
+        >>> q, k, v, g, beta = conv_qkv_gates(layer.in_proj_qkv(h), layer.conv1d.weight.squeeze(1), None,
+        ...                                   layer.in_proj_a(h), layer.in_proj_b(h), layer.A_log, layer.dt_bias,
+        ...                                   Hk=16, K=128, Hv=32, V=128)
+    """
+    if _use_kernels(backend, "conv_qkv_gates", qkv, a, b):
+        hopper = importlib.import_module(_HOPPER)
+        return hopper.conv_qkv_gates_fwd(qkv, weight, bias, a, b, A_log, dt_bias, Hk=Hk, K=K, Hv=Hv, V=V,
+                                         prefix=prefix)
+    return torch_path.conv_split_l2norm_gates(qkv, weight, bias, a, b, A_log, dt_bias, Hk=Hk, K=K, Hv=Hv, V=V,
+                                              prefix=prefix)
+
+
+def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *,
+               backend: str | None = None) -> torch.Tensor:
+    """Gated RMSNorm ``o * rsqrt(mean(o^2) + eps) * weight * silu(z)`` with fp32 math.
+
+    Args:
+        o: [B, T, Hv, V]. z: [B, T, Hv*V] or [B, T, Hv, V]. weight: [V]. eps: float. backend: see module doc.
+
+    Returns:
+        [B, T, Hv, V] in o's dtype.
+    """
+    if _use_kernels(backend, "gated_norm", o, z):
+        hopper = importlib.import_module(_HOPPER)
+        return hopper.gated_rms_norm_fwd(o, z, weight, eps)
+    return torch_path.gated_rms_norm(o, z, weight, eps)

@@ -1,0 +1,133 @@
+"""Put the GDN layers' whole forward on the fused path, and take it off again.
+
+``patch_gdn_layers()`` replaces ``forward`` on the GDN classes of transformers' Qwen3-Next, Qwen3.5 and Qwen3.5-MoE
+(every model of those families, including models built later). The replacement accepts the layer's call in
+every 5.17-5.24 spelling (``cache_params=`` up to 5.23, ``cache=`` from 5.24) and hands the call back to
+transformers' own forward whenever ``layer_unsupported_reason`` names a reason (see ``layer``), so it composes with
+the op patch of ``flashqla_kernels.patch``: the fallback runs whatever chunk / recurrent functions are patched in.
+
+Explicit, idempotent and restorable: importing this module changes nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+from flashqla_kernels.gdn_layer.layer import gdn_layer_forward, layer_unsupported_reason
+
+__all__ = ["patch_gdn_layers", "unpatch_gdn_layers", "patched_gdn_layers", "gdn_layers_patched", "GDN_CLASSES"]
+
+GDN_CLASSES = (
+    ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),
+    ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet"),
+    ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
+)
+_MARK = "_flashqla_fused_backend"
+_saved: dict[tuple[str, str], Any] = {}
+
+
+def _cache_kwarg(original) -> str:
+    """The cache argument's name in transformers' forward: "cache" (5.24+) or "cache_params" (<= 5.23)."""
+    return "cache" if "cache" in inspect.signature(original).parameters else "cache_params"
+
+
+def _make_forward(original, backend: str | None):
+    cache_name = _cache_kwarg(original)
+
+    def forward(self, hidden_states, cache=None, attention_mask=None, cache_params=None, **kwargs):
+        cache = cache if cache is not None else cache_params
+        if layer_unsupported_reason(self, cache, kwargs) is not None:
+            return original(self, hidden_states, attention_mask=attention_mask, **{cache_name: cache}, **kwargs)
+        return gdn_layer_forward(self, hidden_states, cache, attention_mask, backend=backend)
+
+    forward.__doc__ = f"flashqla_kernels fused GDN layer (backend={backend!r}); falls back to transformers' forward."
+    forward.__wrapped__ = original
+    setattr(forward, _MARK, backend)
+    return forward
+
+
+def _load(module_name: str, class_name: str):
+    try:
+        return getattr(importlib.import_module(module_name), class_name, None)
+    except ImportError:  # this transformers version lacks the family
+        return None
+
+
+def patch_gdn_layers(backend: str | None = None) -> list[str]:
+    """Run the GDN layers of Qwen3-Next / Qwen3.5 / Qwen3.5-MoE on the fused layer path.
+
+    Args:
+        backend: None (TileLang kernels for CUDA sm_90 tensors, torch elsewhere), "torch" or "tilelang";
+            used for the glue stages and the chunk op.
+
+    Returns:
+        The patched targets, e.g. ``["transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet.forward"]``.
+        Calling again re-points them; the originals saved first stay saved.
+
+    Example:
+        >>> patch_gdn_layers()
+        >>> logits = model(ids, use_cache=False).logits
+        >>> unpatch_gdn_layers()
+    """
+    if backend not in (None, "torch", "tilelang"):
+        raise ValueError(f"backend must be one of None, 'torch', 'tilelang'; got {backend!r}")
+    patched = []
+    for module_name, class_name in GDN_CLASSES:
+        cls = _load(module_name, class_name)
+        if cls is None:
+            continue
+        current = cls.__dict__["forward"]
+        if not hasattr(current, _MARK):
+            _saved[(module_name, class_name)] = current
+        cls.forward = _make_forward(_saved[(module_name, class_name)], backend)
+        patched.append(f"{module_name}.{class_name}.forward")
+    if not patched:
+        raise RuntimeError("patch_gdn_layers found no GDN class to patch in "
+                           f"{', '.join(m for m, _ in GDN_CLASSES)}; transformers >= 5.17 is needed")
+    return patched
+
+
+def unpatch_gdn_layers() -> list[str]:
+    """Restore transformers' own GDN forwards. Safe to call when nothing is patched.
+
+    Returns:
+        The restored targets.
+    """
+    restored = []
+    for (module_name, class_name), original in _saved.items():
+        _load(module_name, class_name).forward = original
+        restored.append(f"{module_name}.{class_name}.forward")
+    _saved.clear()
+    return restored
+
+
+def gdn_layers_patched() -> bool:
+    """Whether any GDN class currently runs the fused forward."""
+    return bool(_saved)
+
+
+def _current_backend() -> str | None:
+    for module_name, class_name in _saved:
+        return getattr(_load(module_name, class_name).forward, _MARK, None)
+    return None
+
+
+@contextlib.contextmanager
+def patched_gdn_layers(backend: str | None = None) -> Iterator[list[str]]:
+    """Context manager form of ``patch_gdn_layers``; on exit restores the state found on entry.
+
+    Example:
+        >>> with patched_gdn_layers(backend="torch"):
+        ...     out = model.generate(ids, max_new_tokens=8)
+    """
+    was, previous = gdn_layers_patched(), _current_backend()
+    try:
+        yield patch_gdn_layers(backend)
+    finally:
+        if was:
+            patch_gdn_layers(previous)
+        else:
+            unpatch_gdn_layers()

@@ -1,0 +1,113 @@
+"""The GDN layer's glue in token-major torch: the formulation the Hopper glue kernels implement, and the fallback.
+
+Every stage works on the projections' own layout, [B, T, C] (token-major), so nothing is transposed to
+channels-first and no whole tensor makes an fp32 round trip through memory beyond what one fused kernel would do:
+
+    conv:   y[b, t, c] = silu(sum_j w[c, j] x[b, t - (Kc-1) + j, c] + bias[c])      (x before t: the conv state)
+    split:  q, k = y[..., :Hk*K], y[..., Hk*K:2*Hk*K] -> [B, T, Hk, K], l2-normalised (eps 1e-6, fp32 math)
+            v    = y[..., 2*Hk*K:]                    -> [B, T, Hv, V]
+    gates:  g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)               (fp32, [B, T, Hv])
+    norm:   out = o * rsqrt(mean(o^2) + eps) * weight * silu(z)                      (fp32 math, o's dtype out)
+
+Compute: fp32 (fp64 for fp64 inputs); outputs in the input dtype except the gates (fp32, as the op wants them).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["causal_conv1d_silu", "conv_split_l2norm_gates", "gdn_gates", "gated_rms_norm", "l2norm_fp32"]
+
+
+def _math_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def causal_conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       prefix: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal depthwise conv1d + SiLU on the token-major layout.
+
+    Args:
+        x: [B, T, C]. weight: [C, Kc] (``conv1d.weight.squeeze(1)``). bias: [C] or None.
+        prefix: [B, Kc-1, C] the tokens before x (from the conv state), or None for zeros (a fresh sequence).
+
+    Returns:
+        [B, T, C] in x's dtype.
+    """
+    B, T, C = x.shape
+    Kc = weight.shape[-1]
+    dt = _math_dtype(x)
+    if prefix is None:
+        xp = F.pad(x, (0, 0, Kc - 1, 0))
+    else:
+        xp = torch.cat([prefix.to(x.dtype), x], dim=1)
+    w = weight.to(dt)
+    acc = xp[:, 0:T].to(dt) * w[:, 0]
+    for j in range(1, Kc):
+        acc = acc + xp[:, j:j + T].to(dt) * w[:, j]
+    if bias is not None:
+        acc = acc + bias.to(dt)
+    return F.silu(acc).to(x.dtype)
+
+
+def l2norm_fp32(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2, -1) + eps)`` in fp32 (fp64 for fp64), returned in x's dtype (as FLA and transformers)."""
+    xf = x.to(_math_dtype(x))
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decay and write gates from the raw projections.
+
+    Args:
+        a, b: [B, T, Hv] outputs of ``in_proj_a`` / ``in_proj_b``. A_log, dt_bias: [Hv].
+
+    Returns:
+        (g [B, T, Hv] = -exp(A_log) * softplus(a + dt_bias), beta [B, T, Hv] = sigmoid(b)), both fp32 (fp64 for fp64).
+    """
+    dt = _math_dtype(a)
+    g = -A_log.to(dt).exp() * F.softplus(a.to(dt) + dt_bias.to(dt))
+    return g, torch.sigmoid(b.to(dt))
+
+
+def conv_split_l2norm_gates(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,
+                            Hk: int, K: int, Hv: int, V: int, prefix: torch.Tensor | None = None):
+    """Everything between the input projections and the chunk op, token-major.
+
+    Args:
+        qkv: [B, T, C] with C = 2*Hk*K + Hv*V in the order [q | k | v] (``in_proj_qkv``'s output).
+        weight: [C, Kc] conv weight; bias: [C] or None. a, b: [B, T, Hv]; A_log, dt_bias: [Hv].
+        Hk, K, Hv, V: head counts and dims. prefix: [B, Kc-1, C] tokens before qkv (conv state) or None.
+
+    Returns:
+        (q [B, T, Hk, K] l2-normalised, k [B, T, Hk, K] l2-normalised, v [B, T, Hv, V] (qkv's dtype),
+        g [B, T, Hv] fp32, beta [B, T, Hv] fp32).
+    """
+    B, T, C = qkv.shape
+    if C != 2 * Hk * K + Hv * V:
+        raise ValueError(f"qkv has {C} channels; expected 2*Hk*K + Hv*V = {2 * Hk * K + Hv * V} "
+                         f"for Hk={Hk}, K={K}, Hv={Hv}, V={V}")
+    y = causal_conv1d_silu(qkv, weight, bias, prefix)
+    q, k, v = torch.split(y, [Hk * K, Hk * K, Hv * V], dim=-1)
+    q = l2norm_fp32(q.reshape(B, T, Hk, K))
+    k = l2norm_fp32(k.reshape(B, T, Hk, K))
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    return q, k, v.reshape(B, T, Hv, V), g, beta
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``Qwen3*RMSNormGated`` with fp32 math end to end: ``o * rsqrt(mean(o^2) + eps) * w * silu(z)``.
+
+    Args:
+        o: [..., V] (the chunk op's output). z: same shape as o, or any shape with the same number of elements
+        (e.g. [B, T, Hv*V]). weight: [V]. eps: the model's ``rms_norm_eps``.
+
+    Returns:
+        o's shape and dtype.
+    """
+    dt = _math_dtype(o)
+    of = o.to(dt)
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)
+    return (of * weight.to(dt) * F.silu(z.reshape(o.shape).to(dt))).to(o.dtype)

@@ -1,0 +1,225 @@
+"""The fused GDN layer's torch formulation against transformers' own layer forward, on tiny models of every hybrid
+family (fp32, tight): prefill across a chunk boundary, prefill continuation and decode with the model's cache,
+padding masks, patched greedy generation, the fallback cases, and unpatching."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from flashqla_kernels.gdn_layer import gdn_layer_forward, layer_unsupported_reason, patched_gdn_layers
+from flashqla_kernels.gdn_layer import patch as gdn_patch
+from flashqla_kernels.gdn_layer import torch_path
+from tests.factories import HYBRID_FAMILIES, tiny_model
+
+ATOL = 2e-5
+
+
+def _text_model(model):
+    inner = model.model
+    return getattr(inner, "language_model", inner)
+
+
+def _gdn(model):
+    return next(layer.linear_attn for layer in _text_model(model).layers if hasattr(layer, "linear_attn"))
+
+
+def _cache(model):
+    return DynamicCache(config=model.config.get_text_config(decoder=True))
+
+
+def _spread_params(layer):
+    """Non-trivial conv bias-free weights, gates and norm weight so every term of the layer matters."""
+    with torch.no_grad():
+        layer.A_log.uniform_(-2, 1)
+        layer.dt_bias.normal_(0, 0.5)
+        layer.norm.weight.normal_(1, 0.2)
+
+
+@pytest.fixture(autouse=True)
+def _always_unpatched():
+    yield
+    gdn_patch.unpatch_gdn_layers()
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_prefill_matches_transformers_across_chunk_boundary(family):
+    model = tiny_model(family)
+    layer = _gdn(model)
+    _spread_params(layer)
+    h = torch.randn(2, 70, layer.hidden_size)
+    with torch.no_grad():
+        want = layer(h)
+        got = gdn_layer_forward(layer, h, backend="torch")
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_cached_prefill_continuation_and_decode_match_transformers(family):
+    model = tiny_model(family)
+    layer = _gdn(model)
+    _spread_params(layer)
+    ours, theirs = _cache(model), _cache(model)
+    steps = [torch.randn(2, n, layer.hidden_size) for n in (66, 5, 1, 1, 2)]
+    for i, h in enumerate(steps):
+        with torch.no_grad():
+            want = layer(h, cache=theirs)
+            got = gdn_layer_forward(layer, h, cache=ours, backend="torch")
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5, msg=lambda m: f"step {i}: {m}")
+        idx = layer.layer_idx
+        torch.testing.assert_close(ours.get_conv_state(idx), theirs.get_conv_state(idx), atol=0, rtol=0)
+        torch.testing.assert_close(ours.get_recurrent_state(idx), theirs.get_recurrent_state(idx),
+                                   atol=ATOL, rtol=1e-5)
+
+
+def test_short_first_prefill_pads_the_conv_state_like_transformers():
+    model = tiny_model("qwen3_5")
+    layer = _gdn(model)
+    ours, theirs = _cache(model), _cache(model)
+    h = torch.randn(1, 2, layer.hidden_size)  # T = 2 < conv kernel 4
+    with torch.no_grad():
+        layer(h, cache=theirs)
+        gdn_layer_forward(layer, h, cache=ours, backend="torch")
+        nxt = torch.randn(1, 1, layer.hidden_size)
+        want, got = layer(nxt, cache=theirs), gdn_layer_forward(layer, nxt, cache=ours, backend="torch")
+    assert torch.equal(ours.get_conv_state(layer.layer_idx), theirs.get_conv_state(layer.layer_idx))
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_patched_model_equals_unpatched_with_left_padding(family):
+    model = tiny_model(family)
+    ids = torch.randint(0, 256, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, use_cache=False).logits
+        with patched_gdn_layers(backend="torch"):
+            got = model(ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_patched_greedy_generation_equals_unpatched(family):
+    model = tiny_model(family)
+    ids = torch.randint(0, 256, (2, 9))
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, **kw)
+        calls = []
+        with patched_gdn_layers(backend="torch"):
+            layer = _gdn(model)
+            handle = layer.register_forward_hook(lambda m, a, o: calls.append(o.shape[1]))
+            got = model.generate(ids, **kw)
+            handle.remove()
+    assert torch.equal(got, want)
+    assert calls[0] == 9 and set(calls[1:]) == {1}, calls  # one prefill, then decode steps through our path
+
+
+def test_patch_routes_through_fused_path_and_unpatch_restores():
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    original = m.Qwen3_5GatedDeltaNet.__dict__["forward"]
+    model = tiny_model("qwen3_5")
+    layer = _gdn(model)
+    seen = []
+    spy = torch_path.conv_split_l2norm_gates
+
+    def counting(*a, **k):
+        seen.append(1)
+        return spy(*a, **k)
+
+    import flashqla_kernels.gdn_layer.ops as ops
+    ops.torch_path.conv_split_l2norm_gates = counting
+    try:
+        with patched_gdn_layers(backend="torch") as targets:
+            assert any(t.endswith("Qwen3_5GatedDeltaNet.forward") for t in targets)
+            assert m.Qwen3_5GatedDeltaNet.forward is not original
+            model(torch.randint(0, 256, (1, 5)), use_cache=False)
+        assert len(seen) == 2  # the tiny model's two GDN layers
+        assert m.Qwen3_5GatedDeltaNet.__dict__["forward"] is original
+        model(torch.randint(0, 256, (1, 5)), use_cache=False)
+        assert len(seen) == 2
+    finally:
+        ops.torch_path.conv_split_l2norm_gates = spy
+    assert not gdn_patch.gdn_layers_patched() and layer is _gdn(model)
+
+
+def test_nested_context_restores_outer_backend():
+    with patched_gdn_layers(backend="torch"):
+        with patched_gdn_layers(backend=None):
+            assert gdn_patch._current_backend() is None
+        assert gdn_patch._current_backend() == "torch"
+    assert not gdn_patch.gdn_layers_patched()
+
+
+def test_unsupported_calls_fall_back_to_transformers():
+    model = tiny_model("qwen3_5")
+    layer = _gdn(model)
+    cache = _cache(model)
+    cache.activate_past_recording()
+    assert "crop" in layer_unsupported_reason(layer, cache)
+    assert "packed" in layer_unsupported_reason(layer, None, {"cu_seq_lens_q": torch.tensor([0, 3])})
+    assert layer_unsupported_reason(layer, _cache(model)) is None
+    h = torch.randn(1, 6, layer.hidden_size)
+    with torch.no_grad():
+        want = layer(h, cache=_cache(model))
+        with patched_gdn_layers(backend="torch"):
+            got = layer(h, cache=cache)  # recording cache: transformers' own forward runs
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+    assert cache.layers[layer.layer_idx].conv_states[0].shape[-1] == 6  # the full history, as only it keeps
+
+
+def test_norm_hooks_still_fire_under_the_fused_path():
+    model = tiny_model("qwen3_5")
+    layer = _gdn(model)
+    shapes = []
+    layer.norm.register_forward_hook(lambda m, a, o: shapes.append(tuple(o.shape)))
+    h = torch.randn(2, 3, layer.hidden_size)
+    with torch.no_grad():
+        want = layer(h)
+        got = gdn_layer_forward(layer, h, backend="torch")
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+    assert shapes == [(2 * 3 * layer.num_v_heads, layer.head_v_dim)] * 2
+
+
+def test_old_cache_params_spelling_is_accepted():
+    model = tiny_model("qwen3_5")
+    layer = _gdn(model)
+    h = torch.randn(1, 4, layer.hidden_size)
+    ours, theirs = _cache(model), _cache(model)
+    with torch.no_grad():
+        want = layer(h, cache=theirs)
+        with patched_gdn_layers(backend="torch"):
+            got = layer(h, cache_params=ours)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
+    assert torch.equal(ours.get_conv_state(layer.layer_idx), theirs.get_conv_state(layer.layer_idx))
+
+
+def test_patch_transformers_fused_layer_composes_with_the_op_patch():
+    import flashqla_kernels.patch as op_patch
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    original_forward = m.Qwen3_5GatedDeltaNet.__dict__["forward"]
+    original_chunk = m.torch_chunk_gated_delta_rule
+    model = tiny_model("qwen3_5")
+    ids = torch.randint(0, 256, (1, 70))
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+        try:
+            with op_patch.patched_transformers(backend="torch"):
+                with op_patch.patched_transformers(backend="torch", fused_layer=True) as targets:
+                    assert any(t.endswith("GatedDeltaNet.forward") for t in targets)
+                    got = model(ids, use_cache=False).logits
+                # the outer op-only patch is back, the layer forward is transformers' again
+                assert m.torch_chunk_gated_delta_rule is not original_chunk
+                assert m.Qwen3_5GatedDeltaNet.__dict__["forward"] is original_forward
+            assert m.torch_chunk_gated_delta_rule is original_chunk
+            op_patch.patch_transformers(fused_layer=True)
+            assert op_patch.is_patched() and gdn_patch.gdn_layers_patched()
+            restored = op_patch.unpatch_transformers()
+            assert any(t.endswith("Qwen3_5GatedDeltaNet.forward") for t in restored)
+        finally:
+            op_patch.unpatch_transformers()
+    assert m.Qwen3_5GatedDeltaNet.__dict__["forward"] is original_forward and not op_patch.is_patched()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
