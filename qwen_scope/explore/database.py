@@ -189,12 +189,13 @@ class FeatureDatabase:
 
     # ------------------------------------------------------------------ examples
     def _example(self, buf: KeyedTopK, feature: int, slot: int) -> Example:
-        tokens = buf.ctx_tokens[feature, slot]
+        row = buf.ptr[feature, slot]
+        tokens = buf.pool_tokens[row]
         keep = tokens >= 0
         left = self.config.context[0]
         return Example(feature=feature, value=float(buf.value[feature, slot]),
                        token_index=int(buf.token_index[feature, slot]), tokens=tuple(tokens[keep].tolist()),
-                       values=tuple(buf.ctx_values[feature, slot][keep].tolist()), mark=int(keep[:left].sum()))
+                       values=tuple(buf.pool_values[row][keep].tolist()), mark=int(keep[:left].sum()))
 
     def top_examples(self, feature: int, n: int | None = None) -> list[Example]:
         """The top-activating examples of ``feature``, largest first (at most ``config.n_top``)."""
