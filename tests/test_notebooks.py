@@ -14,7 +14,7 @@ import pytest
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 PUBLIC = re.compile(r"^\s*(?:from|import)\s+(qwen_scope|saes|hooks)(\.[\w.]+)?", re.M)
 # Modules a notebook may import from besides the package roots: documented entry points.
-ALLOWED_SUBMODULES = {"qwen_scope.nano", "qwen_scope.collect"}
+ALLOWED_SUBMODULES = {"qwen_scope.nano", "qwen_scope.collect", "qwen_scope.explore"}
 
 
 def test_notebooks_exist():

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from qwen_scope.explore.card import DecodedExample, FeatureCard, feature_card
+from qwen_scope.explore.database import Example
 from qwen_scope.explore.export import write_feature_json
 from qwen_scope.explore.views import feature_views, make_decoder
 
@@ -115,6 +116,35 @@ def feature_card_html(card: FeatureCard, *, link: Callable[[int], str | None] = 
             f'<div class="qs-row">{logits}<div><h3>Activation histogram</h3>{histogram_svg(card)}</div>'
             f"{near}{cooc}</div><h3>Top activations</h3>{top}"
             + (f"<h3>Samples by activation quantile</h3>{bins}" if bins else "") + "</div>")
+
+
+class HtmlView(str):
+    """An HTML string that Jupyter displays as HTML (``_repr_html_``); ``str`` everywhere else."""
+
+    def _repr_html_(self) -> str:
+        return str(self)
+
+
+def feature_on_text(feats, layer: int, feature: int, *, scale: float | None = None) -> HtmlView:
+    """"Test your own text": the tokens of a text coloured by one feature's activation (Neuronpedia's test box).
+
+    Args:
+        feats: ``TextFeatures`` from ``scope.features(text, layers)``.
+        layer: the SAE layer.
+        feature: feature id.
+        scale: activation shown at full colour (default: the feature's max on this text; pass ``db.act_max[f]``
+            to compare with the corpus).
+    Returns:
+        an :class:`HtmlView` (displays in Jupyter; a plain HTML string otherwise).
+    """
+    values = feats[layer].dense()[:, int(feature)]
+    top = float(values.max()) if scale is None else float(scale)
+    mark = int(values.argmax()) if float(values.max()) > 0 else -1
+    example = DecodedExample(Example(int(feature), float(values.max()), -1, tuple(feats.token_ids.tolist()),
+                                     tuple(values.tolist()), mark), tuple(feats.tokens))
+    return HtmlView(f'<div class="qs-card"><style>{CSS}</style><div class="qs-meta">feature #{int(feature)} at '
+                    f"layer {layer}; max {float(values.max()):.3f} (value column), full colour at {top:.3f}</div>"
+                    f"{example_html(example, top)}</div>")
 
 
 def database_summary_html(db) -> str:

@@ -144,3 +144,19 @@ def test_index_renders_in_headless_chromium(built, tmp_path):
     subprocess.run(cmd + [f"--screenshot={shot}", "--window-size=1200,800", index.as_uri()], capture_output=True,
                    timeout=120)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+
+
+def test_feature_on_text_colours_tokens_by_the_feature():
+    from qwen_scope.explore import feature_on_text
+    from tests.qwen_scope.test_explore_figures import layer_features
+    from qwen_scope.features import TextFeatures
+
+    lf = layer_features(2, 0)
+    feats = TextFeatures("abc", torch.arange(6), ["<s>", "a", "b", "<c>", "d", "e"], {2: lf}, skip_first=True)
+    f = int(lf.indices[3, 0])
+    view = feature_on_text(feats, 2, f)
+    parse(view)
+    assert view._repr_html_() == str(view) and "&lt;c&gt;" in view
+    dense = lf.dense()[:, f]
+    assert f"max {float(dense.max()):.3f}" in view
+    assert view.count("rgba(230,85,13,1.00)") == int((dense == dense.max()).sum())
