@@ -42,12 +42,12 @@ def glue_kernel_reason(*tensors: torch.Tensor | None) -> str | None:
     return None
 
 
-def _use_kernels(backend: str | None, stage: str, *tensors) -> bool:
+def _use_kernels(backend: str | None, stage: str, *tensors, shape_reason=None) -> bool:
     if backend not in (None, "torch", "tilelang"):
         raise ValueError(f"backend must be one of None, 'torch', 'tilelang'; got {backend!r}")
     if backend == "torch":
         return False
-    reason = glue_kernel_reason(*tensors)
+    reason = glue_kernel_reason(*tensors) or (shape_reason() if shape_reason is not None else None)
     if reason is not None and backend == "tilelang":
         raise ValueError(f"backend='tilelang' cannot run the {stage} kernel: {reason}. Pass backend=None to fall "
                          "back to the torch formulation automatically.")
@@ -65,8 +65,9 @@ def conv_qkv_gates(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         ...                                   layer.in_proj_a(h), layer.in_proj_b(h), layer.A_log, layer.dt_bias,
         ...                                   Hk=16, K=128, Hv=32, V=128)
     """
-    if _use_kernels(backend, "conv_qkv_gates", qkv, a, b):
-        hopper = importlib.import_module(_HOPPER)
+    hopper = importlib.import_module(_HOPPER)  # no tilelang import until a kernel runs
+    if _use_kernels(backend, "conv_qkv_gates", qkv, a, b,
+                    shape_reason=lambda: hopper.conv_shape_reason(Hk, K, Hv, V, weight.shape[-1])):
         return hopper.conv_qkv_gates_fwd(qkv, weight, bias, a, b, A_log, dt_bias, Hk=Hk, K=K, Hv=Hv, V=V,
                                          prefix=prefix)
     return torch_path.conv_split_l2norm_gates(qkv, weight, bias, a, b, A_log, dt_bias, Hk=Hk, K=K, Hv=Hv, V=V,
@@ -83,7 +84,8 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
     Returns:
         [B, T, Hv, V] in o's dtype.
     """
-    if _use_kernels(backend, "gated_norm", o, z):
-        hopper = importlib.import_module(_HOPPER)
+    hopper = importlib.import_module(_HOPPER)
+    if _use_kernels(backend, "gated_norm", o, z, shape_reason=lambda: None if o.shape[-1] in hopper.HEAD_DIMS
+                    else f"head dim V={o.shape[-1]} unsupported (supported: {hopper.HEAD_DIMS})"):
         return hopper.gated_rms_norm_fwd(o, z, weight, eps)
     return torch_path.gated_rms_norm(o, z, weight, eps)

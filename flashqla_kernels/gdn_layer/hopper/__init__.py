@@ -1,0 +1,43 @@
+"""TileLang kernels for sm_90a for the GDN layer's glue, one stage per file (a builder and its launcher):
+``conv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates, token-major) and ``gated_norm`` (gated RMSNorm).
+
+Importing this package does not import tilelang: the stage modules load on the first kernel call. The compile cache
+is the chunk kernels' (``gated_delta_rule.hopper._common.compile_kernel``: once per specialisation per process, and
+TileLang's disk cache across processes).
+"""
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["conv_qkv_gates_fwd", "gated_rms_norm_fwd", "conv_shape_reason", "HEAD_DIMS"]
+
+HEAD_DIMS = (64, 128, 256)
+
+
+def conv_shape_reason(Hk: int, K: int, Hv: int, V: int, Kc: int) -> str | None:
+    """Why the conv + gates kernel cannot take these head shapes, or None."""
+    if K != V:
+        return f"the conv kernel tiles channels by head and needs K == V; got K={K}, V={V}"
+    if K not in HEAD_DIMS:
+        return f"head dim {K} unsupported by the conv kernel (supported: {HEAD_DIMS})"
+    if not 2 <= Kc <= 8:
+        return f"conv width {Kc} unsupported by the conv kernel (2..8)"
+    return None
+
+
+def conv_qkv_gates_fwd(qkv, weight, bias, a, b, A_log, dt_bias, *, Hk, K, Hv, V, prefix=None):
+    """Conv + gates on the kernel (see ``conv_gates.conv_qkv_gates``); same Args/Returns as
+    ``flashqla_kernels.gdn_layer.ops.conv_qkv_gates``. Raises ValueError for head shapes the kernel lacks."""
+    reason = conv_shape_reason(Hk, K, Hv, V, weight.shape[-1])
+    if reason is not None:
+        raise ValueError(reason)
+    stage = importlib.import_module("flashqla_kernels.gdn_layer.hopper.conv_gates")
+    return stage.conv_qkv_gates(qkv, weight, bias, a, b, A_log, dt_bias, Hk=Hk, Hv=Hv, D=K, prefix=prefix)
+
+
+def gated_rms_norm_fwd(o, z, weight, eps):
+    """Gated RMSNorm on the kernel (see ``gated_norm.gated_rms_norm``): o [..., V], z same numel, weight [V]."""
+    if o.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"head dim V={o.shape[-1]} unsupported by the gated-norm kernel (supported: {HEAD_DIMS})")
+    stage = importlib.import_module("flashqla_kernels.gdn_layer.hopper.gated_norm")
+    return stage.gated_rms_norm(o, z, weight, eps)

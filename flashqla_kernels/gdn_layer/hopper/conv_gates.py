@@ -1,0 +1,140 @@
+"""Glue stage 1 on sm_90a: causal depthwise conv1d + SiLU + split + q/k l2norm + gates, token-major, one pass.
+
+Reads the input projection's output x [B, T, C] (C = (2*Hk + Hv) * D, order [q | k | v]) exactly once, plus a
+(Kc-1)-token halo per tile, and writes q, k [B, T, Hk, D] (l2-normalised) and v [B, T, Hv, D] as separate
+contiguous tensors in the model dtype: the layout the chunk kernels read, so no transpose, no ``.contiguous()``
+and no separate l2norm pass follow. The CTAs of value heads also turn the raw ``a``/``b`` projections into the
+fp32 gates ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``.
+
+Grid (ceil(T / BT), 2*Hk + Hv, B): one CTA per (token tile, head block of D channels, sequence). Math in fp32:
+the conv accumulates in registers, SiLU and the row sum of squares for the l2norm (a row = one head) stay there.
+Tokens before t = 0 come from ``prefix`` (the cache's conv state, token-major) or are zero.
+"""
+import tilelang.language as T
+import torch
+
+from flashqla_kernels.gated_delta_rule.hopper._common import compile_kernel, tl_dtype
+
+THREADS = 128
+SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus's default: x above it is returned as is
+L2NORM_EPS = 1e-6
+
+
+def build_conv_qkv_gates(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_prefix: bool, has_bias: bool):
+    """The conv + gates kernel for head dim D (= K = V) and conv width Kc >= 2."""
+    # tokens per CTA: 64 keeps the (Kc-1)-token halo re-read small; D = 256 halves it to stay in registers
+    BT = 64 if D <= 128 else 32
+    NB = 2 * Hk + Hv
+    C = NB * D
+    P = Kc - 1
+    batch = T.dynamic("batch")
+    seqlen = T.dynamic("seqlen")
+    num_prefix = T.dynamic("num_prefix")
+
+    @T.prim_func
+    def gdn_conv_qkv_gates(
+        x: T.Tensor((batch, seqlen, C), dtype),
+        w: T.Tensor((C, Kc), dtype),
+        bias: T.Tensor((C,), dtype),
+        prefix: T.Tensor((num_prefix, P, C), dtype),
+        a: T.Tensor((batch, seqlen, Hv), dtype),
+        b: T.Tensor((batch, seqlen, Hv), dtype),
+        A_log: T.Tensor((Hv,), "float32"),
+        dt_bias: T.Tensor((Hv,), "float32"),
+        q: T.Tensor((batch, seqlen, Hk, D), dtype),
+        k: T.Tensor((batch, seqlen, Hk, D), dtype),
+        v: T.Tensor((batch, seqlen, Hv, D), dtype),
+        g: T.Tensor((batch, seqlen, Hv), "float32"),
+        beta: T.Tensor((batch, seqlen, Hv), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(seqlen, BT), NB, batch, threads=THREADS) as (bt, hb, bb):
+            t0 = bt * BT
+            c0 = hb * D
+            x_sh = T.alloc_shared((BT + P, D), dtype)
+            w_sh = T.alloc_shared((Kc, D), "float32")
+            y = T.alloc_fragment((BT, D), "float32")
+            sq = T.alloc_fragment((BT, D), "float32")
+            ss = T.alloc_fragment((BT,), "float32")
+
+            # tile rows i <-> tokens t0 + i - P; rows before token 0 come from the conv state (or zeros)
+            for i, d in T.Parallel(BT + P, D):
+                if has_prefix:
+                    x_sh[i, d] = T.if_then_else(
+                        t0 + i >= P,
+                        x[bb, T.min(T.max(t0 + i - P, 0), seqlen - 1), c0 + d],
+                        prefix[bb, T.min(t0 + i, P - 1), c0 + d])
+                else:
+                    x_sh[i, d] = T.if_then_else(
+                        t0 + i >= P, x[bb, T.min(T.max(t0 + i - P, 0), seqlen - 1), c0 + d], T.cast(0, dtype))
+            for j, d in T.Parallel(Kc, D):
+                w_sh[j, d] = T.cast(w[c0 + d, j], "float32")
+            T.sync_threads()
+
+            for i, d in T.Parallel(BT, D):
+                if has_bias:
+                    y[i, d] = T.cast(bias[c0 + d], "float32")
+                else:
+                    y[i, d] = 0.0
+            for j in T.unroll(Kc):
+                for i, d in T.Parallel(BT, D):
+                    y[i, d] += w_sh[j, d] * T.cast(x_sh[i + j, d], "float32")
+            for i, d in T.Parallel(BT, D):
+                y[i, d] = y[i, d] * T.sigmoid(y[i, d])
+                sq[i, d] = y[i, d] * y[i, d]
+            T.reduce_sum(sq, ss, dim=1)
+            # q and k blocks are l2-normalised per head (one row of D channels); v blocks pass through
+            for i in T.Parallel(BT):
+                ss[i] = T.if_then_else(hb < 2 * Hk, T.rsqrt(ss[i] + L2NORM_EPS), 1.0)
+
+            for i, d in T.Parallel(BT, D):
+                if t0 + i < seqlen:
+                    if hb < Hk:
+                        q[bb, t0 + i, hb, d] = T.cast(y[i, d] * ss[i], dtype)
+                    elif hb < 2 * Hk:
+                        k[bb, t0 + i, hb - Hk, d] = T.cast(y[i, d] * ss[i], dtype)
+                    else:
+                        v[bb, t0 + i, hb - 2 * Hk, d] = T.cast(y[i, d], dtype)
+
+            if hb >= 2 * Hk:
+                for i in T.Parallel(BT):
+                    if t0 + i < seqlen:
+                        g[bb, t0 + i, hb - 2 * Hk] = -T.exp(A_log[hb - 2 * Hk]) * T.if_then_else(
+                            T.cast(a[bb, t0 + i, hb - 2 * Hk], "float32") + dt_bias[hb - 2 * Hk] > SOFTPLUS_THRESHOLD,
+                            T.cast(a[bb, t0 + i, hb - 2 * Hk], "float32") + dt_bias[hb - 2 * Hk],
+                            T.log1p(T.exp(T.cast(a[bb, t0 + i, hb - 2 * Hk], "float32") + dt_bias[hb - 2 * Hk])))
+                        beta[bb, t0 + i, hb - 2 * Hk] = T.sigmoid(T.cast(b[bb, t0 + i, hb - 2 * Hk], "float32"))
+
+    return gdn_conv_qkv_gates
+
+
+def conv_qkv_gates(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
+                   b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, Hk: int, Hv: int, D: int,
+                   prefix: torch.Tensor | None = None):
+    """Run the conv + gates stage.
+
+    Args:
+        qkv: [B, T, (2*Hk + Hv) * D] bf16/fp16. weight: [C, Kc]. bias: [C] or None. a, b: [B, T, Hv].
+        A_log, dt_bias: [Hv]. prefix: [B, Kc-1, C] tokens before qkv, or None for zeros.
+
+    Returns:
+        (q [B, T, Hk, D], k [B, T, Hk, D], v [B, T, Hv, D] in qkv's dtype, g [B, T, Hv] fp32, beta [B, T, Hv] fp32).
+    """
+    B, Tn, C = qkv.shape
+    Kc = weight.shape[-1]
+    dtype = qkv.dtype
+    kernel = compile_kernel(build_conv_qkv_gates, Hk, Hv, D, Kc, tl_dtype(dtype), prefix is not None,
+                            bias is not None)
+    x = qkv.contiguous()
+    w = weight.to(dtype).contiguous()
+    bias_t = bias.to(dtype).contiguous() if bias is not None else w.new_empty(C)
+    pre = prefix.to(dtype).contiguous() if prefix is not None else x.new_empty((1, Kc - 1, C))
+    a_, b_ = a.to(dtype).contiguous(), b.to(dtype).contiguous()
+    A32, dt32 = A_log.to(torch.float32).contiguous(), dt_bias.to(torch.float32).contiguous()
+    q = torch.empty((B, Tn, Hk, D), dtype=dtype, device=x.device)
+    k = torch.empty_like(q)
+    v = torch.empty((B, Tn, Hv, D), dtype=dtype, device=x.device)
+    g = torch.empty((B, Tn, Hv), dtype=torch.float32, device=x.device)
+    beta = torch.empty_like(g)
+    if B * Tn > 0:
+        kernel(x, w, bias_t, pre, a_, b_, A32, dt32, q, k, v, g, beta)
+    return q, k, v, g, beta

@@ -1,0 +1,68 @@
+"""Glue stage 2 on sm_90a: the gated RMSNorm after the chunk op, bf16/fp16 in and out, fp32 math.
+
+    y = o * rsqrt(mean(o^2) + eps) * weight * silu(z)         per row of V channels (one value head of one token)
+
+Reads o [rows, V] (the chunk op's output, rows = B*T*Hv) and z (``in_proj_z``'s output viewed as [rows, V]) once
+and writes y once: transformers' version makes fp32 copies of o and z, a model-dtype copy of the normalised o and
+two more products on the way. Grid ceil(rows / BR), one row per 16 threads.
+"""
+import tilelang.language as T
+import torch
+
+from flashqla_kernels.gated_delta_rule.hopper._common import compile_kernel, tl_dtype
+
+BR = 64
+THREADS = 128
+
+
+def build_gated_rms_norm(V: int, dtype: str, eps: float):
+    """The gated RMSNorm kernel for rows of V channels; ``eps`` is baked in (the model's ``rms_norm_eps``)."""
+    rows = T.dynamic("rows")
+    inv_v = 1.0 / V
+
+    @T.prim_func
+    def gdn_gated_rms_norm(
+        o: T.Tensor((rows, V), dtype),
+        z: T.Tensor((rows, V), dtype),
+        weight: T.Tensor((V,), dtype),
+        y: T.Tensor((rows, V), dtype),
+    ):
+        with T.Kernel(T.ceildiv(rows, BR), threads=THREADS) as br:
+            r0 = br * BR
+            x = T.alloc_fragment((BR, V), "float32")
+            sq = T.alloc_fragment((BR, V), "float32")
+            ss = T.alloc_fragment((BR,), "float32")
+            for i, d in T.Parallel(BR, V):
+                x[i, d] = T.if_then_else(r0 + i < rows, T.cast(o[T.min(r0 + i, rows - 1), d], "float32"), 0.0)
+                sq[i, d] = x[i, d] * x[i, d]
+            T.reduce_sum(sq, ss, dim=1)
+            for i in T.Parallel(BR):
+                ss[i] = T.rsqrt(ss[i] * inv_v + eps)
+            for i, d in T.Parallel(BR, V):
+                if r0 + i < rows:
+                    y[r0 + i, d] = T.cast(
+                        x[i, d] * ss[i] * T.cast(weight[d], "float32")
+                        * T.cast(z[r0 + i, d], "float32") * T.sigmoid(T.cast(z[r0 + i, d], "float32")), dtype)
+
+    return gdn_gated_rms_norm
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Run the gated RMSNorm stage.
+
+    Args:
+        o: [..., V] bf16/fp16. z: same number of elements as o (e.g. [B, T, Hv*V]), same dtype. weight: [V].
+        eps: float.
+
+    Returns:
+        y with o's shape and dtype.
+    """
+    V = o.shape[-1]
+    dtype = o.dtype
+    kernel = compile_kernel(build_gated_rms_norm, V, tl_dtype(dtype), float(eps))
+    o2 = o.reshape(-1, V).contiguous()
+    z2 = z.reshape(-1, V).to(dtype).contiguous()
+    y = torch.empty_like(o2)
+    if o2.shape[0] > 0:
+        kernel(o2, z2, weight.to(dtype).contiguous(), y)
+    return y.view(o.shape)

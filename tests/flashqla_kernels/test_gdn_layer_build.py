@@ -1,0 +1,97 @@
+"""CPU CI for the GDN layer's glue kernels: they lower and compile for sm_90a with the local nvcc (no GPU needed),
+the package imports without tilelang, and dispatch picks the torch formulation off Hopper with a reason.
+
+The default run builds the Qwen3.5-2B layout (Hk = Hv = 16, K = V = 128, conv width 4, bf16); ``-m slow`` adds the
+prefix/bias, GVA, fp16 and other head-dim specialisations. The compile cache is the chunk kernels' (TileLang's disk
+cache, ~/.tilelang/cache), so re-runs are fast.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashqla_kernels.gdn_layer import ops
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
+                                reason="needs nvcc to compile for sm_90a")
+
+# conv: (Hk, Hv, D, Kc, dtype, has_prefix, has_bias); norm: (V, dtype, eps)
+CORE = [
+    ("conv", (16, 16, 128, 4, "bfloat16", False, False)),
+    ("norm", (128, "bfloat16", 1e-6)),
+]
+EXTRA = [
+    ("conv", (16, 16, 128, 4, "bfloat16", True, False)),
+    ("conv", (2, 4, 64, 4, "float16", True, True)),
+    ("conv", (16, 32, 128, 4, "bfloat16", False, False)),
+    ("conv", (2, 2, 256, 2, "bfloat16", True, False)),
+    ("norm", (64, "float16", 1e-5)),
+    ("norm", (256, "bfloat16", 1e-6)),
+]
+
+
+def _compile(stage, args):
+    pytest.importorskip("tilelang")
+    from flashqla_kernels.gated_delta_rule.hopper import _common
+    from flashqla_kernels.gdn_layer.hopper import conv_gates, gated_norm
+
+    builder = {"conv": conv_gates.build_conv_qkv_gates, "norm": gated_norm.build_gated_rms_norm}[stage]
+    src = _common.compile_kernel(builder, *args).get_kernel_source()
+    assert "__global__" in src and "rsqrtf" in src, f"{stage}{args}: unexpected generated CUDA"
+    if stage == "conv":
+        # the gates (softplus, exp) and the q/k/v stores are in the same kernel as the conv
+        assert "log1pf" in src and "beta[" in src and "(q + " in src and "(v + " in src
+    return src
+
+
+@needs_nvcc
+@pytest.mark.parametrize("stage,args", CORE, ids=[f"{s}-{a}" for s, a in CORE])
+def test_glue_kernel_compiles_for_sm90a(stage, args):
+    _compile(stage, args)
+
+
+@needs_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,args", EXTRA, ids=[f"{s}-{a}" for s, a in EXTRA])
+def test_other_glue_specialisations_compile_for_sm90a(stage, args):
+    _compile(stage, args)
+
+
+def test_importing_the_glue_hopper_package_does_not_import_tilelang():
+    code = ("import sys, flashqla_kernels.gdn_layer.hopper as h, flashqla_kernels.gdn_layer; "
+            "assert 'tilelang' not in sys.modules, 'tilelang imported'; print(h.__all__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "conv_qkv_gates_fwd" in out.stdout and "gated_rms_norm_fwd" in out.stdout
+
+
+def test_dispatch_uses_torch_off_hopper_and_forced_kernels_raise_the_reason():
+    B, T, Hk, Hv, D = 1, 5, 2, 4, 16
+    qkv = torch.randn(B, T, (2 * Hk + Hv) * D, dtype=torch.bfloat16)
+    a, b = torch.randn(B, T, Hv, dtype=torch.bfloat16), torch.randn(B, T, Hv, dtype=torch.bfloat16)
+    w = torch.randn((2 * Hk + Hv) * D, 4, dtype=torch.bfloat16)
+    A_log, dt_bias = torch.zeros(Hv), torch.zeros(Hv)
+    assert "CUDA" in ops.glue_kernel_reason(qkv)
+    q, k, v, g, beta = ops.conv_qkv_gates(qkv, w, None, a, b, A_log, dt_bias, Hk=Hk, K=D, Hv=Hv, V=D)
+    assert q.dtype == torch.bfloat16 and g.dtype == torch.float32
+    torch.testing.assert_close(q.float().norm(dim=-1), torch.ones(B, T, Hk), atol=1e-2, rtol=0)
+    with pytest.raises(ValueError, match="cannot run the conv_qkv_gates kernel: tensors are on cpu"):
+        ops.conv_qkv_gates(qkv, w, None, a, b, A_log, dt_bias, Hk=Hk, K=D, Hv=Hv, V=D, backend="tilelang")
+    with pytest.raises(ValueError, match="cannot run the gated_norm kernel"):
+        ops.gated_norm(v, v, torch.ones(D), 1e-6, backend="tilelang")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ops.gated_norm(v, v, torch.ones(D), 1e-6, backend="triton")
+
+
+def test_conv_shape_reasons_name_the_shape():
+    from flashqla_kernels.gdn_layer.hopper import conv_shape_reason
+
+    assert conv_shape_reason(16, 128, 32, 128, 4) is None
+    assert "K == V" in conv_shape_reason(16, 128, 32, 64, 4)
+    assert "head dim 96" in conv_shape_reason(16, 96, 32, 96, 4)
+    assert "conv width 1" in conv_shape_reason(16, 128, 32, 128, 1)
