@@ -74,7 +74,12 @@ def _weights(args, model_id: str | None, release: str | None, layer: int):
         return None, load(release, layer, device=args.device)
     from qwen_scope.scope import Scope
 
-    return Scope.from_pretrained(model_id, release, [layer], device=args.device), None
+    try:
+        return Scope.from_pretrained(model_id, release, [layer], device=args.device), None
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"could not load the model {model_id!r} (recorded in the store or given by --model) with "
+                         f"release {release!r}: {err}\nPass --model ID_OR_DIR, or --no-model for pages without the "
+                         f"logit lens") from err
 
 
 def run(args: argparse.Namespace) -> int:

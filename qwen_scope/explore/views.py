@@ -90,9 +90,12 @@ class FeatureView:
 
 
 def _adapter(model):
+    """The ``hooks`` adapter of a model, a ``Scope`` (its ``.adapter``) or an adapter itself."""
     if hasattr(model, "final_norm") and hasattr(model, "unembed"):
         return model
-    return get_adapter(model.model if hasattr(model, "adapter") else model)
+    if hasattr(model, "adapter"):
+        return model.adapter
+    return get_adapter(model)
 
 
 def _decoder(sae) -> torch.Tensor:

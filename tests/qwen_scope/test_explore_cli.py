@@ -82,3 +82,11 @@ def test_explore_names_missing_layers(run):
     root, out, _ = run
     with pytest.raises(SystemExit, match="no SAE codes at resid_post.0"):
         main(["explore", "--store", str(root / "store"), "--out", str(out), "--layer", "0"])
+
+
+def test_explore_explains_an_unloadable_model(run, tmp_path):
+    root, _, _ = run
+    release = root / "SAE-Res-Qwen3.5-Nano-Base-W0K-L0_8"
+    with pytest.raises(SystemExit, match="--no-model"):
+        main(["explore", "--store", str(root / "store"), "--release", str(release), "--out", str(tmp_path),
+              "--model", str(tmp_path / "no-such-model"), "--features", "1"])
