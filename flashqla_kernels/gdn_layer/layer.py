@@ -23,6 +23,8 @@ from flashqla_kernels.gdn_layer import ops
 
 __all__ = ["gdn_layer_forward", "layer_unsupported_reason", "project"]
 
+_CACHE_API = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state")
+
 
 def layer_unsupported_reason(layer: torch.nn.Module, cache: Any = None, kwargs: dict | None = None) -> str | None:
     """Why ``gdn_layer_forward`` cannot run this call of ``layer``, or None.
@@ -42,6 +44,9 @@ def layer_unsupported_reason(layer: torch.nn.Module, cache: Any = None, kwargs: 
         return "packed sequences (cu_seq_lens_q) are not handled by the fused layer"
     if getattr(layer.conv1d, "_hf_hook", None) is not None:
         return "conv1d carries an accelerate hook (offloading); transformers' forward fires it"
+    missing = [m for m in _CACHE_API if cache is not None and not hasattr(cache, m)]
+    if missing:
+        return f"the cache ({type(cache).__name__}) lacks {', '.join(missing)}"
     if cache is not None and hasattr(cache, "is_recording_past") and cache.is_recording_past(layer.layer_idx):
         return "the cache records the past for crop(); transformers' forward keeps the full conv history"
     return None
@@ -71,6 +76,15 @@ def _conv_prefix(conv_state: torch.Tensor | None, Kc: int) -> torch.Tensor | Non
     if conv_state is None or Kc == 1:
         return None
     return conv_state[..., -(Kc - 1):].transpose(1, 2)
+
+
+def _write_conv_state(cache: Any, tail: torch.Tensor, idx: int, Kc: int) -> None:
+    """Hand the newest <= Kc tokens [B, C, <=Kc] to the cache; it appends them to its state (or left-pads a fresh
+    one) and keeps the last Kc, as for transformers' own forward."""
+    try:
+        cache.update_conv_state(tail, idx, conv_kernel_size=Kc)
+    except TypeError:  # caches whose update_conv_state takes no conv_kernel_size (older 5.x)
+        cache.update_conv_state(tail, idx)
 
 
 def gdn_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, cache: Any = None,
@@ -106,7 +120,7 @@ def gdn_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, cache
                                           prefix=_conv_prefix(conv_state, Kc), backend=backend)
     if cache is not None:
         # The cache appends the newest tokens to its state (or left-pads a fresh one) and keeps the last Kc.
-        cache.update_conv_state(qkv[:, -Kc:].transpose(1, 2), idx, conv_kernel_size=Kc)
+        _write_conv_state(cache, qkv[:, -Kc:].transpose(1, 2), idx, Kc)
 
     op = recurrent_gated_delta_rule if (recurrent_state is not None and T == 1) else chunk_gated_delta_rule
     o, final_state = op(q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,

@@ -16,6 +16,8 @@ import torch
 from flashqla_kernels.gated_delta_rule.hopper._common import compile_kernel, tl_dtype
 
 THREADS = 128
+# Tests set this to fill outputs with NaN before the kernel runs, to prove every element is written.
+POISON_OUTPUTS = False
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus's default: x above it is returned as is
 L2NORM_EPS = 1e-6
 
@@ -107,6 +109,12 @@ def build_conv_qkv_gates(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_pref
     return gdn_conv_qkv_gates
 
 
+def _empty(shape, dtype, device) -> torch.Tensor:
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def conv_qkv_gates(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
                    b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, Hk: int, Hv: int, D: int,
                    prefix: torch.Tensor | None = None):
@@ -130,11 +138,11 @@ def conv_qkv_gates(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     pre = prefix.to(dtype).contiguous() if prefix is not None else x.new_empty((1, Kc - 1, C))
     a_, b_ = a.to(dtype).contiguous(), b.to(dtype).contiguous()
     A32, dt32 = A_log.to(torch.float32).contiguous(), dt_bias.to(torch.float32).contiguous()
-    q = torch.empty((B, Tn, Hk, D), dtype=dtype, device=x.device)
-    k = torch.empty_like(q)
-    v = torch.empty((B, Tn, Hv, D), dtype=dtype, device=x.device)
-    g = torch.empty((B, Tn, Hv), dtype=torch.float32, device=x.device)
-    beta = torch.empty_like(g)
+    q = _empty((B, Tn, Hk, D), dtype, x.device)
+    k = _empty((B, Tn, Hk, D), dtype, x.device)
+    v = _empty((B, Tn, Hv, D), dtype, x.device)
+    g = _empty((B, Tn, Hv), torch.float32, x.device)
+    beta = _empty((B, Tn, Hv), torch.float32, x.device)
     if B * Tn > 0:
         kernel(x, w, bias_t, pre, a_, b_, A32, dt32, q, k, v, g, beta)
     return q, k, v, g, beta

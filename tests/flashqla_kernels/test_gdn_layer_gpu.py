@@ -1,0 +1,138 @@
+"""The GDN layer's glue kernels and the whole fused layer on an sm_90 GPU (skipped elsewhere).
+
+Kernels against the torch formulation run in fp32 on the same bf16 inputs (outputs poisoned with NaN first, so an
+unwritten element fails); the fused layer (kernels + our chunk op) against transformers' layer forward, both in
+bf16, each measured against transformers' layer in fp32 (relative L2 printed per case); greedy generation of a
+random model with Qwen3.5's GDN head shape identical with and without the patch.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashqla_kernels.gdn_layer import gdn_layer_forward, patched_gdn_layers
+from flashqla_kernels.gdn_layer import torch_path
+
+pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
+
+DEV = "cuda"
+
+
+def _rel(x, ref):
+    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def _conv_inputs(B, T, Hk, Hv, D, Kc, dtype, prefix, bias, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    C = (2 * Hk + Hv) * D
+
+    def randn(*shape, s=1.0):
+        return (s * torch.randn(*shape, generator=g, device=DEV)).to(dtype)
+
+    return dict(qkv=randn(B, T, C), weight=randn(C, Kc, s=0.5), bias=randn(C, s=0.1) if bias else None,
+                a=randn(B, T, Hv), b=randn(B, T, Hv),
+                A_log=torch.rand(Hv, generator=g, device=DEV) * 3 - 2, dt_bias=torch.randn(Hv, generator=g, device=DEV),
+                prefix=randn(B, Kc - 1, C) if prefix else None)
+
+
+CONV_CASES = {
+    # name: (B, T, Hk, Hv, D, Kc, dtype, prefix, bias)
+    "qwen35_2b_T1000": (2, 1000, 16, 16, 128, 4, torch.bfloat16, False, False),
+    "gva2_T65_prefix": (2, 65, 2, 4, 128, 4, torch.bfloat16, True, False),
+    "gva4_T64_bias_fp16": (1, 64, 1, 4, 128, 4, torch.float16, False, True),
+    "decode_T1_prefix": (3, 1, 16, 32, 128, 4, torch.bfloat16, True, False),
+    "T63_dim64": (2, 63, 2, 4, 64, 4, torch.bfloat16, True, True),
+    "T3_shorter_than_kernel_dim256": (1, 3, 2, 2, 256, 4, torch.bfloat16, False, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONV_CASES))
+def test_conv_gates_kernel_matches_torch_formulation(name, monkeypatch):
+    from flashqla_kernels.gdn_layer import hopper
+    from flashqla_kernels.gdn_layer.hopper import conv_gates
+
+    B, T, Hk, Hv, D, Kc, dtype, prefix, bias = CONV_CASES[name]
+    x = _conv_inputs(B, T, Hk, Hv, D, Kc, dtype, prefix, bias)
+    monkeypatch.setattr(conv_gates, "POISON_OUTPUTS", True)
+    got = hopper.conv_qkv_gates_fwd(**x, Hk=Hk, K=D, Hv=Hv, V=D)
+    ref = torch_path.conv_split_l2norm_gates(
+        x["qkv"].float(), x["weight"].float(), None if x["bias"] is None else x["bias"].float(), x["a"].float(),
+        x["b"].float(), x["A_log"], x["dt_bias"], Hk=Hk, K=D, Hv=Hv, V=D,
+        prefix=None if x["prefix"] is None else x["prefix"].float())
+    for label, o, r in zip("qkvgb", got, ref):
+        assert not o.isnan().any(), f"{name}: {label} has unwritten (NaN) elements"
+        tol = 1e-5 if label in "gb" else 6e-3
+        assert _rel(o, r) < tol, f"{name}: {label} rel-L2 {_rel(o, r):.2e}"
+    assert got[0].is_contiguous() and got[2].is_contiguous() and got[3].dtype == torch.float32
+    again = hopper.conv_qkv_gates_fwd(**x, Hk=Hk, K=D, Hv=Hv, V=D)
+    assert all(torch.equal(a, b) for a, b in zip(got, again)), "not deterministic"
+
+
+@pytest.mark.parametrize("rows,V,dtype", [(8 * 4096 * 16 // 64, 128, torch.bfloat16), (77, 64, torch.float16),
+                                          (130, 256, torch.bfloat16)])
+def test_gated_norm_kernel_matches_torch_formulation(rows, V, dtype, monkeypatch):
+    from flashqla_kernels.gdn_layer import hopper
+    from flashqla_kernels.gdn_layer.hopper import gated_norm
+
+    g = torch.Generator(device=DEV).manual_seed(1)
+    o = (3 * torch.randn(rows, V, generator=g, device=DEV)).to(dtype)
+    z = torch.randn(rows, V, generator=g, device=DEV).to(dtype)
+    w = (1 + 0.2 * torch.randn(V, generator=g, device=DEV)).to(dtype)
+    monkeypatch.setattr(gated_norm, "POISON_OUTPUTS", True)
+    got = hopper.gated_rms_norm_fwd(o, z, w, 1e-6)
+    ref = torch_path.gated_rms_norm(o.float(), z.float(), w.float(), 1e-6)
+    assert not got.isnan().any()
+    assert _rel(got, ref) < 5e-3, _rel(got, ref)
+
+
+def _qwen35_layer(Hk=16, Hv=16, layers=("linear_attention",), vocab=1024, n=None):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    types = list(layers) if n is None else (["linear_attention"] * 3 + ["full_attention"]) * (n // 4)
+    config = tf.Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=2048, intermediate_size=6144, num_hidden_layers=len(types),
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=Hk,
+        linear_num_value_heads=Hv, linear_key_head_dim=128, linear_value_head_dim=128, layer_types=types,
+        max_position_embeddings=8192)
+    with torch.device(DEV):
+        return tf.Qwen3_5ForCausalLM(config).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("Hk,Hv", [(16, 16), (16, 32)])
+def test_fused_layer_matches_transformers_within_bf16(Hk, Hv):
+    from transformers import DynamicCache
+
+    model32 = _qwen35_layer(Hk, Hv)
+    layer32 = model32.model.layers[0].linear_attn
+    model = _qwen35_layer(Hk, Hv).to(torch.bfloat16)
+    layer = model.model.layers[0].linear_attn
+    h = torch.randn(2, 777, 2048, device=DEV)
+    with torch.no_grad():
+        truth = layer32(h)
+        theirs = layer(h.bfloat16())
+        ours = gdn_layer_forward(layer, h.bfloat16())
+        # cached: prefill 300 tokens, continue with 5, then 3 decode steps
+        c_ours, c_truth = DynamicCache(config=model.config), DynamicCache(config=model32.config)
+        errs = []
+        for s, e in ((0, 300), (300, 305), (305, 306), (306, 307), (307, 308)):
+            o = gdn_layer_forward(layer, h[:, s:e].bfloat16(), cache=c_ours)
+            errs.append(_rel(o, layer32(h[:, s:e], cache=c_truth)))
+    e_ours, e_theirs = _rel(ours, truth), _rel(theirs, truth)
+    print(f"GDN layer Hk={Hk} Hv={Hv}: rel-L2 vs fp32 transformers: ours {e_ours:.2e}, transformers bf16 "
+          f"{e_theirs:.2e}; cached steps {['%.1e' % e for e in errs]}")
+    assert e_ours < max(2 * e_theirs, 1e-2)
+    assert max(errs) < 2e-2
+
+
+def test_patched_greedy_generation_is_identical_for_64_tokens():
+    model = _qwen35_layer(n=8, vocab=4096).to(torch.bfloat16)
+    ids = torch.randint(0, 4096, (2, 37), device=DEV)
+    kw = dict(max_new_tokens=64, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, **kw)
+        with patched_gdn_layers():
+            got = model.generate(ids, **kw)
+    same = (got == want).all(dim=0)
+    first_diff = int((~same).nonzero()[0]) - ids.shape[1] if not same.all() else None
+    assert first_diff is None, f"greedy tokens differ from generated token {first_diff} on"
