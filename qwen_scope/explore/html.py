@@ -56,8 +56,10 @@ def histogram_svg(card: FeatureCard, width: int = 360, height: int = 120) -> str
         return "<svg></svg>"
     top, n = max(counts), len(counts)
     w = width / n
-    bars = "".join(f'<rect x="{i * w:.1f}" y="{height - 16 - (height - 20) * c / top:.1f}" width="{max(w - 0.5, 0.5):.1f}" '
-                   f'height="{(height - 20) * c / top:.1f}" fill="#e6550d"><title>[{a:.3g}, {b:.3g}): {c}</title></rect>'
+    bar_w = max(w - 0.5, 0.5)
+    bars = "".join(f'<rect x="{i * w:.1f}" y="{height - 16 - (height - 20) * c / top:.1f}" width="{bar_w:.1f}" '
+                   f'height="{(height - 20) * c / top:.1f}" fill="#e6550d">'
+                   f"<title>[{a:.3g}, {b:.3g}): {c}</title></rect>"
                    for i, (c, a, b) in enumerate(zip(counts, card.hist_edges, card.hist_edges[1:])))
     lo, hi = card.hist_edges[0], card.hist_edges[-1]
     axis = (f'<text x="0" y="{height - 2}" font-size="10">{lo:.3g}</text>'

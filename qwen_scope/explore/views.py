@@ -168,7 +168,8 @@ def decoder_norms(sae) -> torch.Tensor:
     return _decoder(sae).float().norm(dim=0).cpu()
 
 
-def feature_views(model, sae, features: Iterable[int], *, top: int = 10, n_neighbors: int = 10) -> dict[int, FeatureView]:
+def feature_views(model, sae, features: Iterable[int], *, top: int = 10,
+                  n_neighbors: int = 10) -> dict[int, FeatureView]:
     """Decoder norm, logit lens and nearest features of ``features``.
 
     Args:
