@@ -1,0 +1,239 @@
+"""Stage 4, warp-specialised variant (``FLASHQLA_KERNELS_VARIANT=ws``): the same fused forward as ``fused_fwd``, same
+inputs, outputs and algebra, with the chunk step split over four warpgroups that run concurrently (FlashQLA's layout):
+
+    WG0 state    S (fp32 registers, 160 regs/thread): S -> smem, S *= exp(gamma_C), S += K^T Vn
+    WG1 values   U = K S, W = V - exp(gamma) U (in place of V), Vd = Ag W, Vn = exp(gamma_C - gamma) Vd
+    WG2 output   P = Q K^T, Ag = Gamma * A0 * beta_col, O = exp(gamma) Q S, Pg = Gamma * P, O += Pg Vd, store O
+    WG3 producer warp 0: q, k; warp 1: v slice, beta; warp 2: A0, gamma (TMA for full chunks, masked loads for
+                 the ragged tail), double-buffered against ``ready``/``free`` mbarriers
+
+Per chunk the critical chain is S -> smem, K S, W, Ag W, Vn, K^T Vn; Ag, Q K^T, Q S, Pg and the output GEMM run on
+WG2 beside it instead of between its steps, and the next chunk's tiles land while this one computes.
+Unlike FlashQLA, WG0 waits only for Vn (``bar_vn``), not for the output GEMM, before its state update, and WG2 stores
+O from registers (no o staging buffer, no store warp).
+
+Grid (V / bDV, Hv, segments), 512 threads; ``segs`` as in ``fused_fwd``.
+"""
+import tilelang.language as T
+import torch
+
+from flashqla_kernels.gated_delta_rule.hopper._common import CHUNK, LOG2E, compile_kernel, tl_dtype
+
+C = CHUNK
+THREADS = 512
+# setmaxnreg budgets (sum 488 <= 512 = 64K regs / 128 threads). ptxas -v for K = V = bDV = 128 bf16: no spills; with
+# FlashQLA's 32 for the producer its masked tail loads spill 100 bytes, and without setmaxnreg S spills 1.5 KB.
+NREG_STATE, NREG_VALUES, NREG_OUTPUT, NREG_PRODUCER = 160, 128, 128, 72
+
+
+def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool):
+    group = Hv // Hk
+    num_tokens = T.dynamic("num_tokens")
+    num_segs = T.dynamic("num_segs")
+    num_init = T.dynamic("num_init")
+    num_final = T.dynamic("num_final")
+
+    @T.prim_func
+    def gdn_fused_fwd_ws(
+        q: T.Tensor((num_tokens, Hk, K), dtype),
+        k: T.Tensor((num_tokens, Hk, K), dtype),
+        v: T.Tensor((num_tokens, Hv, V), dtype),
+        a0: T.Tensor((num_tokens, Hv, C), "float16"),
+        gamma: T.Tensor((num_tokens, Hv), "float32"),
+        beta: T.Tensor((num_tokens, Hv), "float32"),
+        h_init: T.Tensor((num_init, Hv, K, V), "float32"),
+        segs: T.Tensor((num_segs, 4), "int32"),
+        o: T.Tensor((num_tokens, Hv, V), dtype),
+        ht: T.Tensor((num_final, Hv, K, V), "float32"),
+    ):
+        with T.Kernel(V // bDV, Hv, num_segs, threads=THREADS) as (bv, bh, bs):
+            hk = bh // group
+            v0 = bv * bDV
+            s0 = T.alloc_var("int32")
+            s1 = T.alloc_var("int32")
+            init = T.alloc_var("int32")
+            fin = T.alloc_var("int32")
+            n_it = T.alloc_var("int32")
+            s0 = segs[bs, 0]
+            s1 = segs[bs, 1]
+            init = segs[bs, 2]
+            fin = segs[bs, 3]
+            n_it = T.ceildiv(s1 - s0, C)
+            tx = T.get_thread_binding()
+
+            q_sh = T.alloc_shared((2, C, K), dtype)
+            k_sh = T.alloc_shared((2, C, K), dtype)
+            v_sh = T.alloc_shared((2, C, bDV), dtype)
+            a_sh = T.alloc_shared((2, C, C), "float16")
+            g_sh = T.alloc_shared((2, C), "float32", scope="shared")
+            b_sh = T.alloc_shared((2, C), "float32", scope="shared")
+            h_sh = T.alloc_shared((K, bDV), dtype)
+            vd_sh = T.alloc_shared((C, bDV), dtype)
+            vn_sh = T.alloc_shared((C, bDV), dtype)
+            ag_sh = T.alloc_shared((C, C), dtype)
+            pg_sh = T.alloc_shared((C, C), dtype)
+            eg_sh = T.alloc_shared((C,), "float32", scope="shared")
+            er_sh = T.alloc_shared((C,), "float32", scope="shared")
+
+            s_f = T.alloc_fragment((K, bDV), "float32")
+            u_f = T.alloc_fragment((C, bDV), "float32")
+            vd_f = T.alloc_fragment((C, bDV), "float32")
+            p_f = T.alloc_fragment((C, C), "float32")
+            o_f = T.alloc_fragment((C, bDV), "float32")
+
+            # ready: the 3 loader warps arrive (TMA bytes on top); free: the 3 consumer warpgroups
+            ready = T.alloc_barrier(arrive_count=[96] * 2)
+            free = T.alloc_barrier(arrive_count=[384] * 2)
+            bar_start = T.alloc_barrier(arrive_count=384)
+            bar_state = T.alloc_barrier(arrive_count=256)
+            bar_ag = T.alloc_barrier(arrive_count=128)
+            bar_vd = T.alloc_barrier(arrive_count=128)
+            bar_vn = T.alloc_barrier(arrive_count=128)
+
+            if tx < 128:
+                T.set_max_nreg(NREG_STATE, 1)
+                if init >= 0:
+                    T.copy(h_init[init, bh, :, v0:v0 + bDV], s_f)
+                else:
+                    T.clear(s_f)
+                for it in T.serial(n_it):
+                    T.barrier_wait(ready[it % 2], (it // 2) % 2)
+                    T.barrier_arrive(bar_start)
+                    T.barrier_wait(bar_start, it % 2)
+                    T.copy(s_f, h_sh)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_state)
+                    T.barrier_wait(bar_state, it % 2)
+                    for i, j in T.Parallel(K, bDV):
+                        s_f[i, j] = s_f[i, j] * eg_sh[C - 1]
+                    T.barrier_wait(bar_vn, it % 2)
+                    T.gemm(k_sh[it % 2, :, :], vn_sh, s_f, transpose_A=True)
+                    T.barrier_arrive(free[it % 2])
+                if store_final:
+                    if fin >= 0:
+                        T.copy(s_f, ht[fin, bh, :, v0:v0 + bDV])
+
+            elif tx < 256:
+                T.set_max_nreg(NREG_VALUES, 1)
+                for it in T.serial(n_it):
+                    T.barrier_wait(ready[it % 2], (it // 2) % 2)
+                    T.barrier_arrive(bar_start)
+                    T.barrier_wait(bar_start, it % 2)
+                    for i in T.Parallel(C):
+                        eg_sh[i] = T.exp2(g_sh[it % 2, i] * LOG2E)
+                        er_sh[i] = T.exp2((g_sh[it % 2, C - 1] - g_sh[it % 2, i]) * LOG2E)
+                    T.barrier_arrive(bar_state)
+                    T.barrier_wait(bar_state, it % 2)
+                    T.gemm(k_sh[it % 2, :, :], h_sh, u_f, clear_accum=True)
+                    # W = V - exp(gamma) U, written over this chunk's V tile
+                    for i, j in T.Parallel(C, bDV):
+                        v_sh[it % 2, i, j] = v_sh[it % 2, i, j] - eg_sh[i] * u_f[i, j]
+                    T.fence_proxy_async()
+                    T.barrier_wait(bar_ag, it % 2)
+                    T.gemm(ag_sh, v_sh[it % 2, :, :], vd_f, clear_accum=True)
+                    T.copy(vd_f, vd_sh)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_vd)
+                    for i, j in T.Parallel(C, bDV):
+                        vn_sh[i, j] = vd_f[i, j] * er_sh[i]
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_vn)
+                    T.barrier_arrive(free[it % 2])
+
+            elif tx < 384:
+                T.set_max_nreg(NREG_OUTPUT, 1)
+                for it in T.serial(n_it):
+                    T.barrier_wait(ready[it % 2], (it // 2) % 2)
+                    T.barrier_arrive(bar_start)
+                    T.barrier_wait(bar_start, it % 2)
+                    T.gemm(q_sh[it % 2, :, :], k_sh[it % 2, :, :], p_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        ag_sh[i, j] = T.if_then_else(
+                            j <= i,
+                            a_sh[it % 2, i, j] * T.exp2((g_sh[it % 2, i] - g_sh[it % 2, j]) * LOG2E)
+                            * b_sh[it % 2, j], 0.0)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_ag)
+                    for i, j in T.Parallel(C, C):
+                        pg_sh[i, j] = T.if_then_else(
+                            j <= i, p_f[i, j] * T.exp2((g_sh[it % 2, i] - g_sh[it % 2, j]) * LOG2E) * scale, 0.0)
+                    T.fence_proxy_async()
+                    T.barrier_wait(bar_state, it % 2)
+                    T.gemm(q_sh[it % 2, :, :], h_sh, o_f, clear_accum=True)
+                    for i, j in T.Parallel(C, bDV):
+                        o_f[i, j] = o_f[i, j] * eg_sh[i] * scale
+                    T.barrier_wait(bar_vd, it % 2)
+                    T.gemm(pg_sh, vd_sh, o_f)
+                    cs = s0 + it * C
+                    if cs + C <= s1:
+                        T.copy(o_f, o[cs:cs + C, bh, v0:v0 + bDV])
+                    else:
+                        for i, j in T.Parallel(C, bDV):
+                            if cs + i < s1:
+                                o[cs + i, bh, v0 + j] = o_f[i, j]
+                    T.barrier_arrive(free[it % 2])
+
+            else:
+                T.set_max_nreg(NREG_PRODUCER, 0)
+                if tx < 384 + 32:
+                    for it in T.serial(n_it):
+                        T.barrier_wait(free[it % 2], (it // 2 + 1) % 2)
+                        cs = s0 + it * C
+                        if cs + C <= s1:
+                            T.tma_copy(q[cs:cs + C, hk, :], q_sh[it % 2, :, :], barrier=ready[it % 2])
+                            T.tma_copy(k[cs:cs + C, hk, :], k_sh[it % 2, :, :], barrier=ready[it % 2])
+                        else:
+                            for i, j in T.Parallel(C, K):
+                                q_sh[it % 2, i, j] = T.if_then_else(cs + i < s1, q[T.min(cs + i, s1 - 1), hk, j],
+                                                                    T.cast(0, dtype))
+                                k_sh[it % 2, i, j] = T.if_then_else(cs + i < s1, k[T.min(cs + i, s1 - 1), hk, j],
+                                                                    T.cast(0, dtype))
+                            T.fence_proxy_async()
+                        T.barrier_arrive(ready[it % 2])
+                elif tx < 384 + 64:
+                    for it in T.serial(n_it):
+                        T.barrier_wait(free[it % 2], (it // 2 + 1) % 2)
+                        cs = s0 + it * C
+                        if cs + C <= s1:
+                            T.tma_copy(v[cs:cs + C, bh, v0:v0 + bDV], v_sh[it % 2, :, :], barrier=ready[it % 2])
+                        else:
+                            for i, j in T.Parallel(C, bDV):
+                                v_sh[it % 2, i, j] = T.if_then_else(
+                                    cs + i < s1, v[T.min(cs + i, s1 - 1), bh, v0 + j], T.cast(0, dtype))
+                            T.fence_proxy_async()
+                        for i in T.Parallel(C):
+                            b_sh[it % 2, i] = T.if_then_else(cs + i < s1, beta[T.min(cs + i, s1 - 1), bh], 0.0)
+                        T.barrier_arrive(ready[it % 2])
+                elif tx < 384 + 96:
+                    for it in T.serial(n_it):
+                        T.barrier_wait(free[it % 2], (it // 2 + 1) % 2)
+                        cs = s0 + it * C
+                        if cs + C <= s1:
+                            T.tma_copy(a0[cs:cs + C, bh, :], a_sh[it % 2, :, :], barrier=ready[it % 2])
+                        else:
+                            for i, j in T.Parallel(C, C):
+                                a_sh[it % 2, i, j] = T.if_then_else(
+                                    cs + i < s1, a0[T.min(cs + i, s1 - 1), bh, j], T.cast(0, "float16"))
+                        # padded rows repeat the last valid gamma: Gamma stays <= 1 and their terms are zero
+                        for i in T.Parallel(C):
+                            g_sh[it % 2, i] = gamma[T.min(cs + i, s1 - 1), bh]
+                        T.barrier_arrive(ready[it % 2])
+
+    return gdn_fused_fwd_ws
+
+
+def fused_fwd_ws(q, k, v, a0, gamma, beta, h_init, segs, o, ht, *, scale: float, bDV: int):
+    """Run the warp-specialised fused output stage in place; same contract as ``fused_fwd.fused_fwd``.
+
+    Args:
+        q, k: [T, Hk, K]; v, o: [T, Hv, V] (o is written); a0: [T, Hv, 64] fp16; gamma, beta: [T, Hv] fp32;
+        h_init: [R, Hv, K, V] fp32 start states (R >= 1); segs: [S, 4] int32; ht: [N, Hv, K, V] fp32 or None.
+        scale: output scale. bDV: V slice per CTA (32, 64 or 128).
+    """
+    Tn, Hk, K = k.shape
+    Hv, V = v.shape[1], v.shape[2]
+    store_final = ht is not None
+    kernel = compile_kernel(build_fused_fwd_ws, Hk, Hv, K, V, bDV, tl_dtype(q.dtype), float(scale), store_final)
+    if ht is None:
+        ht = torch.empty((1, Hv, K, V), dtype=torch.float32, device=q.device)
+    kernel(q, k, v, a0, gamma, beta, h_init, segs, o, ht)
