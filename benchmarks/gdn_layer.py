@@ -1,0 +1,346 @@
+"""Whole-model forward with the fused GDN layer on one H200: tokens/s and where the CUDA time goes, per arm.
+
+Model: the Qwen3.5-2B-shaped random bf16 model of ``shared/reference/anchors-h200.md`` (hidden 2048, 24 layers: 18 GDN
+with Hk = Hv = 16, K = V = 128, and 6 full attention, vocab 248320), forward of ``model.model`` with
+``use_cache=False`` and forward hooks keeping all 24 decoder-layer outputs (the anchors' method), 8 x 4096 tokens.
+Arms (one run, one process):
+  ours           ``patch_transformers(backend="tilelang", fused_layer=True)``: the fused GDN layer (token-major conv +
+                 gates + l2norm kernel, our chunk kernels, gated-RMSNorm kernel);
+  ours+compile   the same, ``torch.compile`` of ``model.model`` with the GDN layer left eager (graph breaks there), so
+                 inductor fuses the MLP / attention-layer / RMSNorm glue;
+  qla_op         transformers' layer with our FlashQLA-style chunk op patched in (``patch_transformers(backend="tilelang")``);
+  fla            transformers' layer as imported: FLA's Triton op when flash-linear-attention is importable;
+  torch          transformers' pure-torch op (``__wrapped__``), at ``--torch-batch`` sequences (memory);
+  compile        ``torch.compile`` of ``model.model`` with the qla_op patch (the op left eager).
+Correctness first: on 1 x 1024 tokens every arm's decoder-layer outputs and GDN / attention module outputs are compared
+with the torch arm (relative L2, per layer type). Timing: ``--warmup`` forwards, then ``--steps`` forwards between
+syncs. Breakdown: one profiled forward (torch.profiler), kernels bucketed by name into GEMM / GDN op / conv / norms
+and reductions / copies / elementwise / attention / other; "glue" = everything but GEMM, GDN op and attention.
+
+Usage: first, anywhere with nvcc, ``TILELANG_CACHE_DIR=.tlcache python benchmarks/gdn_layer.py --precompile``; then on the
+GPU (carrying ``.tlcache``, same ``TILELANG_CACHE_DIR``) ``python benchmarks/gdn_layer.py [--arms ours,qla_op,...]``,
+which writes ``gdn_layer.json`` and ``gdn_layer.md`` to ``--out`` after every arm. ``--tiny`` is a CPU dry run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.metadata as md
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+os.environ.setdefault("FLA_FLASH_QLA", "0")
+
+import torch  # noqa: E402
+
+MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
+ARMS = ("ours", "qla_op", "fla", "torch", "compile", "ours+compile")
+ANCHOR_TOKENS_PER_S = {"qla_op": 99.7e3, "fla": 96.9e3, "torch": 41.6e3}  # anchors-h200.md (FlashQLA / FLA / torch)
+CATEGORIES = [  # (bucket, kernel-name pattern), first match wins
+    ("conv", r"gdn_conv|conv1d|convolution|conv_depthwise|depthwise|causal_conv|cudnn.*conv|im2col"),
+    ("norms", r"gated_rms|rms_?norm|layer_?norm|triton_(red|per)_|reduce_kernel|reduce|welford|norm"),
+    ("GDN op", r"gdn_|chunk_|recompute_w_u|solve_tril|kkt|fused_recurrent|gated_delta|cumsum_|l2norm_fwd"),
+    ("attention", r"flash|fmha|sdpa|attention|cudnn_generated|softmax"),
+    ("GEMM", r"gemm|cutlass|xmma|nvjet|cublas|matmul|aten::(mm|addmm|bmm|linear)"),
+    ("copies", r"copy|cat|transpose|permute|contiguous|memcpy|memset|index|gather|scatter|aten::(to|_to_copy|clone)"),
+    ("elementwise", r"elementwise|triton_poi_|silu|sigmoid|softplus|exp|mul|add|aten::"),
+]
+
+
+def config(tiny: bool):
+    import transformers as tf
+
+    if tiny:
+        return tf.Qwen3_5TextConfig(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+            linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False)
+    return tf.Qwen3_5TextConfig(
+        vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False, max_position_embeddings=8192)
+
+
+def build_model(tiny: bool, device: str):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = config(tiny)
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = tf.Qwen3_5ForCausalLM(cfg)
+    return model.to(torch.bfloat16 if device == "cuda" else torch.float32).eval().requires_grad_(False)
+
+
+class Arms:
+    """Puts the model in each arm's configuration; ``use(name)`` returns the callable to run (maybe compiled)."""
+
+    def __init__(self, model, device: str):
+        import flashqla_kernels  # noqa: F401 (fails early if the package is missing)
+
+        self.model, self.device = model, device
+        self.module = importlib.import_module(MODULE)
+        self.originals = {n: getattr(self.module, n) for n in ("torch_chunk_gated_delta_rule",
+                                                                "torch_recurrent_gated_delta_rule")}
+        closure = self.originals["torch_chunk_gated_delta_rule"].__closure__ or []
+        self.has_fla = any(getattr(c.cell_contents, "__module__", "").startswith("fla") for c in closure
+                           if callable(c.cell_contents))
+        self.backend = "tilelang" if device == "cuda" else None
+
+    def reason_unavailable(self, name: str) -> str | None:
+        if name == "fla" and not self.has_fla:
+            return "flash-linear-attention is not importable: transformers' op is its torch fallback"
+        return None
+
+    def use(self, name: str):
+        from flashqla_kernels import patch_transformers, unpatch_transformers
+        from flashqla_kernels.gdn_layer import patch as layer_patch
+
+        unpatch_transformers()
+        for n, f in self.originals.items():
+            setattr(self.module, n, f)
+        base = name.removesuffix("+compile")
+        if base == "ours":
+            patch_transformers(backend=self.backend, fused_layer=True)
+        elif base in ("qla_op", "compile"):
+            patch_transformers(backend=self.backend)
+        elif base == "torch":
+            for n, f in self.originals.items():
+                setattr(self.module, n, getattr(f, "__wrapped__", f))
+        if not (name.endswith("+compile") or name == "compile"):
+            return self.model.model
+        # Leave our kernels eager: dynamo breaks the graph around them and compiles the rest.
+        for n in self.originals:
+            setattr(self.module, n, torch.compiler.disable(getattr(self.module, n)))
+        if layer_patch.gdn_layers_patched():
+            cls = self.module.Qwen3_5GatedDeltaNet
+            cls.forward = torch.compiler.disable(cls.forward)
+        return torch.compile(self.model.model)
+
+
+def forward_fn(run, ids, keep: list):
+    def fwd():
+        keep.clear()
+        return run(input_ids=ids, use_cache=False)
+    return fwd
+
+
+def hook_outputs(model, keep: list):
+    return [layer.register_forward_hook(lambda m, a, o: keep.append(o)) for layer in model.model.layers]
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_forward(fwd, steps: int, warmup: int, device: str) -> float:
+    for _ in range(warmup):
+        fwd()
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        fwd()
+    sync(device)
+    return (time.perf_counter() - t) / steps
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    for bucket, pattern in CATEGORIES:
+        if re.search(pattern, low):
+            return bucket
+    return "other"
+
+
+def breakdown(fwd, device: str) -> dict:
+    """Self time per bucket (ms) of one forward, CUDA kernels on the GPU (CPU ops in a CPU dry run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fwd()
+        sync(device)
+    out: dict[str, float] = {}
+    top: list[tuple[float, str]] = []
+    for evt in prof.key_averages():
+        us = evt.self_device_time_total if device == "cuda" else evt.self_cpu_time_total
+        if us <= 0 or (device == "cuda" and evt.device_type.name != "CUDA"):
+            continue
+        bucket = categorize(evt.key)
+        out[bucket] = out.get(bucket, 0.0) + us / 1e3
+        top.append((us / 1e3, f"{bucket}: {evt.key[:90]}"))
+    total = sum(out.values())
+    glue = total - sum(out.get(b, 0.0) for b in ("GEMM", "GDN op", "attention"))
+    return {"ms": out, "total_ms": total, "glue_ms": glue, "glue_share": glue / total if total else 0.0,
+            "top_kernels": [f"{ms:.2f} ms {name}" for ms, name in sorted(top, reverse=True)[:12]]}
+
+
+def rel_l2(x, ref) -> float:
+    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def capture_modules(model, run, ids) -> dict[str, list]:
+    """Outputs of every decoder layer, GDN module and attention module on one forward."""
+    got: dict[str, list] = {"layer": [], "linear_attention": [], "full_attention": []}
+    handles = []
+    for layer in model.model.layers:
+        handles.append(layer.register_forward_hook(lambda m, a, o: got["layer"].append(o.float())))
+        mixer = getattr(layer, "linear_attn", None) or layer.self_attn
+        kind = "linear_attention" if hasattr(layer, "linear_attn") else "full_attention"
+        handles.append(mixer.register_forward_hook(
+            lambda m, a, o, _k=kind: got[_k].append((o[0] if isinstance(o, tuple) else o).float())))
+    try:
+        with torch.no_grad():
+            run(input_ids=ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return got
+
+
+def versions(device: str) -> dict:
+    out = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)", "torch": torch.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    for dist in ("transformers", "triton", "tilelang", "flash-linear-attention", "fla-core", "flash-qla"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = None
+    out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                   cwd=Path(__file__).parent).stdout.strip() or None
+    return out
+
+
+def write(out: Path, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gdn_layer.json").write_text(json.dumps(result, indent=1))
+    v = result["env"]
+    buckets = ["GEMM", "GDN op", "conv", "norms", "copies", "elementwise", "attention", "other"]
+    lines = [f"# Whole-model forward with the fused GDN layer ({v['gpu']}, {v['date']})", "",
+             f"torch {v['torch']}, transformers {v['transformers']}, triton {v['triton']}, tilelang {v['tilelang']}, "
+             f"fla {v['fla-core'] or v['flash-linear-attention']}, commit {v['commit']}. Model: {result['model']}; "
+             f"{result['batch']} x {result['seqlen']} tokens per forward, use_cache=False, every decoder-layer output "
+             "kept by a hook. Bar (issue 7): ours >= 2x qla_op, glue <= 25% of CUDA time.", "",
+             "| arm | tokens/s | ms/forward | x qla_op | CUDA ms | glue % | " + " | ".join(buckets) + " |",
+             "|---|---|---|---|---|---|" + "---|" * len(buckets)]
+    qla = next((r["tokens_per_s"] for r in result["arms"] if r["arm"] == "qla_op" and "tokens_per_s" in r), None)
+    for r in result["arms"]:
+        if "tokens_per_s" not in r:
+            lines.append(f"| {r['arm']} | - | - | - | - | - | " + " | ".join("-" * len(buckets)) + f" | "
+                         f"{r.get('error', r.get('note', ''))} |")
+            continue
+        b = r["breakdown"]
+        ratio = f"{r['tokens_per_s'] / qla:.2f}" if qla else "-"
+        lines.append(f"| {r['arm']} | {r['tokens_per_s']:,.0f} | {r['ms_per_forward']:.1f} | {ratio} | "
+                     f"{b['total_ms']:.1f} | {100 * b['glue_share']:.0f}% | "
+                     + " | ".join(f"{b['ms'].get(k, 0.0):.1f}" for k in buckets) + " |")
+    lines += ["", f"Correctness (rel. L2 vs the torch arm on 1 x {result['check_tokens']} tokens; max over layers of "
+              "each type: decoder-layer outputs, GDN module outputs, attention module outputs):", ""]
+    lines += [f"- {arm}: {json.dumps(c)}" for arm, c in result["checks"].items()]
+    lines += ["", "Top kernels per arm:", ""]
+    for r in result["arms"]:
+        if "breakdown" in r:
+            lines += [f"- {r['arm']}: " + "; ".join(r["breakdown"]["top_kernels"][:6])]
+    (out / "gdn_layer.md").write_text("\n".join(lines) + "\n")
+
+
+def precompile() -> None:
+    """Compile (sm_90a, no GPU needed) every TileLang kernel the arms use into tilelang's cache."""
+    from flashqla_kernels.gated_delta_rule.hopper import _common, fused_fwd, plan, prep, segment_states, state_scan
+    from flashqla_kernels.gdn_layer.hopper import conv_gates, gated_norm
+
+    _common.compile_kernel(prep.build_prep, 16, 16, 128, "bfloat16")
+    for bdv in sorted({plan.choose_block_v(n, 16, 128, 128, 132) for n in (1, 8)}):
+        _common.compile_kernel(fused_fwd.build_fused_fwd, 16, 16, 128, 128, bdv, "bfloat16", 128 ** -0.5, False)
+        _common.compile_kernel(segment_states.build_segment_states, 16, 16, 128, 128, bdv, "bfloat16")
+    _common.compile_kernel(state_scan.build_state_scan, 16, 128, 128, False)
+    _common.compile_kernel(conv_gates.build_conv_qkv_gates, 16, 16, 128, 4, "bfloat16", False, False)
+    _common.compile_kernel(gated_norm.build_gated_rms_norm, 128, "bfloat16", 1e-6)
+    print("precompiled the GDN chunk kernels and the glue kernels (Hk = Hv = 16, K = V = 128, bf16)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--torch-batch", type=int, default=2, help="sequences per forward in the torch arm")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="CPU dry run of every code path on a tiny model")
+    parser.add_argument("--precompile", action="store_true", help="only fill the TileLang cache (CPU is enough)")
+    args = parser.parse_args(argv)
+    if args.precompile:
+        precompile()
+        return 0
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        parser.error(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
+    device = "cpu" if args.tiny else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device: run on the H200, or pass --tiny for a CPU dry run")
+    B, T = (2, 80) if args.tiny else (args.batch, args.seqlen)
+    model = build_model(args.tiny, device)
+    vocab = model.config.vocab_size
+    result = {"env": versions(device), "model": "tiny Qwen3.5 (CPU dry run)" if args.tiny else
+              "Qwen3.5-2B-shaped random bf16", "batch": B, "seqlen": T, "arms": [], "checks": {},
+              "anchors_tokens_per_s": ANCHOR_TOKENS_PER_S}
+    ctl = Arms(model, device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    check_ids = torch.randint(0, vocab, (1, 80 if args.tiny else 1024), generator=gen).to(device)
+    result["check_tokens"] = check_ids.shape[1]
+    ctl.use("torch")
+    reference = capture_modules(model, model.model, check_ids)
+    keep: list = []
+    for arm in arms:
+        row = {"arm": arm}
+        try:
+            if (why := ctl.reason_unavailable(arm)) is not None:
+                row["note"] = why
+                continue
+            run = ctl.use(arm)
+            got = capture_modules(model, run, check_ids)
+            result["checks"][arm] = {k: max((rel_l2(a, b) for a, b in zip(got[k], reference[k])), default=0.0)
+                                     for k in reference}
+            nb = min(args.torch_batch, B) if arm == "torch" else B
+            ids = torch.randint(0, vocab, (nb, T), generator=gen).to(device)
+            handles = hook_outputs(model, keep)
+            try:
+                with torch.no_grad():
+                    fwd = forward_fn(run, ids, keep)
+                    sec = time_forward(fwd, args.steps, args.warmup, device)
+                    row["breakdown"] = breakdown(fwd, device)
+            finally:
+                for h in handles:
+                    h.remove()
+            row.update(tokens_per_s=nb * T / sec, ms_per_forward=1e3 * sec, batch=nb)
+            print(f"{arm}: {row['tokens_per_s']:,.0f} tokens/s, glue {100 * row['breakdown']['glue_share']:.0f}% "
+                  f"of {row['breakdown']['total_ms']:.1f} ms; check {result['checks'][arm]}", flush=True)
+        except Exception as err:  # one failing arm must not lose the others' numbers
+            row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            print(f"{arm}: FAILED {row['error']}", flush=True)
+        finally:
+            keep.clear()
+            result["arms"].append(row)
+            write(args.out, result)
+            torch._dynamo.reset()
+    ctl.use("torch")
+    from flashqla_kernels import unpatch_transformers
+
+    unpatch_transformers()
+    for n, f in ctl.originals.items():
+        setattr(ctl.module, n, f)
+    print(f"wrote {args.out / 'gdn_layer.json'} and {args.out / 'gdn_layer.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
