@@ -21,13 +21,20 @@ from flashqla_kernels.gated_delta_rule.hopper._common import CHUNK, LOG2E, compi
 
 C = CHUNK
 THREADS = 512
-# setmaxnreg budgets (sum 488 <= 512 = 64K regs / 128 threads). ptxas -v for K = V = bDV = 128 bf16: no spills; with
-# FlashQLA's 32 for the producer its masked tail loads spill 100 bytes, and without setmaxnreg S spills 1.5 KB.
-NREG_STATE, NREG_VALUES, NREG_OUTPUT, NREG_PRODUCER = 160, 128, 128, 72
+# setmaxnreg budgets (sum 504 <= 512 = 64K registers / 128 threads). ptxas -v, K = V = bDV = 128 bf16, both inner
+# dtypes: no spills. The producer's masked tail loads need the 88 (FlashQLA's 32 spills ~100 B there); without
+# setmaxnreg the 128-register cap of 512 threads spills S (1.5 KB).
+NREG_STATE, NREG_VALUES, NREG_OUTPUT, NREG_PRODUCER = 160, 128, 128, 88
 
 
-def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool):
+def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool,
+                       inner: str = ""):
+    """``inner``: dtype of the W, Ag, Vd and Pg operands (the Ag W and Pg Vd GEMMs); "" = the input dtype. "float16"
+    with bf16 inputs keeps those four in fp16 (8x finer rounding; the values are bounded like A0, which the default
+    already stores in fp16) while q, k, S and Vn stay bf16 (variant ``ws16``)."""
     group = Hv // Hk
+    idt = inner or dtype
+    separate_w = idt != dtype
     num_tokens = T.dynamic("num_tokens")
     num_segs = T.dynamic("num_segs")
     num_init = T.dynamic("num_init")
@@ -68,10 +75,11 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
             g_sh = T.alloc_shared((2, C), "float32", scope="shared")
             b_sh = T.alloc_shared((2, C), "float32", scope="shared")
             h_sh = T.alloc_shared((K, bDV), dtype)
-            vd_sh = T.alloc_shared((C, bDV), dtype)
+            vd_sh = T.alloc_shared((C, bDV), idt)
+            w_sh = T.alloc_shared((C, bDV), idt) if separate_w else None
             vn_sh = T.alloc_shared((C, bDV), dtype)
-            ag_sh = T.alloc_shared((C, C), dtype)
-            pg_sh = T.alloc_shared((C, C), dtype)
+            ag_sh = T.alloc_shared((C, C), idt)
+            pg_sh = T.alloc_shared((C, C), idt)
             eg_sh = T.alloc_shared((C,), "float32", scope="shared")
             er_sh = T.alloc_shared((C,), "float32", scope="shared")
 
@@ -125,12 +133,19 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                     T.barrier_arrive(bar_state)
                     T.barrier_wait(bar_state, it % 2)
                     T.gemm(k_sh[it % 2, :, :], h_sh, u_f, clear_accum=True)
-                    # W = V - exp(gamma) U, written over this chunk's V tile
-                    for i, j in T.Parallel(C, bDV):
-                        v_sh[it % 2, i, j] = v_sh[it % 2, i, j] - eg_sh[i] * u_f[i, j]
-                    T.fence_proxy_async()
-                    T.barrier_wait(bar_ag, it % 2)
-                    T.gemm(ag_sh, v_sh[it % 2, :, :], vd_f, clear_accum=True)
+                    if separate_w:
+                        for i, j in T.Parallel(C, bDV):
+                            w_sh[i, j] = v_sh[it % 2, i, j] - eg_sh[i] * u_f[i, j]
+                        T.fence_proxy_async()
+                        T.barrier_wait(bar_ag, it % 2)
+                        T.gemm(ag_sh, w_sh, vd_f, clear_accum=True)
+                    else:
+                        # W = V - exp(gamma) U, written over this chunk's V tile
+                        for i, j in T.Parallel(C, bDV):
+                            v_sh[it % 2, i, j] = v_sh[it % 2, i, j] - eg_sh[i] * u_f[i, j]
+                        T.fence_proxy_async()
+                        T.barrier_wait(bar_ag, it % 2)
+                        T.gemm(ag_sh, v_sh[it % 2, :, :], vd_f, clear_accum=True)
                     T.copy(vd_f, vd_sh)
                     T.fence_proxy_async()
                     T.barrier_arrive(bar_vd)
@@ -222,18 +237,19 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
     return gdn_fused_fwd_ws
 
 
-def fused_fwd_ws(q, k, v, a0, gamma, beta, h_init, segs, o, ht, *, scale: float, bDV: int):
+def fused_fwd_ws(q, k, v, a0, gamma, beta, h_init, segs, o, ht, *, scale: float, bDV: int, inner: str = ""):
     """Run the warp-specialised fused output stage in place; same contract as ``fused_fwd.fused_fwd``.
 
     Args:
         q, k: [T, Hk, K]; v, o: [T, Hv, V] (o is written); a0: [T, Hv, 64] fp16; gamma, beta: [T, Hv] fp32;
         h_init: [R, Hv, K, V] fp32 start states (R >= 1); segs: [S, 4] int32; ht: [N, Hv, K, V] fp32 or None.
-        scale: output scale. bDV: V slice per CTA (32, 64 or 128).
+        scale: output scale. bDV: V slice per CTA (32, 64 or 128). inner: see ``build_fused_fwd_ws``.
     """
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     store_final = ht is not None
-    kernel = compile_kernel(build_fused_fwd_ws, Hk, Hv, K, V, bDV, tl_dtype(q.dtype), float(scale), store_final)
+    kernel = compile_kernel(build_fused_fwd_ws, Hk, Hv, K, V, bDV, tl_dtype(q.dtype), float(scale), store_final,
+                            inner)
     if ht is None:
         ht = torch.empty((1, Hv, K, V), dtype=torch.float32, device=q.device)
     kernel(q, k, v, a0, gamma, beta, h_init, segs, o, ht)

@@ -1,0 +1,127 @@
+"""Stage 1, variant ``prep2``: the prep stage (gate cumsum + gate-free UT inverse) with K K^T shared across a GVA group.
+
+Same outputs as ``prep.prep`` (gamma [T, Hv] fp32, A0 [T, Hv, 64] fp16), same exact forward substitution, different
+work split. The default runs one 64-thread CTA per (chunk, value head): every value head of a GVA group reloads the
+same K tile and recomputes the same K K^T, and 2 warps per CTA leave the SM latency-bound in the substitution.
+Here one CTA per (chunk, key head, slice of G value heads) loads K once, computes S = StrictLower(K K^T) once (fp32,
+shared memory) and runs 64 * G threads, one column of one head's inverse each, with beta factored out of the rows:
+
+    x_r = [r == c] - beta_r * sum_{m < r} S[r, m] x_m           (column c of (I + diag(beta) S)^-1)
+
+so no per-head L matrix is stored (one 16 KB S serves G heads) and the CTA carries 2G warps (8 for G = 4).
+Warps whose columns all lie right of a 16-row panel skip it (x = 0 there): warp-uniform, no divergence.
+Grid (chunks, Hk, group / G) with G = min(group, MAX_HEADS_PER_CTA).
+"""
+import tilelang.language as T
+import torch
+
+from flashqla_kernels.gated_delta_rule.hopper._common import CHUNK, compile_kernel, tl_dtype
+
+PANEL = 16
+MAX_HEADS_PER_CTA = 4
+
+
+def heads_per_cta(group: int) -> int:
+    """Value heads one CTA solves: the largest divisor of ``group`` up to MAX_HEADS_PER_CTA."""
+    return max(d for d in range(1, MAX_HEADS_PER_CTA + 1) if group % d == 0)
+
+
+def build_prep_v2(Hk: int, Hv: int, K: int, dtype: str):
+    """The grouped prep kernel: grid (chunks, Hk, group / G), 64 * G threads."""
+    C = CHUNK
+    group = Hv // Hk
+    G = heads_per_cta(group)
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+
+    @T.prim_func
+    def gdn_prep_v2(
+        k: T.Tensor((num_tokens, Hk, K), dtype),
+        g: T.Tensor((num_tokens, Hv), "float32"),
+        beta: T.Tensor((num_tokens, Hv), "float32"),
+        chunks: T.Tensor((num_chunks, 2), "int32"),
+        gamma: T.Tensor((num_tokens, Hv), "float32"),
+        a0: T.Tensor((num_tokens, Hv, C), "float16"),
+    ):
+        with T.Kernel(num_chunks, Hk, group // G, threads=C * G) as (bc, hk, bg):
+            # 16 warps per SM (2 * G per CTA) at <= 128 registers a thread; the default prep holds 228 (4 CTAs of
+            # 2 warps per SM)
+            T.annotate_min_blocks_per_sm(max(1, 8 // G))
+            tx = T.get_thread_binding()
+            hl = tx // C
+            col = tx % C
+            # first column this thread's warp owns: panels entirely above it are zero for the whole warp
+            wcol = (tx % C) // 32 * 32
+            bh = hk * group + bg * G + hl
+            s0 = T.alloc_var("int32")
+            s1 = T.alloc_var("int32")
+            s0 = chunks[bc, 0]
+            s1 = chunks[bc, 1]
+            n = s1 - s0
+
+            k_sh = T.alloc_shared((C, K), dtype)
+            s_sh = T.alloc_shared((C, C), "float32")
+            g_sh = T.alloc_shared((G, C), "float32")
+            b_sh = T.alloc_shared((G, C), "float32")
+            kk = T.alloc_fragment((C, C), "float32")
+            x = T.alloc_local((C,), "float32")
+            acc = T.alloc_local((4,), "float32")
+
+            if n == C:
+                T.copy(k[s0:s0 + C, hk, :], k_sh)
+            else:
+                for i, j in T.Parallel(C, K):
+                    k_sh[i, j] = T.if_then_else(i < n, k[T.min(s0 + i, s1 - 1), hk, j], T.cast(0, dtype))
+            for h, i in T.Parallel(G, C):
+                g_sh[h, i] = T.if_then_else(i < n, g[T.min(s0 + i, s1 - 1), hk * group + bg * G + h], 0.0)
+                b_sh[h, i] = T.if_then_else(i < n, beta[T.min(s0 + i, s1 - 1), hk * group + bg * G + h], 0.0)
+
+            # S = StrictLower(K K^T), once for the G heads
+            T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                s_sh[i, j] = T.if_then_else(j < i, kk[i, j], 0.0)
+
+            # gamma: chunk-local inclusive cumsum of head hl, row col
+            for a in T.unroll(4):
+                acc[a] = 0.0
+            for j in T.unroll(C):
+                acc[j % 4] += T.if_then_else(j <= col, g_sh[hl, j], 0.0)
+            if col < n:
+                gamma[s0 + col, bh] = acc[0] + acc[1] + acc[2] + acc[3]
+
+            for r in T.unroll(C):
+                x[r] = 0.0
+            for rb in T.unroll(C // PANEL):
+                if (rb + 1) * PANEL > wcol:
+                    for rr in T.unroll(PANEL):
+                        for a in T.unroll(4):
+                            acc[a] = 0.0
+                        for m in T.unroll(PANEL * (rb + 1)):
+                            acc[m % 4] += s_sh[rb * PANEL + rr, m] * x[m]
+                        x[rb * PANEL + rr] = T.if_then_else(
+                            rb * PANEL + rr == col, 1.0,
+                            -b_sh[hl, rb * PANEL + rr] * (acc[0] + acc[1] + acc[2] + acc[3]))
+            for r in T.unroll(C):
+                if r < n:
+                    a0[s0 + r, bh, col] = x[r]
+
+    return gdn_prep_v2
+
+
+def prep_v2(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: torch.Tensor, Hv: int):
+    """Run the grouped prep stage; same contract as ``prep.prep``.
+
+    Args:
+        k: [T, Hk, K] bf16/fp16 contiguous. g, beta: [T, Hv] fp32 contiguous. chunks: [NC, 2] int32 (start, end).
+        Hv: value heads.
+
+    Returns:
+        gamma [T, Hv] fp32 (chunk-local cumsum of g) and A0 [T, Hv, 64] fp16.
+    """
+    Tn, Hk, K = k.shape
+    kernel = compile_kernel(build_prep_v2, Hk, Hv, K, tl_dtype(k.dtype))
+    gamma = torch.empty((Tn, Hv), dtype=torch.float32, device=k.device)
+    a0 = torch.empty((Tn, Hv, CHUNK), dtype=torch.float16, device=k.device)
+    if chunks.shape[0] > 0:
+        kernel(k, g, beta, chunks, gamma, a0)
+    return gamma, a0

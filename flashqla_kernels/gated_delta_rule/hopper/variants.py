@@ -1,0 +1,139 @@
+"""Kernel variants of the Hopper forward, selectable beside the verified default (for A/B runs on the GPU).
+
+A variant name joins parts with ``+``; ``default`` (or "") is the verified path of ``forward`` itself, the very same
+function. Parts:
+
+    ws      fused stage warp-specialised (``fused_fwd_ws``: state / values / output warpgroups + TMA producer)
+    ws16    as ws, with the W, Ag, Vd, Pg operands in fp16 when the inputs are bf16 (finer rounding, same speed)
+    prep2   prep stage with K K^T shared across a GVA group and 2G warps per CTA (``prep_v2``)
+
+e.g. ``ws+prep2``. Select per call (``variant=``) or process-wide with the environment variable
+FLASHQLA_KERNELS_VARIANT, read by :func:`chunk_gated_delta_rule_fwd` on every call with ``variant=None`` and by the
+package ``__init__`` at import (then the public op runs the variant too). The context-parallel stages
+(``segment_states``, ``state_scan``) are the default ones in every variant.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from flashqla_kernels.gated_delta_rule.hopper import forward
+
+ENV_VAR = "FLASHQLA_KERNELS_VARIANT"
+PARTS = ("ws", "ws16", "prep2")
+# what benchmarks/gdn_forward.py --variants all runs
+ALL_VARIANTS = ("default", "ws", "ws16", "prep2", "ws+prep2", "ws16+prep2")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Parsed variant: which fused stage (``"default"``, ``"ws"``, ``"ws16"``) and whether prep is ``prep_v2``."""
+
+    fused: str = "default"
+    prep2: bool = False
+
+    @property
+    def is_default(self) -> bool:
+        return self.fused == "default" and not self.prep2
+
+
+def parse_variant(name: str | None) -> Variant:
+    """Parse ``"ws+prep2"``-style names; ``None`` reads FLASHQLA_KERNELS_VARIANT (unset: default).
+
+    Raises:
+        ValueError: an unknown part, or both ws and ws16.
+    """
+    if name is None:
+        name = os.environ.get(ENV_VAR, "")
+    parts = [p.strip() for p in name.split("+") if p.strip() and p.strip() != "default"]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise ValueError(f"unknown Hopper kernel variant part(s) {unknown} in {name!r} (from variant= or {ENV_VAR}); "
+                         f"expected 'default' or parts of {PARTS} joined by '+', e.g. 'ws+prep2'")
+    fused = [p for p in parts if p in ("ws", "ws16")]
+    if len(fused) > 1:
+        raise ValueError(f"variant {name!r} names two fused stages {fused}; pick one of 'ws', 'ws16'")
+    return Variant(fused=fused[0] if fused else "default", prep2="prep2" in parts)
+
+
+def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, segment_chunks=None, variant=None):
+    """``forward.chunk_gated_delta_rule_fwd`` with the stages of a kernel variant.
+
+    Args:
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+        segment_chunks: as ``forward.chunk_gated_delta_rule_fwd`` (q, k [B, T, Hk, K]; v [B, T, Hv, V]; g, beta
+        [B, T, Hv]; initial_state [N, Hv, K, V]). variant: a name for :func:`parse_variant`; None reads
+        FLASHQLA_KERNELS_VARIANT.
+
+    Returns:
+        (o [B, T, Hv, V] in q's dtype, final state [N, Hv, K, V] fp32 or None).
+    """
+    var = parse_variant(variant)
+    kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                  segment_chunks=segment_chunks)
+    B, Tn = k.shape[0], k.shape[1]
+    if var.is_default or Tn == 0:
+        return forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kwargs)
+    reason = forward.unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens)
+    if reason is not None:
+        raise ValueError(reason)
+    return _run(var, q, k, v, g, beta, **kwargs)
+
+
+def _run(var: Variant, q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+         cu_seqlens, segment_chunks):
+    # the wiring of forward.chunk_gated_delta_rule_fwd with the stage functions swapped (kept in step by the GPU
+    # tests: every variant must equal the float64 reference on the same suite)
+    from flashqla_kernels.gated_delta_rule.hopper import plan, segment_states, state_scan
+
+    B, Tn, Hk, K = k.shape
+    Hv, V = v.shape[2], v.shape[3]
+    scale = K ** -0.5 if scale is None else float(scale)
+    if use_qk_l2norm_in_kernel:
+        q, k = forward._l2norm(q), forward._l2norm(k)
+    cu = list(range(0, B * Tn + 1, Tn)) if cu_seqlens is None else plan.host_offsets(cu_seqlens)
+    N = len(cu) - 1
+    q3 = q.reshape(B * Tn, Hk, K).contiguous()
+    k3 = k.reshape(B * Tn, Hk, K).contiguous()
+    v3 = v.reshape(B * Tn, Hv, V).contiguous()
+    g3 = g.reshape(B * Tn, Hv).to(torch.float32).contiguous()
+    b3 = beta.reshape(B * Tn, Hv).to(torch.float32).contiguous()
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+
+    bDV = forward.block_dv(N, Hv, K, V, q.device)
+    pl = plan.make_plan(cu, Hv, V // bDV, h0 is not None, q.device, segment_chunks)
+    gamma, a0 = _prep_fn(var)(k3, g3, b3, pl.chunks, Hv)
+    if pl.segment_chunks:
+        hs, ms = segment_states.segment_states(k3, v3, a0, gamma, b3, pl, bDV=bDV)
+        h_init = state_scan.state_scan(h0, hs, ms, pl.seqs, pl.segs.shape[0])
+    else:
+        h_init = h0 if h0 is not None else torch.zeros((1, Hv, K, V), dtype=torch.float32, device=q.device)
+    o = forward._empty((B * Tn, Hv, V), q.dtype, q.device)
+    ht = forward._empty((N, Hv, K, V), torch.float32, q.device) if output_final_state else None
+    _fused_fn(var, q.dtype)(q3, k3, v3, a0, gamma, b3, h_init, pl.segs, o, ht, scale=scale, bDV=bDV)
+    return o.view(B, Tn, Hv, V), ht
+
+
+def _prep_fn(var: Variant):
+    if var.prep2:
+        from flashqla_kernels.gated_delta_rule.hopper.prep_v2 import prep_v2
+
+        return prep_v2
+    from flashqla_kernels.gated_delta_rule.hopper.prep import prep
+
+    return prep
+
+
+def _fused_fn(var: Variant, dtype: torch.dtype):
+    if var.fused == "default":
+        from flashqla_kernels.gated_delta_rule.hopper.fused_fwd import fused_fwd
+
+        return fused_fwd
+    from flashqla_kernels.gated_delta_rule.hopper.fused_fwd_ws import fused_fwd_ws
+
+    inner = "float16" if var.fused == "ws16" and dtype == torch.bfloat16 else ""
+    return lambda *a, **kw: fused_fwd_ws(*a, **kw, inner=inner)
