@@ -5,7 +5,8 @@ with Hk = Hv = 16, K = V = 128, and 6 full attention, vocab 248320), forward of 
 ``use_cache=False`` and forward hooks keeping all 24 decoder-layer outputs (the anchors' method), 8 x 4096 tokens.
 Arms (one run, one process):
   ours           ``patch_transformers(backend="tilelang", fused_layer=True)``: the fused GDN layer (token-major conv +
-                 gates + l2norm kernel, our chunk kernels, gated-RMSNorm kernel);
+                 gates + l2norm kernel, our chunk kernels, gated-RMSNorm kernel) and the one-pass zero-centred
+                 RMSNorm kernel for every decoder / final / q-k norm;
   ours+compile   the same, ``torch.compile`` of ``model.model`` with the GDN layer left eager (graph breaks there), so
                  inductor fuses the MLP / attention-layer / RMSNorm glue;
   qla_op         transformers' layer with our FlashQLA-style chunk op patched in (``patch_transformers(backend="tilelang")``);
@@ -253,7 +254,7 @@ def write(out: Path, result: dict) -> None:
 def precompile() -> None:
     """Compile (sm_90a, no GPU needed) every TileLang kernel the arms use into tilelang's cache."""
     from flashqla_kernels.gated_delta_rule.hopper import _common, fused_fwd, plan, prep, segment_states, state_scan
-    from flashqla_kernels.gdn_layer.hopper import conv_gates, gated_norm
+    from flashqla_kernels.gdn_layer.hopper import conv_gates, gated_norm, rms_norm
 
     _common.compile_kernel(prep.build_prep, 16, 16, 128, "bfloat16")
     for bdv in sorted({plan.choose_block_v(n, 16, 128, 128, 132) for n in (1, 8)}):
@@ -262,6 +263,8 @@ def precompile() -> None:
     _common.compile_kernel(state_scan.build_state_scan, 16, 128, 128, False)
     _common.compile_kernel(conv_gates.build_conv_qkv_gates, 16, 16, 128, 4, "bfloat16", False, False)
     _common.compile_kernel(gated_norm.build_gated_rms_norm, 128, "bfloat16", 1e-6)
+    for d in (2048, 256):  # decoder / final norms; attention q/k norms (head_dim 256)
+        _common.compile_kernel(rms_norm.build_rms_norm, d, "bfloat16", 1e-6)
     print("precompiled the GDN chunk kernels and the glue kernels (Hk = Hv = 16, K = V = 128, bf16)")
 
 

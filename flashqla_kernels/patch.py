@@ -183,6 +183,7 @@ def patched_transformers(backend: str | None = None, model: torch.nn.Module | No
     """
     ops_were_patched, previous = bool(_saved_globals or _saved_attrs), _current_backend()
     layer_was_patched, previous_layer = _layer_patch.gdn_layers_patched(), _layer_patch._current_backend()
+    previous_norms = _layer_patch._norms_patched()
     try:
         yield patch_transformers(backend, model, fused_layer)
     finally:
@@ -190,4 +191,4 @@ def patched_transformers(backend: str | None = None, model: torch.nn.Module | No
         if ops_were_patched:
             patch_transformers(previous, model)
         if layer_was_patched:
-            _layer_patch.patch_gdn_layers(previous_layer)
+            _layer_patch.patch_gdn_layers(previous_layer, previous_norms)

@@ -1,7 +1,7 @@
-"""The GDN layer's two glue stages with backend dispatch: TileLang kernels for CUDA sm_90 tensors, torch elsewhere.
+"""The GDN layer's glue stages with backend dispatch: TileLang kernels for CUDA sm_90 tensors, torch elsewhere.
 
-``conv_qkv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates) and ``gated_norm`` (gated RMSNorm) have one
-signature each across the torch formulation (``torch_path``) and the kernels (``hopper``). ``backend=None`` picks the
+``conv_qkv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates), ``gated_norm`` (gated RMSNorm) and
+``rms_norm`` (Qwen's zero-centred RMSNorm, the decoder / final / q-k norms around the layers) have one signature each across the torch formulation (``torch_path``) and the kernels (``hopper``). ``backend=None`` picks the
 kernels when ``glue_kernel_reason`` returns None, else torch; ``"torch"`` forces torch; ``"tilelang"`` forces the
 kernels or raises the reason. Importing this module touches neither CUDA nor tilelang.
 """
@@ -13,7 +13,7 @@ import torch
 
 from flashqla_kernels.gdn_layer import torch_path
 
-__all__ = ["conv_qkv_gates", "gated_norm", "glue_kernel_reason", "KERNEL_DTYPES"]
+__all__ = ["conv_qkv_gates", "gated_norm", "rms_norm", "glue_kernel_reason", "KERNEL_DTYPES"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _HOPPER = "flashqla_kernels.gdn_layer.hopper"
@@ -89,3 +89,19 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
                     else f"head dim V={o.shape[-1]} unsupported (supported: {hopper.HEAD_DIMS})"):
         return hopper.gated_rms_norm_fwd(o, z, weight, eps)
     return torch_path.gated_rms_norm(o, z, weight, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str | None = None) -> torch.Tensor:
+    """Qwen's zero-centred RMSNorm ``x * rsqrt(mean(x^2) + eps) * (1 + weight)`` with fp32 math.
+
+    Args:
+        x: [..., D] (D a multiple of 64 for the kernel). weight: [D]. eps: float. backend: see module doc.
+
+    Returns:
+        x's shape and dtype.
+    """
+    if _use_kernels(backend, "rms_norm", x, shape_reason=lambda: None if x.shape[-1] % 64 == 0
+                    else f"row width D={x.shape[-1]} is not a multiple of 64"):
+        hopper = importlib.import_module(_HOPPER)
+        return hopper.rms_norm_fwd(x, weight, eps)
+    return torch_path.rms_norm_zero_centred(x, weight, eps)

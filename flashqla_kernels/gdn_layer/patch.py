@@ -5,6 +5,8 @@
 every 5.17-5.24 spelling (``cache_params=`` up to 5.23, ``cache=`` from 5.24) and hands the call back to
 transformers' own forward whenever ``layer_unsupported_reason`` names a reason (see ``layer``), so it composes with
 the op patch of ``flashqla_kernels.patch``: the fallback runs whatever chunk / recurrent functions are patched in.
+With ``rms_norms=True`` (default) it also replaces ``forward`` of the families' zero-centred RMSNorm classes (decoder,
+final and q/k norms): the one-pass kernel on CUDA sm_90 bf16/fp16 tensors, transformers' own forward otherwise.
 
 Explicit, idempotent and restorable: importing this module changes nothing.
 """
@@ -16,14 +18,21 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
+from flashqla_kernels.gdn_layer import ops
 from flashqla_kernels.gdn_layer.layer import gdn_layer_forward, layer_unsupported_reason
 
-__all__ = ["patch_gdn_layers", "unpatch_gdn_layers", "patched_gdn_layers", "gdn_layers_patched", "GDN_CLASSES"]
+__all__ = ["patch_gdn_layers", "unpatch_gdn_layers", "patched_gdn_layers", "gdn_layers_patched", "GDN_CLASSES",
+           "NORM_CLASSES"]
 
 GDN_CLASSES = (
     ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),
     ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet"),
     ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
+)
+NORM_CLASSES = (
+    ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextRMSNorm"),
+    ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5RMSNorm"),
+    ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeRMSNorm"),
 )
 _MARK = "_flashqla_fused_backend"
 _saved: dict[tuple[str, str], Any] = {}
@@ -49,6 +58,18 @@ def _make_forward(original, backend: str | None):
     return forward
 
 
+def _make_norm_forward(original, backend: str | None):
+    def forward(self, hidden_states):
+        if backend != "torch" and ops.glue_kernel_reason(hidden_states) is None and hidden_states.shape[-1] % 64 == 0:
+            return ops.rms_norm(hidden_states, self.weight, self.eps, backend=backend)
+        return original(self, hidden_states)
+
+    forward.__doc__ = f"flashqla_kernels RMSNorm (backend={backend!r}): the kernel on sm_90, else transformers'."
+    forward.__wrapped__ = original
+    setattr(forward, _MARK, backend)
+    return forward
+
+
 def _load(module_name: str, class_name: str):
     try:
         return getattr(importlib.import_module(module_name), class_name, None)
@@ -56,16 +77,17 @@ def _load(module_name: str, class_name: str):
         return None
 
 
-def patch_gdn_layers(backend: str | None = None) -> list[str]:
+def patch_gdn_layers(backend: str | None = None, rms_norms: bool = True) -> list[str]:
     """Run the GDN layers of Qwen3-Next / Qwen3.5 / Qwen3.5-MoE on the fused layer path.
 
     Args:
         backend: None (TileLang kernels for CUDA sm_90 tensors, torch elsewhere), "torch" or "tilelang";
             used for the glue stages and the chunk op.
+        rms_norms: also put the zero-centred RMSNorm classes on the RMSNorm kernel (a no-op off Hopper).
 
     Returns:
         The patched targets, e.g. ``["transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet.forward"]``.
-        Calling again re-points them; the originals saved first stay saved.
+        Calling again replaces the previous patch (the originals saved first stay saved).
 
     Example:
         >>> patch_gdn_layers()
@@ -74,17 +96,17 @@ def patch_gdn_layers(backend: str | None = None) -> list[str]:
     """
     if backend not in (None, "torch", "tilelang"):
         raise ValueError(f"backend must be one of None, 'torch', 'tilelang'; got {backend!r}")
+    unpatch_gdn_layers()
     patched = []
-    for module_name, class_name in GDN_CLASSES:
+    targets = [(c, _make_forward) for c in GDN_CLASSES] + [(c, _make_norm_forward) for c in NORM_CLASSES if rms_norms]
+    for (module_name, class_name), make in targets:
         cls = _load(module_name, class_name)
         if cls is None:
             continue
-        current = cls.__dict__["forward"]
-        if not hasattr(current, _MARK):
-            _saved[(module_name, class_name)] = current
-        cls.forward = _make_forward(_saved[(module_name, class_name)], backend)
+        _saved[(module_name, class_name)] = cls.__dict__["forward"]
+        cls.forward = make(_saved[(module_name, class_name)], backend)
         patched.append(f"{module_name}.{class_name}.forward")
-    if not patched:
+    if not any(name.endswith("GatedDeltaNet.forward") for name in patched):
         raise RuntimeError("patch_gdn_layers found no GDN class to patch in "
                            f"{', '.join(m for m, _ in GDN_CLASSES)}; transformers >= 5.17 is needed")
     return patched
@@ -115,19 +137,22 @@ def _current_backend() -> str | None:
     return None
 
 
+def _norms_patched() -> bool:
+    return any(key in _saved for key in NORM_CLASSES)
+
+
 @contextlib.contextmanager
-def patched_gdn_layers(backend: str | None = None) -> Iterator[list[str]]:
+def patched_gdn_layers(backend: str | None = None, rms_norms: bool = True) -> Iterator[list[str]]:
     """Context manager form of ``patch_gdn_layers``; on exit restores the state found on entry.
 
     Example:
         >>> with patched_gdn_layers(backend="torch"):
         ...     out = model.generate(ids, max_new_tokens=8)
     """
-    was, previous = gdn_layers_patched(), _current_backend()
+    was, previous, norms = gdn_layers_patched(), _current_backend(), _norms_patched()
     try:
-        yield patch_gdn_layers(backend)
+        yield patch_gdn_layers(backend, rms_norms)
     finally:
+        unpatch_gdn_layers()
         if was:
-            patch_gdn_layers(previous)
-        else:
-            unpatch_gdn_layers()
+            patch_gdn_layers(previous, norms)

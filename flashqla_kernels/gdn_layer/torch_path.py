@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d_silu", "conv_split_l2norm_gates", "gdn_gates", "gated_rms_norm", "l2norm_fp32"]
+__all__ = ["causal_conv1d_silu", "conv_split_l2norm_gates", "gdn_gates", "gated_rms_norm", "l2norm_fp32",
+           "rms_norm_zero_centred"]
 
 
 def _math_dtype(x: torch.Tensor) -> torch.dtype:
@@ -111,3 +112,19 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     of = o.to(dt)
     of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)
     return (of * weight.to(dt) * F.silu(z.reshape(o.shape).to(dt))).to(o.dtype)
+
+
+def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen's zero-centred RMSNorm (``Qwen3_5RMSNorm``, ``Qwen3NextRMSNorm``): ``x * rsqrt(mean(x^2) + eps) * (1 + w)``
+    in fp32 (fp64 for fp64), the same operations as transformers'.
+
+    Args:
+        x: [..., D]. weight: [D] (init zeros). eps: float.
+
+    Returns:
+        x's shape and dtype.
+    """
+    dt = _math_dtype(x)
+    xf = x.to(dt)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.to(dt))).to(x.dtype)

@@ -223,3 +223,33 @@ def test_patch_transformers_fused_layer_composes_with_the_op_patch():
             op_patch.unpatch_transformers()
     assert m.Qwen3_5GatedDeltaNet.__dict__["forward"] is original_forward and not op_patch.is_patched()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_centred_rms_norm_formulation_is_transformers_bit_for_bit(dtype):
+    model = tiny_model("qwen3_5").to(dtype)
+    norm = _text_model(model).layers[0].input_layernorm
+    x = (3 * torch.randn(2, 7, norm.weight.shape[0])).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(torch_path.rms_norm_zero_centred(x, norm.weight, norm.eps), norm(x))
+
+
+@pytest.mark.parametrize("family,cls_name", [("qwen3_5", "Qwen3_5RMSNorm"), ("qwen3_next", "Qwen3NextRMSNorm"),
+                                             ("qwen3_5_moe", "Qwen3_5MoeRMSNorm")])
+def test_rms_norm_patch_is_opt_out_restorable_and_exact_off_hopper(family, cls_name):
+    import importlib
+
+    cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), cls_name)
+    original = cls.__dict__["forward"]
+    model = tiny_model(family)
+    ids = torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+        with patched_gdn_layers(backend="torch", rms_norms=False):
+            assert cls.__dict__["forward"] is original
+        with patched_gdn_layers(backend="torch") as targets:
+            assert f"{cls.__module__}.{cls_name}.forward" in targets
+            assert cls.__dict__["forward"] is not original
+            got = model(ids, use_cache=False).logits
+    assert cls.__dict__["forward"] is original
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

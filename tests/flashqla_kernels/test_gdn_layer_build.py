@@ -1,7 +1,7 @@
 """CPU CI for the GDN layer's glue kernels: they lower and compile for sm_90a with the local nvcc (no GPU needed),
 the package imports without tilelang, and dispatch picks the torch formulation off Hopper with a reason.
 
-The default run builds the Qwen3.5-2B layout (Hk = Hv = 16, K = V = 128, conv width 4, bf16); ``-m slow`` adds the
+The default run builds the Qwen3.5-2B layout (Hk = Hv = 16, K = V = 128, conv width 4, d_model 2048, bf16); ``-m slow`` adds the
 prefix/bias, GVA, fp16 and other head-dim specialisations. The compile cache is the chunk kernels' (TileLang's disk
 cache, ~/.tilelang/cache), so re-runs are fast.
 """
@@ -20,10 +20,11 @@ from flashqla_kernels.gdn_layer import ops
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
                                 reason="needs nvcc to compile for sm_90a")
 
-# conv: (Hk, Hv, D, Kc, dtype, has_prefix, has_bias); norm: (V, dtype, eps)
+# conv: (Hk, Hv, D, Kc, dtype, has_prefix, has_bias); norm (gated): (V, dtype, eps); rms: (D, dtype, eps)
 CORE = [
     ("conv", (16, 16, 128, 4, "bfloat16", False, False)),
     ("norm", (128, "bfloat16", 1e-6)),
+    ("rms", (2048, "bfloat16", 1e-6)),
 ]
 EXTRA = [
     ("conv", (16, 16, 128, 4, "bfloat16", True, False)),
@@ -32,15 +33,18 @@ EXTRA = [
     ("conv", (2, 2, 256, 2, "bfloat16", True, False)),
     ("norm", (64, "float16", 1e-5)),
     ("norm", (256, "bfloat16", 1e-6)),
+    ("rms", (256, "bfloat16", 1e-6)),
+    ("rms", (64, "float16", 1e-5)),
 ]
 
 
 def _compile(stage, args):
     pytest.importorskip("tilelang")
     from flashqla_kernels.gated_delta_rule.hopper import _common
-    from flashqla_kernels.gdn_layer.hopper import conv_gates, gated_norm
+    from flashqla_kernels.gdn_layer.hopper import conv_gates, gated_norm, rms_norm
 
-    builder = {"conv": conv_gates.build_conv_qkv_gates, "norm": gated_norm.build_gated_rms_norm}[stage]
+    builder = {"conv": conv_gates.build_conv_qkv_gates, "norm": gated_norm.build_gated_rms_norm,
+               "rms": rms_norm.build_rms_norm}[stage]
     src = _common.compile_kernel(builder, *args).get_kernel_source()
     assert "__global__" in src and "rsqrtf" in src, f"{stage}{args}: unexpected generated CUDA"
     if stage == "conv":
@@ -67,7 +71,7 @@ def test_importing_the_glue_hopper_package_does_not_import_tilelang():
             "assert 'tilelang' not in sys.modules, 'tilelang imported'; print(h.__all__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "conv_qkv_gates_fwd" in out.stdout and "gated_rms_norm_fwd" in out.stdout
+    assert "conv_qkv_gates_fwd" in out.stdout and "gated_rms_norm_fwd" in out.stdout and "rms_norm_fwd" in out.stdout
 
 
 def test_dispatch_uses_torch_off_hopper_and_forced_kernels_raise_the_reason():
@@ -84,6 +88,10 @@ def test_dispatch_uses_torch_off_hopper_and_forced_kernels_raise_the_reason():
         ops.conv_qkv_gates(qkv, w, None, a, b, A_log, dt_bias, Hk=Hk, K=D, Hv=Hv, V=D, backend="tilelang")
     with pytest.raises(ValueError, match="cannot run the gated_norm kernel"):
         ops.gated_norm(v, v, torch.ones(D), 1e-6, backend="tilelang")
+    with pytest.raises(ValueError, match="cannot run the rms_norm kernel"):
+        ops.rms_norm(v, torch.zeros(D), 1e-6, backend="tilelang")
+    torch.testing.assert_close(ops.rms_norm(v.float(), torch.zeros(D), 1e-6).pow(2).mean(-1),
+                               torch.ones(v.shape[:-1]), atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="backend must be one of"):
         ops.gated_norm(v, v, torch.ones(D), 1e-6, backend="triton")
 

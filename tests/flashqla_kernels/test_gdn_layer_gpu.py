@@ -85,6 +85,23 @@ def test_gated_norm_kernel_matches_torch_formulation(rows, V, dtype, monkeypatch
     assert _rel(got, ref) < 5e-3, _rel(got, ref)
 
 
+@pytest.mark.parametrize("rows,D,dtype", [(8 * 4096, 2048, torch.bfloat16), (8 * 4096 * 8, 256, torch.bfloat16),
+                                          (3, 2048, torch.float16), (77, 64, torch.bfloat16)])
+def test_rms_norm_kernel_matches_transformers_formulation(rows, D, dtype, monkeypatch):
+    from flashqla_kernels.gdn_layer import hopper
+    from flashqla_kernels.gdn_layer.hopper import rms_norm
+
+    g = torch.Generator(device=DEV).manual_seed(2)
+    x = (4 * torch.randn(rows, D, generator=g, device=DEV)).to(dtype)
+    w = (0.1 * torch.randn(D, generator=g, device=DEV)).to(dtype)
+    monkeypatch.setattr(rms_norm, "POISON_OUTPUTS", True)
+    got = hopper.rms_norm_fwd(x, w, 1e-6)
+    ref = torch_path.rms_norm_zero_centred(x.float(), w.float(), 1e-6)
+    theirs = torch_path.rms_norm_zero_centred(x, w, 1e-6)  # transformers' ops in the model dtype
+    assert not got.isnan().any()
+    assert _rel(got, ref) <= max(1.5 * _rel(theirs, ref), 4e-3), (_rel(got, ref), _rel(theirs, ref))
+
+
 def _qwen35_layer(Hk=16, Hv=16, layers=("linear_attention",), vocab=1024, n=None):
     import transformers as tf
 

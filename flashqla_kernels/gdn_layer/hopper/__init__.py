@@ -1,5 +1,6 @@
 """TileLang kernels for sm_90a for the GDN layer's glue, one stage per file (a builder and its launcher):
-``conv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates, token-major) and ``gated_norm`` (gated RMSNorm).
+``conv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates, token-major), ``gated_norm`` (gated RMSNorm)
+and ``rms_norm`` (Qwen's zero-centred RMSNorm around the layers).
 
 Importing this package does not import tilelang: the stage modules load on the first kernel call. The compile cache
 is the chunk kernels' (``gated_delta_rule.hopper._common.compile_kernel``: once per specialisation per process, and
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["conv_qkv_gates_fwd", "gated_rms_norm_fwd", "conv_shape_reason", "HEAD_DIMS"]
+__all__ = ["conv_qkv_gates_fwd", "gated_rms_norm_fwd", "rms_norm_fwd", "conv_shape_reason", "HEAD_DIMS"]
 
 HEAD_DIMS = (64, 128, 256)
 
@@ -41,3 +42,11 @@ def gated_rms_norm_fwd(o, z, weight, eps):
         raise ValueError(f"head dim V={o.shape[-1]} unsupported by the gated-norm kernel (supported: {HEAD_DIMS})")
     stage = importlib.import_module("flashqla_kernels.gdn_layer.hopper.gated_norm")
     return stage.gated_rms_norm(o, z, weight, eps)
+
+
+def rms_norm_fwd(x, weight, eps):
+    """Zero-centred RMSNorm on the kernel (see ``rms_norm.rms_norm``): x [..., D] with D a multiple of 64."""
+    if x.shape[-1] % 64:
+        raise ValueError(f"row width D={x.shape[-1]} unsupported by the RMSNorm kernel (a multiple of 64 needed)")
+    stage = importlib.import_module("flashqla_kernels.gdn_layer.hopper.rms_norm")
+    return stage.rms_norm(x, weight, eps)

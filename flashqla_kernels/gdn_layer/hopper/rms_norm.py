@@ -1,0 +1,69 @@
+"""Glue around the layers on sm_90a: Qwen's zero-centred RMSNorm, bf16/fp16 in and out, fp32 math, one pass.
+
+    y = x * rsqrt(mean(x^2) + eps) * (1 + weight)          per row of D channels
+
+The decoder's input / post-attention norms, the final norm and the attention layers' q/k norms. transformers'
+version writes an fp32 copy of x, its square, the normalised fp32 rows and their product with (1 + w) before the
+cast back: ~8 passes over an fp32 tensor against one read and one write here. Grid ceil(rows / BR).
+"""
+import tilelang.language as T
+import torch
+
+from flashqla_kernels.gated_delta_rule.hopper._common import compile_kernel, tl_dtype
+
+THREADS = 256
+TILE_ELEMS = 8192  # BR * D per CTA: 32 fp32 values per thread for x and 32 for its square
+# Tests set this to fill the output with NaN before the kernel runs, to prove every element is written.
+POISON_OUTPUTS = False
+
+
+def rows_per_cta(D: int) -> int:
+    return max(1, TILE_ELEMS // D)
+
+
+def build_rms_norm(D: int, dtype: str, eps: float):
+    """The zero-centred RMSNorm kernel for rows of D channels (D a multiple of 64); eps baked in."""
+    BR = rows_per_cta(D)
+    rows = T.dynamic("rows")
+    inv_d = 1.0 / D
+
+    @T.prim_func
+    def qwen_rms_norm(
+        x: T.Tensor((rows, D), dtype),
+        weight: T.Tensor((D,), "float32"),
+        y: T.Tensor((rows, D), dtype),
+    ):
+        with T.Kernel(T.ceildiv(rows, BR), threads=THREADS) as br:
+            r0 = br * BR
+            xf = T.alloc_fragment((BR, D), "float32")
+            sq = T.alloc_fragment((BR, D), "float32")
+            ss = T.alloc_fragment((BR,), "float32")
+            for i, d in T.Parallel(BR, D):
+                xf[i, d] = T.if_then_else(r0 + i < rows, T.cast(x[T.min(r0 + i, rows - 1), d], "float32"), 0.0)
+                sq[i, d] = xf[i, d] * xf[i, d]
+            T.reduce_sum(sq, ss, dim=1)
+            for i in T.Parallel(BR):
+                ss[i] = T.rsqrt(ss[i] * inv_d + eps)
+            for i, d in T.Parallel(BR, D):
+                if r0 + i < rows:
+                    y[r0 + i, d] = T.cast(xf[i, d] * ss[i] * (1.0 + weight[d]), dtype)
+
+    return qwen_rms_norm
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Run the zero-centred RMSNorm.
+
+    Args:
+        x: [..., D] bf16/fp16. weight: [D] (any float dtype; used in fp32). eps: float.
+
+    Returns:
+        y with x's shape and dtype.
+    """
+    D = x.shape[-1]
+    kernel = compile_kernel(build_rms_norm, D, tl_dtype(x.dtype), float(eps))
+    x2 = x.reshape(-1, D).contiguous()
+    y = torch.full_like(x2, float("nan")) if POISON_OUTPUTS else torch.empty_like(x2)
+    if x2.shape[0] > 0:
+        kernel(x2, weight.to(torch.float32).contiguous(), y)
+    return y.view(x.shape)
