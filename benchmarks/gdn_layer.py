@@ -7,8 +7,8 @@ Arms (one run, one process):
   ours           ``patch_transformers(backend="tilelang", fused_layer=True)``: the fused GDN layer (token-major conv +
                  gates + l2norm kernel, our chunk kernels, gated-RMSNorm kernel) and the one-pass zero-centred
                  RMSNorm kernel for every decoder / final / q-k norm;
-  ours+compile   the same, ``torch.compile`` of ``model.model`` with the GDN layer left eager (graph breaks there), so
-                 inductor fuses the MLP / attention-layer / RMSNorm glue;
+  ours+compile   the fused GDN layer left eager (graph breaks there), ``torch.compile`` of the rest of ``model.model``:
+                 inductor fuses the MLP / attention-layer / RMSNorm glue (our RMSNorm kernel not used);
   qla_op         transformers' layer with our FlashQLA-style chunk op patched in (``patch_transformers(backend="tilelang")``);
   fla            transformers' layer as imported: FLA's Triton op when flash-linear-attention is importable;
   torch          transformers' pure-torch op (``__wrapped__``), at ``--torch-batch`` sequences (memory);
@@ -106,8 +106,12 @@ class Arms:
         for n, f in self.originals.items():
             setattr(self.module, n, f)
         base = name.removesuffix("+compile")
-        if base == "ours":
+        if name == "ours":
             patch_transformers(backend=self.backend, fused_layer=True)
+        elif name == "ours+compile":
+            # the norms are left to inductor here: compilation against hand fusion
+            patch_transformers(backend=self.backend)
+            layer_patch.patch_gdn_layers(self.backend, rms_norms=False)
         elif base in ("qla_op", "compile"):
             patch_transformers(backend=self.backend)
         elif base == "torch":

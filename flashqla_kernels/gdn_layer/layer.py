@@ -96,7 +96,8 @@ def gdn_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, cache
         hidden_states: [B, T, d_model] (the input norm's output).
         cache: the model's hybrid cache (``DynamicCache`` / ``StaticCache``) or None (no state kept).
         attention_mask: 2-D [B, T] padding mask (1 = token) or None.
-        backend: None (kernels where they run, else torch), "torch" or "tilelang"; for the glue and the chunk op.
+        backend: None (kernels where they run, else torch), "torch" or "tilelang" (raise where they cannot run);
+            for the glue stages and the chunk op (the T = 1 decode step always runs the recurrent op's torch path).
 
     Returns:
         [B, T, d_model] in hidden_states' dtype. With a cache, its conv and recurrent states are updated.
@@ -122,9 +123,12 @@ def gdn_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, cache
         # The cache appends the newest tokens to its state (or left-pads a fresh one) and keeps the last Kc.
         _write_conv_state(cache, qkv[:, -Kc:].transpose(1, 2), idx, Kc)
 
-    op = recurrent_gated_delta_rule if (recurrent_state is not None and T == 1) else chunk_gated_delta_rule
+    op, op_backend = chunk_gated_delta_rule, backend
+    if recurrent_state is not None and T == 1:
+        # The decode step has no TileLang kernel yet: "tilelang" forces the prefill kernels only.
+        op, op_backend = recurrent_gated_delta_rule, (None if backend == "tilelang" else backend)
     o, final_state = op(q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,
-                        use_qk_l2norm_in_kernel=False, backend=backend)
+                        use_qk_l2norm_in_kernel=False, backend=op_backend)
     if cache is not None:
         cache.update_recurrent_state(final_state, idx)
 

@@ -128,12 +128,12 @@ def test_fused_layer_matches_transformers_within_bf16(Hk, Hv):
     with torch.no_grad():
         truth = layer32(h)
         theirs = layer(h.bfloat16())
-        ours = gdn_layer_forward(layer, h.bfloat16())
+        ours = gdn_layer_forward(layer, h.bfloat16(), backend="tilelang")
         # cached: prefill 300 tokens, continue with 5, then 3 decode steps
         c_ours, c_truth = DynamicCache(config=model.config), DynamicCache(config=model32.config)
         errs = []
         for s, e in ((0, 300), (300, 305), (305, 306), (306, 307), (307, 308)):
-            o = gdn_layer_forward(layer, h[:, s:e].bfloat16(), cache=c_ours)
+            o = gdn_layer_forward(layer, h[:, s:e].bfloat16(), cache=c_ours, backend="tilelang")
             errs.append(_rel(o, layer32(h[:, s:e], cache=c_truth)))
     e_ours, e_theirs = _rel(ours, truth), _rel(theirs, truth)
     print(f"GDN layer Hk={Hk} Hv={Hv}: rel-L2 vs fp32 transformers: ours {e_ours:.2e}, transformers bf16 "
