@@ -21,18 +21,25 @@ and reductions / copies / elementwise / attention / other; "glue" = everything b
 Usage: first, anywhere with nvcc, ``TILELANG_CACHE_DIR=.tlcache python benchmarks/gdn_layer.py --precompile``; then on the
 GPU (carrying ``.tlcache``, same ``TILELANG_CACHE_DIR``) ``python benchmarks/gdn_layer.py [--arms ours,qla_op,...]``,
 which writes ``gdn_layer.json`` and ``gdn_layer.md`` to ``--out`` after every arm. ``--tiny`` is a CPU dry run.
+``--gpu-tests`` instead runs every case of ``tests/flashqla_kernels/test_gdn_layer_gpu.py`` as plain function calls
+(no pytest runner needed on the device) and writes ``gdn_layer_gpu_tests.txt`` (PASS/FAIL per case, printed errors).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import importlib.metadata as md
+import inspect
+import io
 import json
 import os
 import re
 import subprocess
+import sys
 import time
+import traceback
 from pathlib import Path
 
 os.environ.setdefault("FLA_FLASH_QLA", "0")
@@ -256,20 +263,77 @@ def write(out: Path, result: dict) -> None:
 
 
 def precompile() -> None:
-    """Compile (sm_90a, no GPU needed) every TileLang kernel the arms use into tilelang's cache."""
+    """Compile (sm_90a, no GPU needed) every TileLang kernel the arms and the GPU tests use into tilelang's cache."""
     from flashqla_kernels.gated_delta_rule.hopper import _common, fused_fwd, plan, prep, segment_states, state_scan
     from flashqla_kernels.gdn_layer.hopper import conv_gates, gated_norm, rms_norm
 
-    _common.compile_kernel(prep.build_prep, 16, 16, 128, "bfloat16")
-    for bdv in sorted({plan.choose_block_v(n, 16, 128, 128, 132) for n in (1, 8)}):
-        _common.compile_kernel(fused_fwd.build_fused_fwd, 16, 16, 128, 128, bdv, "bfloat16", 128 ** -0.5, False)
-        _common.compile_kernel(segment_states.build_segment_states, 16, 16, 128, 128, bdv, "bfloat16")
-    _common.compile_kernel(state_scan.build_state_scan, 16, 128, 128, False)
-    _common.compile_kernel(conv_gates.build_conv_qkv_gates, 16, 16, 128, 4, "bfloat16", False, False)
-    _common.compile_kernel(gated_norm.build_gated_rms_norm, 128, "bfloat16", 1e-6)
-    for d in (2048, 256):  # decoder / final norms; attention q/k norms (head_dim 256)
-        _common.compile_kernel(rms_norm.build_rms_norm, d, "bfloat16", 1e-6)
-    print("precompiled the GDN chunk kernels and the glue kernels (Hk = Hv = 16, K = V = 128, bf16)")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.flashqla_kernels import test_gdn_layer_gpu as gpu_tests
+
+    bf16, names = "bfloat16", {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    for Hv in (16, 32):  # the benchmark (Hv = 16; 1 and 8 sequences) and the layer tests (2 sequences)
+        _common.compile_kernel(prep.build_prep, 16, Hv, 128, bf16)
+        for bdv in sorted({plan.choose_block_v(n, Hv, 128, 128, 132) for n in (1, 2, 8)}):
+            for final in (False, True):
+                _common.compile_kernel(fused_fwd.build_fused_fwd, 16, Hv, 128, 128, bdv, bf16, 128 ** -0.5, final)
+            _common.compile_kernel(segment_states.build_segment_states, 16, Hv, 128, 128, bdv, bf16)
+        for has_h0 in (False, True):
+            _common.compile_kernel(state_scan.build_state_scan, Hv, 128, 128, has_h0)
+        for has_prefix in (False, True):
+            _common.compile_kernel(conv_gates.build_conv_qkv_gates, 16, Hv, 128, 4, bf16, has_prefix, False)
+    for B, T, Hk, Hv, D, Kc, dtype, prefix, bias in gpu_tests.CONV_CASES.values():
+        _common.compile_kernel(conv_gates.build_conv_qkv_gates, Hk, Hv, D, Kc, names[dtype], prefix, bias)
+    for V, dtype in ((128, bf16), (64, "float16"), (256, bf16)):
+        _common.compile_kernel(gated_norm.build_gated_rms_norm, V, dtype, 1e-6)
+    for D, dtype in ((2048, bf16), (256, bf16), (2048, "float16"), (64, bf16)):
+        _common.compile_kernel(rms_norm.build_rms_norm, D, dtype, 1e-6)
+    print("precompiled the chunk kernels (Hk = 16, Hv = 16 / 32, K = V = 128, bf16) and every glue-kernel "
+          "specialisation of the benchmark and the GPU tests")
+
+
+def test_cases(module) -> list[tuple[str, object, dict]]:
+    """Every (id, function, kwargs) of a pytest module's ``test_*`` functions, parametrize marks expanded."""
+    cases = []
+    for name, fn in vars(module).items():
+        if not (name.startswith("test_") and callable(fn)):
+            continue
+        combos: list[dict] = [{}]
+        for mark in reversed(getattr(fn, "pytestmark", [])):
+            if mark.name != "parametrize":
+                continue
+            names = [a.strip() for a in mark.args[0].split(",")] if isinstance(mark.args[0], str) else mark.args[0]
+            combos = [dict(c, **dict(zip(names, v if len(names) > 1 else (v,)))) for c in combos for v in mark.args[1]]
+        cases += [(f"{name}[{','.join(map(str, c.values()))}]" if c else name, fn, c) for c in combos]
+    return cases
+
+
+def run_gpu_tests(out: Path) -> int:
+    """Run the GDN-layer GPU tests as plain calls; returns the number of failures."""
+    import pytest
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.flashqla_kernels import test_gdn_layer_gpu as module
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    lines, failures = [f"# {module.__name__} on {gpu} (commit {versions('cpu')['commit']})"], 0
+    for case_id, fn, kwargs in test_cases(module):
+        mp, buf = pytest.MonkeyPatch(), io.StringIO()
+        if "monkeypatch" in inspect.signature(fn).parameters:
+            kwargs = dict(kwargs, monkeypatch=mp)
+        try:
+            torch.manual_seed(0)
+            with contextlib.redirect_stdout(buf):
+                fn(**kwargs)
+            lines.append(f"PASS {case_id} {buf.getvalue().strip()}".rstrip())
+        except Exception:
+            failures += 1
+            lines.append(f"FAIL {case_id} {buf.getvalue().strip()}\n{traceback.format_exc(limit=4)}")
+        finally:
+            mp.undo()
+        print(lines[-1], flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gdn_layer_gpu_tests.txt").write_text("\n".join(lines) + "\n")
+    return failures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,10 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="CPU dry run of every code path on a tiny model")
     parser.add_argument("--precompile", action="store_true", help="only fill the TileLang cache (CPU is enough)")
+    parser.add_argument("--gpu-tests", action="store_true", help="only run the GDN-layer GPU tests (plain calls)")
     args = parser.parse_args(argv)
     if args.precompile:
         precompile()
         return 0
+    if args.gpu_tests:
+        return 1 if run_gpu_tests(args.out) else 0
     arms = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:

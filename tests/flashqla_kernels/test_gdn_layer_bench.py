@@ -62,3 +62,15 @@ def test_tiny_dry_run_writes_checked_results(tmp_path, bench):
     from flashqla_kernels import is_patched
 
     assert not is_patched()
+
+
+def test_gpu_test_runner_expands_every_parametrized_case(bench):
+    from tests.flashqla_kernels import test_gdn_layer_gpu as gpu_tests
+
+    cases = bench.test_cases(gpu_tests)
+    ids = [case_id for case_id, _, _ in cases]
+    assert len(ids) == len(set(ids)) == 6 + 3 + 4 + 2 + 1
+    conv = [kw for case_id, _, kw in cases if case_id.startswith("test_conv_gates")]
+    assert sorted(kw["name"] for kw in conv) == sorted(gpu_tests.CONV_CASES)
+    layer = [kw for case_id, _, kw in cases if case_id.startswith("test_fused_layer")]
+    assert layer == [{"Hk": 16, "Hv": 16}, {"Hk": 16, "Hv": 32}]
