@@ -307,17 +307,55 @@ def test_cases(module) -> list[tuple[str, object, dict]]:
     return cases
 
 
-def run_gpu_tests(out: Path) -> int:
-    """Run the GDN-layer GPU tests as plain calls; returns the number of failures."""
-    import pytest
+class _Mark:
+    def __init__(self, name: str, args: tuple):
+        self.name, self.args = name, args
 
+
+class _MarkFactory:
+    """``pytest.mark`` for hosts without pytest: records marks the way pytest does (``fn.pytestmark``)."""
+
+    def __getattr__(self, name: str):
+        def mark(*args):
+            if len(args) == 1 and callable(args[0]) and name != "parametrize":
+                return mark()(args[0])
+
+            def decorate(fn):
+                fn.pytestmark = [*getattr(fn, "pytestmark", []), _Mark(name, args)]
+                return fn
+            return decorate
+        return mark
+
+
+class _MonkeyPatch:
+    def __init__(self):
+        self._undo: list = []
+
+    def setattr(self, obj, name, value):
+        self._undo.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def undo(self):
+        for obj, name, value in reversed(self._undo):
+            setattr(obj, name, value)
+        self._undo.clear()
+
+
+def run_gpu_tests(out: Path) -> int:
+    """Run the GDN-layer GPU tests as plain calls (pytest itself optional); returns the number of failures."""
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        import types
+
+        sys.modules["pytest"] = types.SimpleNamespace(mark=_MarkFactory())
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.flashqla_kernels import test_gdn_layer_gpu as module
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     lines, failures = [f"# {module.__name__} on {gpu} (commit {versions('cpu')['commit']})"], 0
     for case_id, fn, kwargs in test_cases(module):
-        mp, buf = pytest.MonkeyPatch(), io.StringIO()
+        mp, buf = _MonkeyPatch(), io.StringIO()
         if "monkeypatch" in inspect.signature(fn).parameters:
             kwargs = dict(kwargs, monkeypatch=mp)
         try:

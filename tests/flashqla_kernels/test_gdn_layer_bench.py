@@ -74,3 +74,23 @@ def test_gpu_test_runner_expands_every_parametrized_case(bench):
     assert sorted(kw["name"] for kw in conv) == sorted(gpu_tests.CONV_CASES)
     layer = [kw for case_id, _, kw in cases if case_id.startswith("test_fused_layer")]
     assert layer == [{"Hk": 16, "Hv": 16}, {"Hk": 16, "Hv": 32}]
+
+
+def test_gpu_test_runner_works_without_pytest(bench, monkeypatch):
+    marks = bench._MarkFactory()
+
+    @marks.parametrize("a,b", [(1, 2), (3, 4)])
+    @marks.parametrize("c", ["x"])
+    @marks.gpu
+    def test_fake(a, b, c):
+        pass
+
+    fake = type(sys)("fake_tests")
+    fake.test_fake = test_fake
+    assert [(i, kw) for i, _, kw in bench.test_cases(fake)] == [
+        ("test_fake[1,2,x]", {"a": 1, "b": 2, "c": "x"}), ("test_fake[3,4,x]", {"a": 3, "b": 4, "c": "x"})]
+    mp = bench._MonkeyPatch()
+    mp.setattr(bench, "ARMS", ())
+    assert bench.ARMS == ()
+    mp.undo()
+    assert "ours" in bench.ARMS
