@@ -9,7 +9,8 @@ Arms (one run, one process):
                  RMSNorm kernel for every decoder / final / q-k norm;
   ours+compile   the fused GDN layer left eager (graph breaks there), ``torch.compile`` of the rest of ``model.model``:
                  inductor fuses the MLP / attention-layer / RMSNorm glue (our RMSNorm kernel not used);
-  qla_op         transformers' layer with our FlashQLA-style chunk op patched in (``patch_transformers(backend="tilelang")``);
+  qla_op         transformers' layer with our FlashQLA-style chunk op patched in
+                 (``patch_transformers(backend="tilelang")``);
   fla            transformers' layer as imported: FLA's Triton op when flash-linear-attention is importable;
   torch          transformers' pure-torch op (``__wrapped__``), at ``--torch-batch`` sequences (memory);
   compile        ``torch.compile`` of ``model.model`` with the qla_op patch (the op left eager).
@@ -18,8 +19,8 @@ with the torch arm (relative L2, per layer type). Timing: ``--warmup`` forwards,
 syncs. Breakdown: one profiled forward (torch.profiler), kernels bucketed by name into GEMM / GDN op / conv / norms
 and reductions / copies / elementwise / attention / other; "glue" = everything but GEMM, GDN op and attention.
 
-Usage: first, anywhere with nvcc, ``TILELANG_CACHE_DIR=.tlcache python benchmarks/gdn_layer.py --precompile``; then on the
-GPU (carrying ``.tlcache``, same ``TILELANG_CACHE_DIR``) ``python benchmarks/gdn_layer.py [--arms ours,qla_op,...]``,
+Usage: first, anywhere with nvcc, ``TILELANG_CACHE_DIR=.tlcache python benchmarks/gdn_layer.py --precompile``; then
+on the GPU (carrying ``.tlcache``, same ``TILELANG_CACHE_DIR``) ``python benchmarks/gdn_layer.py [--arms ours,...]``,
 which writes ``gdn_layer.json`` and ``gdn_layer.md`` to ``--out`` after every arm. ``--tiny`` is a CPU dry run.
 ``--gpu-tests`` instead runs every case of ``tests/flashqla_kernels/test_gdn_layer_gpu.py`` as plain function calls
 (no pytest runner needed on the device) and writes ``gdn_layer_gpu_tests.txt`` (PASS/FAIL per case, printed errors).

@@ -8,13 +8,14 @@ Example:
     >>> with patched_gdn_layers():
     ...     logits = model(ids, use_cache=False).logits
 """
-from flashqla_kernels.gdn_layer.layer import gdn_layer_forward, layer_unsupported_reason
-from flashqla_kernels.gdn_layer.ops import conv_qkv_gates, gated_norm, glue_kernel_reason
+from flashqla_kernels.gdn_layer.layer import explain_gdn_layer, gdn_layer_forward, layer_unsupported_reason
+from flashqla_kernels.gdn_layer.ops import conv_qkv_gates, gated_norm, glue_kernel_reason, rms_norm
 from flashqla_kernels.gdn_layer.patch import (
     gdn_layers_patched, patch_gdn_layers, patched_gdn_layers, unpatch_gdn_layers,
 )
 
 __all__ = [
-    "gdn_layer_forward", "layer_unsupported_reason", "conv_qkv_gates", "gated_norm", "glue_kernel_reason",
+    "gdn_layer_forward", "layer_unsupported_reason", "explain_gdn_layer",
+    "conv_qkv_gates", "gated_norm", "rms_norm", "glue_kernel_reason",
     "patch_gdn_layers", "unpatch_gdn_layers", "patched_gdn_layers", "gdn_layers_patched",
 ]

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from flashqla_kernels.gated_delta_rule.api import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from flashqla_kernels.gated_delta_rule.api import chunk_gated_delta_rule, explain_backend, recurrent_gated_delta_rule
 from flashqla_kernels.gdn_layer import ops
 
-__all__ = ["gdn_layer_forward", "layer_unsupported_reason", "project"]
+__all__ = ["gdn_layer_forward", "layer_unsupported_reason", "project", "explain_gdn_layer"]
 
 _CACHE_API = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state")
 
@@ -138,3 +138,52 @@ def gdn_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, cache
     else:
         y = ops.gated_norm(o, z, layer.norm.weight, layer.norm.variance_epsilon, backend=backend)
     return layer.out_proj(y.reshape(B, T, Hv * V))
+
+
+def _stage_line(stage: str, backend: str | None, reason_fn) -> str:
+    if backend == "torch":
+        return f"  {stage}: torch (requested with backend='torch')"
+    reason = reason_fn()
+    return f"  {stage}: tilelang" if reason is None else f"  {stage}: torch ({reason})"
+
+
+def explain_gdn_layer(layer: torch.nn.Module, hidden_states: torch.Tensor, cache: Any = None, *,
+                      backend: str | None = None, **kwargs) -> str:
+    """How the patched forward would run this call of ``layer``, stage by stage, and why. Runs nothing.
+
+    Args:
+        layer: the GDN module. hidden_states: [B, T, d_model] (only its shape, dtype and device are read).
+        cache: the call's cache or None. backend: as for ``gdn_layer_forward``. kwargs: the call's extra kwargs.
+
+    Returns:
+        Multi-line text, e.g. ``"layer: fused\n  conv_qkv_gates: torch (tensors are on cpu; ...)\n  chunk op: ..."``.
+
+    Example:
+        >>> print(explain_gdn_layer(model.model.layers[0].linear_attn, h))
+    """
+    reason = layer_unsupported_reason(layer, cache, kwargs)
+    if reason is not None:
+        return f"layer: transformers' forward ({reason})"
+    from flashqla_kernels.gdn_layer import hopper
+
+    B, T, _ = hidden_states.shape
+    Hk, K, Hv, V = layer.num_k_heads, layer.head_k_dim, layer.num_v_heads, layer.head_v_dim
+    dev, dt = hidden_states.device, hidden_states.dtype
+
+    def like(*shape, dtype=dt):  # zero-memory stand-ins with the right shape, dtype and device
+        return torch.empty((), dtype=dtype, device=dev).expand(*shape)
+
+    acts = (like(B, T, 1), like(B, T, 1))
+    decode = cache is not None and T == 1 and cache.get_recurrent_state(layer.layer_idx, state_idx=0) is not None
+    op = "recurrent" if decode else "chunk"
+    g = like(B, T, Hv, dtype=torch.float32)
+    op_text = explain_backend(like(B, T, Hk, K), like(B, T, Hk, K), like(B, T, Hv, V), g, g, op=op,
+                              backend=None if (decode and backend == "tilelang") else backend)
+    return "\n".join([
+        "layer: fused",
+        _stage_line("conv_qkv_gates", backend, lambda: ops.glue_kernel_reason(*acts)
+                    or hopper.conv_shape_reason(Hk, K, Hv, V, layer.conv_kernel_size)),
+        f"  {op} op: " + op_text.replace("\n", "\n    "),
+        _stage_line("gated_norm", backend, lambda: ops.glue_kernel_reason(*acts)
+                    or (None if V in hopper.HEAD_DIMS else f"head dim V={V} unsupported")),
+    ])

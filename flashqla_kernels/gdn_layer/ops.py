@@ -1,9 +1,10 @@
 """The GDN layer's glue stages with backend dispatch: TileLang kernels for CUDA sm_90 tensors, torch elsewhere.
 
 ``conv_qkv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates), ``gated_norm`` (gated RMSNorm) and
-``rms_norm`` (Qwen's zero-centred RMSNorm, the decoder / final / q-k norms around the layers) have one signature each across the torch formulation (``torch_path``) and the kernels (``hopper``). ``backend=None`` picks the
-kernels when ``glue_kernel_reason`` returns None, else torch; ``"torch"`` forces torch; ``"tilelang"`` forces the
-kernels or raises the reason. Importing this module touches neither CUDA nor tilelang.
+``rms_norm`` (Qwen's zero-centred RMSNorm: the decoder / final / q-k norms around the layers) have one signature
+each across the torch formulation (``torch_path``) and the kernels (``hopper``). ``backend=None`` picks the kernels
+when ``glue_kernel_reason`` (and the stage's shape check) returns None, else torch; ``"torch"`` forces torch;
+``"tilelang"`` forces the kernels or raises the reason. Importing this module touches neither CUDA nor tilelang.
 """
 from __future__ import annotations
 

@@ -253,3 +253,22 @@ def test_rms_norm_patch_is_opt_out_restorable_and_exact_off_hopper(family, cls_n
             got = model(ids, use_cache=False).logits
     assert cls.__dict__["forward"] is original
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_explain_gdn_layer_names_each_stage_and_the_reason():
+    from flashqla_kernels.gdn_layer import explain_gdn_layer
+
+    model = tiny_model("qwen3_5")
+    layer = _gdn(model)
+    h = torch.randn(2, 70, layer.hidden_size)
+    text = explain_gdn_layer(layer, h)
+    assert text.startswith("layer: fused")
+    assert "conv_qkv_gates: torch (tensors are on cpu" in text
+    assert "chunk op: backend: torch" in text and "gated_norm: torch (tensors are on cpu" in text
+    assert "requested with backend='torch'" in explain_gdn_layer(layer, h, backend="torch")
+    cache = _cache(model)
+    with torch.no_grad():
+        layer(h, cache=cache)
+    assert "recurrent op" in explain_gdn_layer(layer, h[:, :1], cache)
+    cache.activate_past_recording()
+    assert explain_gdn_layer(layer, h, cache).startswith("layer: transformers' forward (the cache records")
