@@ -2,8 +2,8 @@
 the package imports without tilelang, and dispatch picks the torch formulation off Hopper with a reason.
 
 The default run builds the Qwen3.5-2B layout (Hk = Hv = 16, K = V = 128, conv width 4, d_model 2048, bf16);
-``-m slow`` adds the prefix/bias, GVA, fp16 and other head-dim specialisations. The compile cache is the chunk kernels' (TileLang's disk
-cache, ~/.tilelang/cache), so re-runs are fast.
+``-m slow`` adds the prefix/bias, GVA, fp16 and other head-dim specialisations. The compile cache is the chunk
+kernels' (TileLang's disk cache, ~/.tilelang/cache), so re-runs are fast.
 """
 from __future__ import annotations
 
