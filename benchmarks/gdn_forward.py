@@ -8,7 +8,11 @@ code path decisions, <= 4096 tokens) and against FLA on the full inputs. Then th
 each output written once) over the measured copy bandwidth, FLOPs over the measured bf16 matmul rate.
 
 Usage (on the GPU machine): ``FLA_FLASH_QLA=0 python benchmarks/gdn_forward.py [--out benchmarks/results]``.
-Writes ``gdn_forward.json`` and ``gdn_forward.md``.
+Writes ``gdn_forward.json`` and ``gdn_forward.md``. ``--variants default,ws,ws16,prep2,ws+prep2`` (or ``all``) also
+checks and times the kernel variants of ``hopper/variants.py`` beside the default (columns ``ours:<variant>``); each
+non-default variant first runs a smoke check in a subprocess with a timeout (a deadlocked kernel cannot hang the run)
+and is dropped, with the reason in the results, if it hangs, fails or misses the 5e-3 bar. ``--precompile N`` builds
+every kernel specialisation the run needs on N processes first. See benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import json
 import math
 import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 os.environ["FLA_FLASH_QLA"] = "0"
@@ -55,12 +61,26 @@ def make_inputs(Hk, Hv, seqlen, nseq, seed=0, device="cuda"):
     return q, k, v, g, beta, h0, cu
 
 
-def runners(q, k, v, g, beta, h0, cu, Hk, Hv, nseq):
+def ours_fn(variant, q, k, v, g, beta, h0, cu):
+    """Our forward in one kernel variant (``default``: the verified launcher itself)."""
     from flashqla_kernels.gated_delta_rule import hopper
+    from flashqla_kernels.gated_delta_rule.hopper import variants
 
-    out = {"ours": lambda: hopper.chunk_gated_delta_rule_fwd(
+    if variants.parse_variant(variant).is_default:
+        return lambda: hopper.chunk_gated_delta_rule_fwd(
+            q, k, v, g, beta, scale=None, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=False,
+            cu_seqlens=cu)
+    return lambda: variants.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale=None, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=False,
-        cu_seqlens=cu)}
+        cu_seqlens=cu, variant=variant)
+
+
+def ours_key(variant):
+    return "ours" if variant == "default" else f"ours:{variant}"
+
+
+def runners(q, k, v, g, beta, h0, cu, Hk, Hv, nseq, variant_names=("default",)):
+    out = {ours_key(name): ours_fn(name, q, k, v, g, beta, h0, cu) for name in variant_names}
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
         # one int64 copy made here: FLA caches its chunk indices on the cu_seqlens object, and a fresh tensor per
@@ -91,18 +111,21 @@ def rel_l2(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def check_vs_reference(Hk, Hv, seqlen, nseq):
-    """Ours vs the float64 reference on a shortened copy of the config (<= 4096 tokens, same head layout)."""
-    from flashqla_kernels.gated_delta_rule import hopper
+def check_vs_reference(Hk, Hv, seqlen, nseq, variant_names=("default",)):
+    """Each variant vs the float64 reference on a shortened copy of the config (<= 4096 tokens, same head layout).
+
+    Returns {variant: (rel-L2 o, rel-L2 final state, any NaN)}."""
     from flashqla_kernels.gated_delta_rule.reference import chunk_gated_delta_rule_ref
 
     short = max(1, min(seqlen, 4096 // nseq))
     q, k, v, g, beta, h0, cu = make_inputs(Hk, Hv, short, nseq, seed=1)
-    o, ht = hopper.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=h0,
-                                              output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=cu)
     d = [x.double() for x in (q, k, v, g, beta, h0)]
     ro, rht = chunk_gated_delta_rule_ref(*d[:5], initial_state=d[5], output_final_state=True, cu_seqlens=cu)
-    return rel_l2(o, ro), rel_l2(ht, rht), bool(o.isnan().any() or ht.isnan().any())
+    out = {}
+    for name in variant_names:
+        o, ht = ours_fn(name, q, k, v, g, beta, h0, cu)()
+        out[name] = (rel_l2(o, ro), rel_l2(ht, rht), bool(o.isnan().any() or ht.isnan().any()))
+    return out
 
 
 def ceilings():
@@ -150,46 +173,180 @@ def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
+# Awkward inputs a new kernel must get right before it is timed: ragged varlen (length 1, 47, chunk boundaries) with
+# and without context parallelism, fp16 GVA 4, head dims 64 and 256, no h0. (Hk, Hv, K, lens, dtype, segment_chunks)
+SMOKE_CASES = [(2, 4, 128, [1, 47, 300, 64, 1000, 130], "bfloat16", None),
+               (2, 4, 128, [1, 47, 300, 64, 1000, 130], "bfloat16", 2),
+               (1, 4, 128, [700, 5, 129], "float16", 3),
+               (2, 4, 64, [100, 47, 190], "float16", None),
+               (2, 2, 256, [100, 47, 190], "bfloat16", None)]
+RTOL_L2 = 5e-3
+
+
+def smoke(variant):
+    """One variant on SMOKE_CASES vs the float64 reference: outputs poisoned with NaN, rel-L2 <= 5e-3, bit-identical
+    on a rerun. Returns {"ok": bool, "cases": [...]}; run it in a subprocess (:func:`smoke_in_subprocess`)."""
+    import itertools
+
+    from flashqla_kernels.gated_delta_rule.hopper import forward
+    from flashqla_kernels.gated_delta_rule.reference import chunk_gated_delta_rule_ref
+
+    forward.POISON_OUTPUTS = True
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    cases = []
+    for Hk, Hv, Kd, lens, dt, seg in SMOKE_CASES:
+        Tn, N = sum(lens), len(lens)
+        rn = (lambda *shape: torch.randn(*shape, generator=gen, device="cuda"))
+        q, k = (torch.nn.functional.normalize(rn(1, Tn, Hk, Kd), dim=-1).to(getattr(torch, dt)) for _ in range(2))
+        v = rn(1, Tn, Hv, Kd).to(getattr(torch, dt))
+        g = -torch.linspace(0, 16, Hv, device="cuda") * torch.nn.functional.softplus(0.5 * rn(1, Tn, Hv) + 1)
+        beta = torch.sigmoid(rn(1, Tn, Hv))
+        h0 = rn(N, Hv, Kd, Kd) if Kd != 256 else None
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+        from flashqla_kernels.gated_delta_rule.hopper import variants
+
+        run = (lambda: variants.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                           cu_seqlens=cu, segment_chunks=seg, variant=variant))
+        (o, ht), (o2, ht2) = run(), run()
+        d = (lambda x: None if x is None else x.double())
+        ro, rht = chunk_gated_delta_rule_ref(d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
+                                             output_final_state=True, cu_seqlens=cu)
+        c = {"case": f"{Hk}/{Hv} K={Kd} {dt} lens={lens} seg={seg}", "rel_l2_o": rel_l2(o, ro),
+             "rel_l2_state": rel_l2(ht, rht), "nan": bool(o.isnan().any() or ht.isnan().any()),
+             "deterministic": bool(torch.equal(o, o2) and torch.equal(ht, ht2))}
+        c["ok"] = (not c["nan"] and c["deterministic"] and c["rel_l2_o"] <= RTOL_L2 and c["rel_l2_state"] <= RTOL_L2)
+        cases.append(c)
+    return {"ok": all(c["ok"] for c in cases), "cases": cases}
+
+
+def smoke_in_subprocess(variant, timeout):
+    """:func:`smoke` in a child process: a kernel that deadlocks or faults costs ``timeout`` seconds, not the run."""
+    t0 = time.time()
+    try:
+        out = subprocess.run([sys.executable, __file__, "--smoke", variant], capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "reason": f"timed out after {timeout} s (deadlock?)"}
+    last = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not last:
+        return {"ok": False, "reason": f"exit {out.returncode}: {out.stderr[-1500:]}"}
+    res = json.loads(last[-1])
+    res["seconds"] = round(time.time() - t0, 1)
+    if not res["ok"]:
+        res["reason"] = "failed: " + "; ".join(c["case"] for c in res["cases"] if not c["ok"])
+    return res
+
+
+def kernel_specs(variant_names, configs, sms):
+    """(stage, builder args) of every kernel the suite (and the smoke cases) need in these variants on ``sms`` SMs."""
+    from flashqla_kernels.gated_delta_rule.hopper import plan, variants
+
+    forced = int(os.environ.get("FLASHQLA_KERNELS_BLOCK_V", "0"))
+    parsed = [variants.parse_variant(v) for v in variant_names]
+    layouts = {(Hk, Hv, K, "bfloat16", nseq) for Hk, Hv, _, nseq in configs}
+    layouts |= {(Hk, Hv, Kd, dt, len(lens)) for Hk, Hv, Kd, lens, dt, _ in SMOKE_CASES}
+    layouts |= gpu_test_layouts()
+    specs = set()
+    for Hk, Hv, Kd, dt, N in layouts:
+        bdv = min(Kd, forced) if forced else plan.choose_block_v(N, Hv, Kd, Kd, sms)
+        sc, tail = float(Kd ** -0.5), (Hk, Hv, Kd, Kd, bdv, dt)
+        for var in parsed:
+            specs.add(("prep2" if var.prep2 else "prep", (Hk, Hv, Kd, dt)))
+            if var.fused == "default":
+                specs.add(("fused", (*tail, sc, True)))
+            else:
+                specs.add(("ws", (*tail, sc, True, "float16" if var.fused == "ws16" and dt == "bfloat16" else "")))
+        specs |= {("segment", tail), ("scan", (Hv, Kd, Kd, True)), ("scan", (Hv, Kd, Kd, False))}
+    return sorted(specs)
+
+
+def gpu_test_layouts():
+    """(Hk, Hv, K, dtype, N) of tests/flashqla_kernels/test_hopper_gpu.py's cases (empty if it cannot be imported:
+    run from the repo root with it on PYTHONPATH), so a precompile also serves the GPU tests."""
+    try:
+        from tests.flashqla_kernels.test_hopper_gpu import CASES
+    except ImportError:
+        return set()
+    names = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    return {(Hk, Hv, Kd, names[dt], extra.get("dense_batch") or len(lens))
+            for Hk, Hv, Kd, _, lens, dt, extra in CASES.values()}
+
+
+def _build_one(spec):
+    from flashqla_kernels.gated_delta_rule.hopper import (_common, fused_fwd, fused_fwd_ws, prep, prep_v2,
+                                                          segment_states, state_scan)
+
+    builders = {"prep": prep.build_prep, "prep2": prep_v2.build_prep_v2, "fused": fused_fwd.build_fused_fwd,
+                "ws": fused_fwd_ws.build_fused_fwd_ws, "segment": segment_states.build_segment_states,
+                "scan": state_scan.build_state_scan}
+    t0 = time.time()
+    try:
+        _common.compile_kernel(builders[spec[0]], *spec[1])
+        return spec, round(time.time() - t0, 1), None
+    except Exception as e:  # noqa: BLE001 - reported, the run goes on
+        return spec, round(time.time() - t0, 1), repr(e)[-500:]
+
+
+def precompile(variant_names, configs, workers, sms):
+    """Compile every needed kernel on ``workers`` processes (TileLang's disk cache then serves the run); works
+    without a GPU given ``sms`` (132 on an H200), e.g. to fill a TILELANG_CACHE_DIR that travels to the GPU."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    specs = kernel_specs(variant_names, configs, sms)
+    t0 = time.time()
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        failed = [(spec, err) for spec, _, err in ex.map(_build_one, specs) if err]
+    print(f"precompiled {len(specs)} kernels in {time.time() - t0:.0f} s on {workers} processes", flush=True)
+    for spec, err in failed:
+        print(f"  FAILED {spec}: {err}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--skip-torch", action="store_true", help="do not time transformers' torch path")
     ap.add_argument("--render", metavar="JSON", help="only re-render the markdown table of a results JSON")
+    ap.add_argument("--variants", default="default",
+                    help="comma-separated kernel variants to check and time beside FLA/FlashQLA ('all' = every one)")
+    ap.add_argument("--configs", default="", help="comma-separated SUITE row indices (default: all 10)")
+    ap.add_argument("--precompile", type=int, default=0, metavar="N", help="compile all kernels on N processes first")
+    ap.add_argument("--precompile-only", action="store_true", help="stop after --precompile (no GPU needed)")
+    ap.add_argument("--sms", type=int, default=0, help="SM count for --precompile without a GPU (H200: 132)")
+    ap.add_argument("--smoke-timeout", type=int, default=240, help="seconds per variant smoke check")
+    ap.add_argument("--smoke", metavar="VARIANT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.render:
         result = json.loads(Path(args.render).read_text())
         Path(args.render).with_suffix(".md").write_text(markdown(result))
         print(markdown(result))
         return
-    import triton
+    if args.smoke:
+        with torch.no_grad():
+            print(json.dumps(smoke(args.smoke)), flush=True)
+        return
+    from flashqla_kernels.gated_delta_rule.hopper.variants import ALL_VARIANTS
 
+    names = list(ALL_VARIANTS) if args.variants == "all" else [v.strip() for v in args.variants.split(",") if v.strip()]
+    names = ["default"] + [v for v in names if v != "default"]
+    idx = [int(x) for x in args.configs.split(",")] if args.configs else list(range(len(SUITE)))
+    if args.precompile:
+        sms = args.sms or torch.cuda.get_device_properties(0).multi_processor_count
+        precompile(names, [SUITE[i] for i in idx], args.precompile, sms)
+    if args.precompile_only:
+        return
+    dropped = {}
+    for name in names[1:]:
+        res = smoke_in_subprocess(name, args.smoke_timeout)
+        print(f"smoke {name}: {json.dumps(res)}", flush=True)
+        if not res["ok"]:
+            dropped[name] = res["reason"]
+    active = [v for v in names if v not in dropped]
+    rows = run_suite(idx, active, args.skip_torch)
     flops_ceiling, bytes_ceiling = ceilings()
-    rows = []
-    with torch.no_grad():
-        for i, (Hk, Hv, seqlen, nseq) in enumerate(SUITE):
-            err_o, err_h, nan = check_vs_reference(Hk, Hv, seqlen, nseq)
-            inputs = make_inputs(Hk, Hv, seqlen, nseq)
-            fns = runners(*inputs, Hk, Hv, nseq)
-            if args.skip_torch:
-                fns.pop("torch", None)
-            outs = {name: fn() for name, fn in fns.items()}
-            vs_fla = rel_l2(outs["ours"][0], outs["fla"][0]) if "fla" in outs else None
-            del outs
-            ms = {}
-            for name, fn in fns.items():
-                rep = 20 if name == "torch" else 200
-                ms[name] = triton.testing.do_bench(fn, warmup=10 if name == "torch" else 50, rep=rep,
-                                                   return_mode="median")
-            bfloor, ffloor = floor_ms(Hk, Hv, seqlen, nseq, flops_ceiling, bytes_ceiling)
-            row = {"Hk": Hk, "Hv": Hv, "seqlen": seqlen, "nseq": nseq, "ms": ms,
-                   "speedup_vs_fla": ms["fla"] / ms["ours"] if "fla" in ms else None,
-                   "ratio_vs_flashqla": ms["flashqla"] / ms["ours"] if "flashqla" in ms else None,
-                   "bytes_floor_ms": bfloor, "flop_floor_ms": ffloor, "rel_l2_o_vs_ref": err_o,
-                   "rel_l2_state_vs_ref": err_h, "nan": nan, "rel_l2_o_vs_fla": vs_fla,
-                   "anchor_fla_ms": ANCHOR_FLA_MS[i], "anchor_flashqla_ms": ANCHOR_QLA_MS[i]}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            torch.cuda.empty_cache()
+    for row in rows:
+        row["bytes_floor_ms"], row["flop_floor_ms"] = floor_ms(row["Hk"], row["Hv"], row["seqlen"], row["nseq"],
+                                                               flops_ceiling, bytes_ceiling)
     result = {
         "gpu": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
         "versions": versions(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -197,6 +354,7 @@ def main():
         "method": "packed B=1 + cu_seqlens, triton.testing.do_bench median, torch.no_grad, high-level call",
         "geomean_speedup_vs_fla": geomean([r["speedup_vs_fla"] for r in rows]),
         "geomean_ratio_vs_flashqla": geomean([r["ratio_vs_flashqla"] for r in rows]),
+        "variants": active, "dropped_variants": dropped,
         "rows": rows,
     }
     out = Path(args.out)
@@ -205,6 +363,43 @@ def main():
     table = markdown(result)
     (out / "gdn_forward.md").write_text(table)
     print(table)
+
+
+def run_suite(idx, active, skip_torch):
+    """Check every active variant against the float64 reference, then time them, FLA, FlashQLA and torch."""
+    import triton
+
+    rows = []
+    with torch.no_grad():
+        for i in idx:
+            Hk, Hv, seqlen, nseq = SUITE[i]
+            checks = check_vs_reference(Hk, Hv, seqlen, nseq, active)
+            inputs = make_inputs(Hk, Hv, seqlen, nseq)
+            fns = runners(*inputs, Hk, Hv, nseq, active)
+            if skip_torch:
+                fns.pop("torch", None)
+            outs = {name: fn() for name, fn in fns.items()}
+            vs_fla = rel_l2(outs["ours"][0], outs["fla"][0]) if "fla" in outs else None
+            vs_default = {v: rel_l2(outs[ours_key(v)][0], outs["ours"][0]) for v in active}
+            del outs
+            ms = {}
+            for name, fn in fns.items():
+                rep = 20 if name == "torch" else 200
+                ms[name] = triton.testing.do_bench(fn, warmup=10 if name == "torch" else 50, rep=rep,
+                                                   return_mode="median")
+            err_o, err_h, nan = checks["default"]
+            row = {"Hk": Hk, "Hv": Hv, "seqlen": seqlen, "nseq": nseq, "ms": ms,
+                   "speedup_vs_fla": ms["fla"] / ms["ours"] if "fla" in ms else None,
+                   "ratio_vs_flashqla": ms["flashqla"] / ms["ours"] if "flashqla" in ms else None,
+                   "rel_l2_o_vs_ref": err_o, "rel_l2_state_vs_ref": err_h, "nan": nan, "rel_l2_o_vs_fla": vs_fla,
+                   "anchor_fla_ms": ANCHOR_FLA_MS[i], "anchor_flashqla_ms": ANCHOR_QLA_MS[i],
+                   "variants": {v: {"ms": ms[ours_key(v)], "rel_l2_o_vs_ref": checks[v][0],
+                                    "rel_l2_state_vs_ref": checks[v][1], "nan": checks[v][2],
+                                    "rel_l2_o_vs_default": vs_default[v]} for v in active}}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
+    return rows
 
 
 def markdown(r):
@@ -237,7 +432,39 @@ def markdown(r):
               "(>1 = ours faster).", ""]
     if r.get("note"):
         lines += [r["note"], ""]
+    lines += variants_markdown(r)
     return "\n".join(lines)
+
+
+def variants_markdown(r):
+    """Per-variant table: ms, ratios to the anchor FLA and to this run's FlashQLA, errors vs fp64 and vs default."""
+    names = [v for v in r.get("variants", []) if v != "default"]
+    dropped = r.get("dropped_variants") or {}
+    if not names and not dropped:
+        return []
+    f = (lambda x, p=3: "-" if x is None else f"{x:.{p}f}")
+    cols = ["default", *names]
+    lines = ["## Kernel variants (hopper/variants.py)", "",
+             "| Hk/Hv | seqs | " + " | ".join(f"{v} ms (x FLA anchor, x FlashQLA)" for v in cols)
+             + " | rel-L2 o / state vs fp64 | o vs default |",
+             "|---|---|" + "---|" * len(cols) + "---|---|"]
+    for x in r["rows"]:
+        var, qla = x["variants"], x["ms"].get("flashqla")
+        cells = [f"{f(var[v]['ms'])} ({f(x['anchor_fla_ms'] / var[v]['ms'], 2)}, "
+                 f"{f(qla / var[v]['ms'] if qla else None, 2)})" for v in cols]
+        errs = ", ".join(f"{v} {var[v]['rel_l2_o_vs_ref']:.1e}/{var[v]['rel_l2_state_vs_ref']:.1e}"
+                         + (" NaN" if var[v]["nan"] else "") for v in cols)
+        diffs = ", ".join(f"{v} {var[v]['rel_l2_o_vs_default']:.1e}" for v in names) or "-"
+        lines.append(f"| {x['Hk']}/{x['Hv']} | {x['seqlen']}x{x['nseq']} | " + " | ".join(cells)
+                     + f" | {errs} | {diffs} |")
+    lines.append("")
+    for v in cols:
+        fla = geomean([x["anchor_fla_ms"] / x["variants"][v]["ms"] for x in r["rows"]])
+        qla = geomean([x["ms"]["flashqla"] / x["variants"][v]["ms"] for x in r["rows"] if x["ms"].get("flashqla")])
+        lines.append(f"- {v}: geomean {f(fla, 2)}x the anchor FLA times, {f(qla, 2)}x this run's FlashQLA")
+    for v, why in dropped.items():
+        lines.append(f"- {v}: dropped before timing: {why}")
+    return lines + [""]
 
 
 if __name__ == "__main__":

@@ -229,3 +229,43 @@ def test_fp16_inner_operands_cut_the_bf16_error_in_emulation():
     assert 2e-3 < err[torch.bfloat16][0] < 5e-3 and 1.5e-3 < err[torch.bfloat16][1] < 5e-3, err
     assert err[torch.float16][0] < 0.7 * err[torch.bfloat16][0], err
     assert err[torch.float16][1] < 0.8 * err[torch.bfloat16][1], err
+
+
+# FLASHQLA_TEST_VARIANTS=ws,prep2 narrows the GPU run (one pytest process per variant: a deadlocked kernel then
+# costs only its own timeout; see benchmarks/README.md)
+GPU_VARIANTS = [v for v in os.environ.get("FLASHQLA_TEST_VARIANTS", ",".join(variants.ALL_VARIANTS[1:])).split(",")
+                if v.strip()]
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("variant", GPU_VARIANTS)
+@pytest.mark.parametrize("name", sorted(__import__("tests.flashqla_kernels.test_hopper_gpu",
+                                                   fromlist=["CASES"]).CASES))
+def test_variant_matches_float64_reference_on_the_gpu_suite(variant, name, monkeypatch):
+    """Every variant on test_hopper_gpu's randomized suite: poisoned outputs, rel-L2 <= 0.5% for o and the final
+    state, no NaN, bit-identical on a rerun."""
+    from flashqla_kernels.gated_delta_rule.hopper import forward
+    from flashqla_kernels.gated_delta_rule.reference import chunk_gated_delta_rule_ref
+    from tests.flashqla_kernels.test_hopper_gpu import CASES, RTOL_L2, _inputs, _rel
+
+    Hk, Hv, K, V, lens, dtype, extra = CASES[name]
+    extra = dict(extra)
+    seg = extra.pop("segment_chunks", None)
+    l2 = extra.pop("l2norm", False)
+    q, k, v, g, beta, s0, cu = _inputs(Hk, Hv, K, V, lens, dtype, **extra)
+    monkeypatch.setattr(forward, "POISON_OUTPUTS", True)
+
+    def run():
+        return variants.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                                   use_qk_l2norm_in_kernel=l2, cu_seqlens=cu, segment_chunks=seg,
+                                                   variant=variant)
+
+    (o, ht), (o2, ht2) = run(), run()
+    d = (lambda x: None if x is None else x.double())
+    ro, rht = chunk_gated_delta_rule_ref(d(q), d(k), d(v), d(g), d(beta), initial_state=d(s0),
+                                         output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
+    assert not o.isnan().any() and not ht.isnan().any(), f"{variant}: an output element was never written (or NaN)"
+    assert _rel(o, ro) <= RTOL_L2, f"{variant}: o relative L2 {_rel(o, ro):.2e}"
+    assert _rel(ht, rht) <= RTOL_L2, f"{variant}: final state relative L2 {_rel(ht, rht):.2e}"
+    assert torch.equal(o, o2) and torch.equal(ht, ht2), f"{variant}: two runs differ (a race?)"
