@@ -21,9 +21,9 @@ NANO_DIR = Path(__file__).resolve().parent / "data" / "nano"
 NANO_RELEASE_DIR = NANO_DIR / "SAE-Res-Qwen3.5-Nano-Base-W1K-L0_16"
 
 
-def _check_shipped() -> None:
-    missing = [p.name for p in (NANO_DIR / "config.json", NANO_DIR / "model.safetensors", NANO_RELEASE_DIR)
-               if not p.exists()]
+def _check_shipped(saes: bool = False) -> None:
+    wanted = [NANO_DIR / "config.json", NANO_DIR / "model.safetensors"] + ([NANO_RELEASE_DIR] if saes else [])
+    missing = [p.name for p in wanted if not p.exists()]
     if missing:
         raise FileNotFoundError(f"the nano model data is incomplete: {missing} missing under {NANO_DIR}; reinstall "
                                 f"qwen-scope or rebuild it with scripts/nano/ (see scripts/nano/README.md)")
@@ -57,7 +57,7 @@ def nano_scope(layers: int | Iterable[int] | None = None, *, device: str | torch
     """
     from qwen_scope.scope import Scope
 
-    _check_shipped()
+    _check_shipped(saes=True)
     layers = range(6) if layers is None else layers
     return Scope.from_pretrained(NANO_DIR, NANO_RELEASE_DIR, layers=layers, device=device, dtype=dtype,
                                  sae_dtype=dtype)

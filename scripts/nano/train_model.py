@@ -223,7 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--ckpt-every", type=int, default=500)
     p.add_argument("--export", default=None, help="after training, write the shipped model into this directory")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (1 is many times faster than 2 on a busy 2-core machine)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     train(args)
     if args.export:
         export(Path(args.out), Path(args.export))

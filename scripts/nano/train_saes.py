@@ -11,6 +11,7 @@ Usage: python scripts/nano/train_saes.py --model qwen_scope/data/nano --data .na
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import sys
 import time
@@ -127,7 +128,18 @@ def main(argv: list[str] | None = None) -> int:
                                          for k, v in m.items()), flush=True)
     info = {"config": vars(args), "layer_types": list(model.config.layer_types), "metrics": metrics,
             "history": histories, "recipe": "scripts/nano/train_saes.py"}
-    save_release(saes, out, formats=("pt",), dtype=dtype, info=info)
+    out.mkdir(parents=True, exist_ok=True)
+    # Several processes may each train some layers into one release: merge training.json under a lock.
+    with open(out / ".training.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        previous = out / "training.json"
+        if previous.exists():
+            old = json.loads(previous.read_text())
+            for key in ("metrics", "history"):
+                info[key] = {**{int(k): v for k, v in old[key].items()}, **info[key]}
+            info["config"]["layers"] = ",".join(str(n) for n in sorted(info["metrics"]))
+        save_release(saes, out, formats=("pt",), dtype=dtype, info=info)
+    (out / ".training.lock").unlink(missing_ok=True)
     print(f"wrote {out} in {time.time() - t0:.0f} s")
     return 0
 
