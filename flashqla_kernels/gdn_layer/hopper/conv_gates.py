@@ -58,16 +58,16 @@ def build_conv_qkv_gates(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_pref
             sq = T.alloc_fragment((BT, D), "float32")
             ss = T.alloc_fragment((BT,), "float32")
 
-            # tile rows i <-> tokens t0 + i - P; rows before token 0 come from the conv state (or zeros)
-            for i, d in T.Parallel(BT + P, D):
+            # tile rows i <-> tokens t0 + i - P: the tile's own tokens (vectorised loads), then the (Kc-1)-token
+            # halo before them, from x, from the conv state (before token 0) or zeros
+            for i, d in T.Parallel(BT, D):
+                x_sh[i + P, d] = T.if_then_else(t0 + i < seqlen, x[bb, T.min(t0 + i, seqlen - 1), c0 + d],
+                                                T.cast(0, dtype))
+            for i, d in T.Parallel(P, D):
                 if has_prefix:
-                    x_sh[i, d] = T.if_then_else(
-                        t0 + i >= P,
-                        x[bb, T.min(T.max(t0 + i - P, 0), seqlen - 1), c0 + d],
-                        prefix[bb, T.min(t0 + i, P - 1), c0 + d])
+                    x_sh[i, d] = T.if_then_else(t0 > 0, x[bb, T.max(t0 + i - P, 0), c0 + d], prefix[bb, i, c0 + d])
                 else:
-                    x_sh[i, d] = T.if_then_else(
-                        t0 + i >= P, x[bb, T.min(T.max(t0 + i - P, 0), seqlen - 1), c0 + d], T.cast(0, dtype))
+                    x_sh[i, d] = T.if_then_else(t0 > 0, x[bb, T.max(t0 + i - P, 0), c0 + d], T.cast(0, dtype))
             for j, d in T.Parallel(Kc, D):
                 w_sh[j, d] = T.cast(w[c0 + d, j], "float32")
             T.sync_threads()
