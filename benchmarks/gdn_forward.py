@@ -248,15 +248,17 @@ def kernel_specs(variant_names, configs, sms):
     layouts |= gpu_test_layouts()
     specs = set()
     for Hk, Hv, Kd, dt, N in layouts:
-        bdv = min(Kd, forced) if forced else plan.choose_block_v(N, Hv, Kd, Kd, sms)
-        sc, tail = float(Kd ** -0.5), (Hk, Hv, Kd, Kd, bdv, dt)
+        plan_bdv = min(Kd, forced) if forced else plan.choose_block_v(N, Hv, Kd, Kd, sms)
         for var in parsed:
+            bdv = min(Kd, var.block_v) if var.block_v and Kd <= 128 else plan_bdv
+            sc, tail = float(Kd ** -0.5), (Hk, Hv, Kd, Kd, bdv, dt)
             specs.add(("prep2" if var.prep2 else "prep", (Hk, Hv, Kd, dt)))
             if var.fused == "default":
                 specs.add(("fused", (*tail, sc, True)))
             else:
                 specs.add(("ws", (*tail, sc, True, "float16" if var.fused == "ws16" and dt == "bfloat16" else "")))
-        specs |= {("segment", tail), ("scan", (Hv, Kd, Kd, True)), ("scan", (Hv, Kd, Kd, False))}
+            specs.add(("segment", tail))
+        specs |= {("scan", (Hv, Kd, Kd, True)), ("scan", (Hv, Kd, Kd, False))}
     return sorted(specs)
 
 

@@ -44,12 +44,16 @@ def test_variant_names_parse():
     assert variants.parse_variant("ws+prep2") == variants.Variant(fused="ws", prep2=True)
     assert variants.parse_variant(" ws16 ") == variants.Variant(fused="ws16", prep2=False)
     assert variants.parse_variant("prep2") == variants.Variant(fused="default", prep2=True)
+    assert variants.parse_variant("ws16+prep2+bv128") == variants.Variant(fused="ws16", prep2=True, block_v=128)
+    assert not variants.parse_variant("bv64").is_default
     for name in variants.ALL_VARIANTS:
         variants.parse_variant(name)
     with pytest.raises(ValueError, match="unknown Hopper kernel variant part"):
         variants.parse_variant("ws+turbo")
     with pytest.raises(ValueError, match="two fused stages"):
         variants.parse_variant("ws+ws16")
+    with pytest.raises(ValueError, match="two V slices"):
+        variants.parse_variant("bv64+bv128")
 
 
 def test_variant_env_var_is_read_when_no_name_is_given(monkeypatch):

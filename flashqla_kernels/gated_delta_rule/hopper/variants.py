@@ -6,8 +6,10 @@ function. Parts:
     ws      fused stage warp-specialised (``fused_fwd_ws``: state / values / output warpgroups + TMA producer)
     ws16    as ws, with the W, Ag, Vd, Pg operands in fp16 when the inputs are bf16 (finer rounding, same speed)
     prep2   prep stage with K K^T shared across a GVA group and 2G warps per CTA (``prep_v2``)
+    bv64, bv128   force the V slice per CTA (the plan's rules were tuned on the default fused stage; the
+            warp-specialised one holds one 512-thread CTA per SM, so wider slices and more segments may pay)
 
-e.g. ``ws+prep2``. Select per call (``variant=``) or process-wide with the environment variable
+e.g. ``ws+prep2`` or ``ws16+prep2+bv128``. Select per call (``variant=``) or process-wide with the environment variable
 FLASHQLA_KERNELS_VARIANT, read by :func:`chunk_gated_delta_rule_fwd` on every call with ``variant=None`` and by the
 package ``__init__`` at import (then the public op runs the variant too). The context-parallel stages
 (``segment_states``, ``state_scan``) are the default ones in every variant.
@@ -22,21 +24,23 @@ import torch
 from flashqla_kernels.gated_delta_rule.hopper import forward
 
 ENV_VAR = "FLASHQLA_KERNELS_VARIANT"
-PARTS = ("ws", "ws16", "prep2")
+PARTS = ("ws", "ws16", "prep2", "bv64", "bv128")
 # what benchmarks/gdn_forward.py --variants all runs
-ALL_VARIANTS = ("default", "ws", "ws16", "prep2", "ws+prep2", "ws16+prep2")
+ALL_VARIANTS = ("default", "ws", "ws16", "prep2", "ws+prep2", "ws16+prep2", "ws16+prep2+bv128")
 
 
 @dataclass(frozen=True)
 class Variant:
-    """Parsed variant: which fused stage (``"default"``, ``"ws"``, ``"ws16"``) and whether prep is ``prep_v2``."""
+    """Parsed variant: which fused stage (``"default"``, ``"ws"``, ``"ws16"``), whether prep is ``prep_v2``, and a
+    forced V slice per CTA (0: the plan's rule)."""
 
     fused: str = "default"
     prep2: bool = False
+    block_v: int = 0
 
     @property
     def is_default(self) -> bool:
-        return self.fused == "default" and not self.prep2
+        return self.fused == "default" and not self.prep2 and not self.block_v
 
 
 def parse_variant(name: str | None) -> Variant:
@@ -55,7 +59,10 @@ def parse_variant(name: str | None) -> Variant:
     fused = [p for p in parts if p in ("ws", "ws16")]
     if len(fused) > 1:
         raise ValueError(f"variant {name!r} names two fused stages {fused}; pick one of 'ws', 'ws16'")
-    return Variant(fused=fused[0] if fused else "default", prep2="prep2" in parts)
+    widths = [int(p[2:]) for p in parts if p.startswith("bv")]
+    if len(widths) > 1:
+        raise ValueError(f"variant {name!r} names two V slices {widths}; pick one")
+    return Variant(fused=fused[0] if fused else "default", prep2="prep2" in parts, block_v=widths[0] if widths else 0)
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -105,6 +112,8 @@ def _run(var: Variant, q, k, v, g, beta, *, scale, initial_state, output_final_s
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
 
     bDV = forward.block_dv(N, Hv, K, V, q.device)
+    if var.block_v and K <= 128:
+        bDV = min(V, var.block_v)
     pl = plan.make_plan(cu, Hv, V // bDV, h0 is not None, q.device, segment_chunks)
     gamma, a0 = _prep_fn(var)(k3, g3, b3, pl.chunks, Hv)
     if pl.segment_chunks:
