@@ -387,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="CPU dry run of every code path on a tiny model")
     parser.add_argument("--precompile", action="store_true", help="only fill the TileLang cache (CPU is enough)")
     parser.add_argument("--gpu-tests", action="store_true", help="only run the GDN-layer GPU tests (plain calls)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other arms of an existing gdn_layer.json in --out (runs split across calls)")
     args = parser.parse_args(argv)
     if args.precompile:
         precompile()
@@ -406,6 +408,11 @@ def main(argv: list[str] | None = None) -> int:
     result = {"env": versions(device), "model": "tiny Qwen3.5 (CPU dry run)" if args.tiny else
               "Qwen3.5-2B-shaped random bf16", "batch": B, "seqlen": T, "arms": [], "checks": {},
               "anchors_tokens_per_s": ANCHOR_TOKENS_PER_S}
+    previous = args.out / "gdn_layer.json"
+    if args.merge and previous.exists():
+        old = json.loads(previous.read_text())
+        result["arms"] = [r for r in old["arms"] if r["arm"] not in arms]
+        result["checks"] = {a: c for a, c in old["checks"].items() if a not in arms}
     ctl = Arms(model, device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     check_ids = torch.randint(0, vocab, (1, 80 if args.tiny else 1024), generator=gen).to(device)

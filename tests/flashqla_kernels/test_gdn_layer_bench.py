@@ -62,6 +62,12 @@ def test_tiny_dry_run_writes_checked_results(tmp_path, bench):
     from flashqla_kernels import is_patched
 
     assert not is_patched()
+    # a second call with --merge replaces its own arm and keeps the others
+    assert bench.main(["--tiny", "--arms", "torch", "--steps", "1", "--warmup", "0", "--merge",
+                       "--out", str(tmp_path)]) == 0
+    merged = json.loads((tmp_path / "gdn_layer.json").read_text())
+    assert sorted(r["arm"] for r in merged["arms"]) == ["ours", "qla_op", "torch"]
+    assert set(merged["checks"]) == {"ours", "qla_op", "torch"}
 
 
 def test_gpu_test_runner_expands_every_parametrized_case(bench):
