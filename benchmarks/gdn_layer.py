@@ -263,49 +263,63 @@ def write(out: Path, result: dict) -> None:
     (out / "gdn_layer.md").write_text("\n".join(lines) + "\n")
 
 
-def precompile() -> None:
-    """Compile (sm_90a, no GPU needed) every TileLang kernel the arms and the GPU tests use into tilelang's cache."""
-    from flashqla_kernels.gated_delta_rule.hopper import _common, fused_fwd, plan, prep, segment_states, state_scan
-    from flashqla_kernels.gdn_layer.hopper import conv_gates, gated_norm, rms_norm
+def kernel_specs() -> list[tuple[str, str, tuple]]:
+    """(module, builder, args) of every TileLang kernel the arms and the GPU tests use."""
+    from flashqla_kernels.gated_delta_rule.hopper import plan
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.flashqla_kernels import test_gdn_layer_gpu as gpu_tests
 
+    chunk, glue = "flashqla_kernels.gated_delta_rule.hopper.", "flashqla_kernels.gdn_layer.hopper."
     bf16, names = "bfloat16", {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    specs = []
     for Hv in (16, 32):  # the benchmark (Hv = 16; 1 and 8 sequences) and the layer tests (2 sequences)
-        _common.compile_kernel(prep.build_prep, 16, Hv, 128, bf16)
+        specs.append((chunk + "prep", "build_prep", (16, Hv, 128, bf16)))
         for bdv in sorted({plan.choose_block_v(n, Hv, 128, 128, 132) for n in (1, 2, 8)}):
             for final in (False, True):
-                _common.compile_kernel(fused_fwd.build_fused_fwd, 16, Hv, 128, 128, bdv, bf16, 128 ** -0.5, final)
-            _common.compile_kernel(segment_states.build_segment_states, 16, Hv, 128, 128, bdv, bf16)
+                args = (16, Hv, 128, 128, bdv, bf16, 128 ** -0.5, final)
+                specs.append((chunk + "fused_fwd", "build_fused_fwd", args))
+            specs.append((chunk + "segment_states", "build_segment_states", (16, Hv, 128, 128, bdv, bf16)))
         for has_h0 in (False, True):
-            _common.compile_kernel(state_scan.build_state_scan, Hv, 128, 128, has_h0)
+            specs.append((chunk + "state_scan", "build_state_scan", (Hv, 128, 128, has_h0)))
         for has_prefix in (False, True):
-            _common.compile_kernel(conv_gates.build_conv_qkv_gates, 16, Hv, 128, 4, bf16, has_prefix, False)
+            specs.append((glue + "conv_gates", "build_conv_qkv_gates", (16, Hv, 128, 4, bf16, has_prefix, False)))
     for B, T, Hk, Hv, D, Kc, dtype, prefix, bias in gpu_tests.CONV_CASES.values():
-        _common.compile_kernel(conv_gates.build_conv_qkv_gates, Hk, Hv, D, Kc, names[dtype], prefix, bias)
+        specs.append((glue + "conv_gates", "build_conv_qkv_gates", (Hk, Hv, D, Kc, names[dtype], prefix, bias)))
     for V, dtype in ((128, bf16), (64, "float16"), (256, bf16)):
-        _common.compile_kernel(gated_norm.build_gated_rms_norm, V, dtype, 1e-6)
+        specs.append((glue + "gated_norm", "build_gated_rms_norm", (V, dtype, 1e-6)))
     for D, dtype in ((2048, bf16), (256, bf16), (2048, "float16"), (64, bf16)):
-        _common.compile_kernel(rms_norm.build_rms_norm, D, dtype, 1e-6)
-    print("precompiled the chunk kernels (Hk = 16, Hv = 16 / 32, K = V = 128, bf16) and every glue-kernel "
-          "specialisation of the benchmark and the GPU tests")
+        specs.append((glue + "rms_norm", "build_rms_norm", (D, dtype, 1e-6)))
+    return list(dict.fromkeys(specs))
 
 
-def test_cases(module) -> list[tuple[str, object, dict]]:
-    """Every (id, function, kwargs) of a pytest module's ``test_*`` functions, parametrize marks expanded."""
-    cases = []
-    for name, fn in vars(module).items():
-        if not (name.startswith("test_") and callable(fn)):
-            continue
-        combos: list[dict] = [{}]
-        for mark in reversed(getattr(fn, "pytestmark", [])):
-            if mark.name != "parametrize":
-                continue
-            names = [a.strip() for a in mark.args[0].split(",")] if isinstance(mark.args[0], str) else mark.args[0]
-            combos = [dict(c, **dict(zip(names, v if len(names) > 1 else (v,)))) for c in combos for v in mark.args[1]]
-        cases += [(f"{name}[{','.join(map(str, c.values()))}]" if c else name, fn, c) for c in combos]
-    return cases
+def _compile_spec(spec: tuple[str, str, tuple]) -> str:
+    from flashqla_kernels.gated_delta_rule.hopper import _common
+
+    module, builder, args = spec
+    try:
+        _common.compile_kernel(getattr(importlib.import_module(module), builder), *args)
+        return ""
+    except Exception as err:  # report and go on: one broken specialisation must not stop the others
+        return f"{builder}{args}: {type(err).__name__}: {str(err)[:200]}"
+
+
+def precompile(jobs: int = 1) -> int:
+    """Compile (sm_90a, no GPU needed) every kernel of ``kernel_specs`` into tilelang's cache, on ``jobs``
+    processes; returns the number of failures."""
+    import multiprocessing as mp
+
+    specs = kernel_specs()
+    if jobs > 1:
+        with mp.get_context("spawn").Pool(jobs) as pool:
+            errors = [e for e in pool.map(_compile_spec, specs, chunksize=1) if e]
+    else:
+        errors = [e for e in map(_compile_spec, specs) if e]
+    print(f"precompiled {len(specs) - len(errors)}/{len(specs)} kernels (chunk kernels Hk = 16, Hv = 16 / 32, "
+          "K = V = 128, bf16; every glue specialisation of the benchmark and the GPU tests)")
+    for e in errors:
+        print("FAILED", e)
+    return len(errors)
 
 
 class _Mark:
@@ -386,13 +400,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="CPU dry run of every code path on a tiny model")
     parser.add_argument("--precompile", action="store_true", help="only fill the TileLang cache (CPU is enough)")
+    parser.add_argument("--jobs", type=int, default=1, help="processes for --precompile")
     parser.add_argument("--gpu-tests", action="store_true", help="only run the GDN-layer GPU tests (plain calls)")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other arms of an existing gdn_layer.json in --out (runs split across calls)")
     args = parser.parse_args(argv)
     if args.precompile:
-        precompile()
-        return 0
+        return 1 if precompile(args.jobs) else 0
     if args.gpu_tests:
         return 1 if run_gpu_tests(args.out) else 0
     arms = [a for a in args.arms.split(",") if a]
