@@ -322,6 +322,22 @@ def precompile(jobs: int = 1) -> int:
     return len(errors)
 
 
+def test_cases(module) -> list[tuple[str, object, dict]]:
+    """Every (id, function, kwargs) of a pytest module's ``test_*`` functions, parametrize marks expanded."""
+    cases = []
+    for name, fn in vars(module).items():
+        if not (name.startswith("test_") and callable(fn)):
+            continue
+        combos: list[dict] = [{}]
+        for mark in reversed(getattr(fn, "pytestmark", [])):
+            if mark.name != "parametrize":
+                continue
+            names = [a.strip() for a in mark.args[0].split(",")] if isinstance(mark.args[0], str) else mark.args[0]
+            combos = [dict(c, **dict(zip(names, v if len(names) > 1 else (v,)))) for c in combos for v in mark.args[1]]
+        cases += [(f"{name}[{','.join(map(str, c.values()))}]" if c else name, fn, c) for c in combos]
+    return cases
+
+
 class _Mark:
     def __init__(self, name: str, args: tuple):
         self.name, self.args = name, args
