@@ -272,3 +272,14 @@ def test_explain_gdn_layer_names_each_stage_and_the_reason():
     assert "recurrent op" in explain_gdn_layer(layer, h[:, :1], cache)
     cache.activate_past_recording()
     assert explain_gdn_layer(layer, h, cache).startswith("layer: transformers' forward (the cache records")
+
+
+def test_patched_generation_with_a_static_cache_equals_unpatched():
+    model = tiny_model("qwen3_5")
+    ids = torch.randint(0, 256, (2, 70))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with torch.no_grad():
+        want = model.generate(ids, **kw)
+        with patched_gdn_layers(backend="torch"):
+            got = model.generate(ids, **kw)
+    assert torch.equal(got, want)
