@@ -259,6 +259,10 @@ def kernel_specs(variant_names, configs, sms):
                 specs.add(("ws", (*tail, sc, True, "float16" if var.fused == "ws16" and dt == "bfloat16" else "")))
             specs.add(("segment", tail))
         specs |= {("scan", (Hv, Kd, Kd, True)), ("scan", (Hv, Kd, Kd, False))}
+    if gpu_test_layouts():
+        # test_hopper_no_final_state_returns_none: scale 0.5, no final state, one 70-token sequence
+        specs |= {("prep", (1, 2, 128, "bfloat16")),
+                  ("fused", (1, 2, 128, 128, plan.choose_block_v(1, 2, 128, 128, sms), "bfloat16", 0.5, False))}
     return sorted(specs)
 
 

@@ -6,7 +6,7 @@ function. Parts:
     ws      fused stage warp-specialised (``fused_fwd_ws``: state / values / output warpgroups + TMA producer)
     ws16    as ws, with the W, Ag, Vd, Pg operands in fp16 when the inputs are bf16 (finer rounding, same speed)
     prep2   prep stage with K K^T shared across a GVA group and 2G warps per CTA (``prep_v2``)
-    bv64, bv128   force the V slice per CTA (the plan's rules were tuned on the default fused stage; the
+    bv32, bv64, bv128   force the V slice per CTA (the plan's rules were tuned on the default fused stage; the
             warp-specialised one holds one 512-thread CTA per SM, so wider slices and more segments may pay)
 
 e.g. ``ws+prep2`` or ``ws16+prep2+bv128``. Select per call (``variant=``) or process-wide with the environment variable
@@ -24,7 +24,7 @@ import torch
 from flashqla_kernels.gated_delta_rule.hopper import forward
 
 ENV_VAR = "FLASHQLA_KERNELS_VARIANT"
-PARTS = ("ws", "ws16", "prep2", "bv64", "bv128")
+PARTS = ("ws", "ws16", "prep2", "bv32", "bv64", "bv128")
 # what benchmarks/gdn_forward.py --variants all runs
 ALL_VARIANTS = ("default", "ws", "ws16", "prep2", "ws+prep2", "ws16+prep2", "ws16+prep2+bv128")
 
