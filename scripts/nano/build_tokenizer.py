@@ -42,8 +42,7 @@ def build(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS, "bos_token": None,
-              "unk_token": None, "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-              "model_max_length": 1024}
+              "unk_token": None, "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps({"eos_token": EOS, "pad_token": EOS}, indent=1) + "\n")
 
