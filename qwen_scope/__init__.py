@@ -18,3 +18,7 @@ __all__ = ["ActivationStore", "Scope", "FeatureStat", "LayerFeatures", "TextFeat
 __all__ += ["FeatureCard", "FeatureDatabase", "build_feature_database", "comparison_figure", "feature_card",
             "feature_json", "feature_views", "layer_range_figure", "prompt_heatmap", "store_chunks",
             "token_features_figure", "write_dashboard"]
+from qwen_scope.nano import load_nano, nano_corpus, nano_scope  # noqa: E402
+from qwen_scope.demo import DemoConfig, run_demo  # noqa: E402
+
+__all__ += ["load_nano", "nano_corpus", "nano_scope", "DemoConfig", "run_demo"]
