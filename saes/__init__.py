@@ -5,9 +5,11 @@ from saes.interop import from_sae_lens, to_sae_lens
 from saes.loading import SAEFileError, check_d_model, load, read_release_file
 from saes.registry import Release, get_release, list_releases, parse_repo_id
 from saes.topk import SparseCodes, TopKSAE
+from saes.training import SAETrainer, SAETrainingConfig, TrainingResult, evaluate_sae, save_release, save_sae, train_sae
 
 __all__ = [
     "Release", "SAEBank", "SAEFileError", "SparseCodes", "TopKSAE", "check_d_model", "from_sae_lens", "fused_encode",
     "get_release",
     "list_releases", "load", "parse_repo_id", "read_release_file", "to_sae_lens",
+    "SAETrainer", "SAETrainingConfig", "TrainingResult", "evaluate_sae", "save_release", "save_sae", "train_sae",
 ]

@@ -85,9 +85,12 @@ def resolve(source: str | Path, layer: int | None, *, revision: str | None = Non
             if layer is None:
                 raise TypeError(f"load({str(path)!r}, layer): a directory needs a layer index")
             layer = release.check_layer(layer) if release else _check_int_layer(layer)
-            path = path / Release.filename(layer)
+            pt = path / Release.filename(layer)
+            # saes.training can write safetensors-only release directories; the .pt name stays the default.
+            st = pt.with_name(f"layer{layer}.sae.safetensors")
+            path = pt if pt.is_file() or not st.is_file() else st
             if not path.is_file():
-                have = sorted(p.name for p in path.parent.glob("layer*.sae.pt"))[:8]
+                have = sorted(p.name for p in path.parent.glob("layer*.sae.*"))[:8]
                 raise FileNotFoundError(f"{path} does not exist; the directory holds {have or 'no layer*.sae.pt'}")
         else:
             m = _LAYER_RE.search(path.name)

@@ -226,3 +226,17 @@ def test_trains_from_a_collected_activation_store(tmp_path):
     config = SAETrainingConfig(d_sae=128, k=4, n_tokens=1000, batch_size=128, log_every=4)
     result = train_sae(store_activations(store, "resid_post.1", chunk_tokens=128), config, progress=False)
     assert result.final["tokens"] == 1000 and result.sae.d_model == 64
+
+
+def test_safetensors_only_release_directory_loads_by_layer(tmp_path):
+    import saes
+    from tests.factories import random_sae_state
+
+    sae = TopKSAE.from_release_state(random_sae_state(d_model=16, d_sae=64, seed=3), k=4)
+    out = tmp_path / "SAE-Res-Tiny-W0K-L0_4"
+    save_sae(sae, out, 2, formats=("safetensors",))
+    assert not (out / "layer2.sae.pt").exists()
+    loaded = saes.load(out, 2)
+    x = torch.randn(5, 16)
+    assert loaded.k == 4
+    torch.testing.assert_close(loaded.encode(x), sae.encode(x), rtol=0, atol=0)
