@@ -142,6 +142,17 @@ def test_variant_kernels_do_not_spill(stage, args, tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert " 0 bytes spill stores" in out.stderr, out.stderr[-800:]
+    # and the PTX carries the Hopper instructions themselves
+    ptx = tmp_path / "k.ptx"
+    out = subprocess.run([*cmd[:3], "-ptx", "-o", str(ptx), *cmd[8:]], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = ptx.read_text()
+    if stage == "ws":
+        assert "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text and "mbarrier.try_wait" in text
+        assert "setmaxnreg.inc.sync.aligned.u32 160" in text and "setmaxnreg.dec.sync.aligned.u32 88" in text
+    else:
+        # K K^T: wgmma once the CTA holds a whole warpgroup (G >= 2), mma.sync for G = 1
+        assert "wgmma.mma_async" in text or "mma.sync" in text
 
 
 def _grouped_substitution(kk: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
