@@ -285,3 +285,66 @@ def test_variant_matches_float64_reference_on_the_gpu_suite(variant, name, monke
     assert _rel(o, ro) <= RTOL_L2, f"{variant}: o relative L2 {_rel(o, ro):.2e}"
     assert _rel(ht, rht) <= RTOL_L2, f"{variant}: final state relative L2 {_rel(ht, rht):.2e}"
     assert torch.equal(o, o2) and torch.equal(ht, ht2), f"{variant}: two runs differ (a race?)"
+
+
+def _torch_prep(k, g, beta, chunks, Hv):
+    """prep's contract in float64 torch: gamma [T, Hv] chunk-local cumsum, A0 [T, Hv, 64] per chunk."""
+    group = Hv // k.shape[1]
+    g, beta = g.double(), beta.double()
+    gamma, a0 = torch.zeros_like(g), torch.zeros(g.shape[0], Hv, 64, dtype=g.dtype)
+    for s, e in chunks.tolist():
+        kh = k[s:e].repeat_interleave(group, dim=1).double()
+        gamma[s:e] = g[s:e].cumsum(0)
+        eye = torch.eye(e - s, dtype=torch.float64).expand(Hv, -1, -1)
+        kk = torch.einsum("ihk,jhk->hij", kh, kh) * beta[s:e].T[:, :, None]
+        a0[s:e, :, :e - s] = torch.linalg.solve_triangular(eye + kk.tril(-1), eye, upper=False,
+                                                           unitriangular=True).transpose(0, 1)
+    return gamma, a0
+
+
+def _torch_fused(q, k, v, a0, gamma, beta, h_init, segs, o, ht, *, scale, bDV, inner=""):
+    """fused_fwd's contract in float64 torch (segments from h_init rows, o and ht written in place)."""
+    group = v.shape[1] // k.shape[1]
+    for s0, s1, init, fin in segs.tolist():
+        for h in range(v.shape[1]):
+            S = h_init[init, h].double() if init >= 0 else torch.zeros_like(h_init[0, h]).double()
+            for cs in range(s0, s1, 64):
+                ce = min(cs + 64, s1)
+                gm, kc, qc = gamma[cs:ce, h], k[cs:ce, h // group], q[cs:ce, h // group]
+                dec = torch.exp(gm[:, None] - gm[None, :]).tril()
+                ag = dec * a0[cs:ce, h, :ce - cs] * beta[cs:ce, h][None, :]
+                vd = ag @ (v[cs:ce, h] - gm.exp()[:, None] * (kc @ S))
+                o[cs:ce, h] = scale * (gm.exp()[:, None] * (qc @ S) + (dec * (qc @ kc.T)) @ vd)
+                S = gm[-1].exp() * S + kc.T @ (torch.exp(gm[-1] - gm)[:, None] * vd)
+            if ht is not None and fin >= 0:
+                ht[fin, h] = S
+
+
+def test_variant_wiring_equals_reference_with_torch_stages(monkeypatch):
+    """variants' launcher with the kernels swapped for float64 torch stages of the same contracts (CPU): the stage
+    arguments, the segment table and the outputs are wired like forward's, for prep2 and ws16 alike."""
+    from flashqla_kernels.gated_delta_rule.hopper import forward, fused_fwd_ws, plan, prep_v2
+    from flashqla_kernels.gated_delta_rule.reference import chunk_gated_delta_rule_ref
+
+    calls = []
+    monkeypatch.setattr(forward, "unsupported_reason", lambda *a, **kw: None)
+    monkeypatch.setattr(plan, "num_sms", lambda device: 132)
+    monkeypatch.setattr(prep_v2, "prep_v2", lambda *a: calls.append("prep2") or _torch_prep(*a))
+    monkeypatch.setattr(fused_fwd_ws, "fused_fwd_ws",
+                        lambda *a, **kw: calls.append(kw["inner"]) or _torch_fused(*a, **kw))
+    gen = torch.Generator().manual_seed(3)
+    lens = [1, 47, 130, 64]
+    cu = torch.tensor([0, *__import__("itertools").accumulate(lens)])
+    Tn, Hk, Hv, K, V = cu[-1].item(), 2, 4, 16, 8
+    q, k = (torch.nn.functional.normalize(torch.randn(1, Tn, Hk, K, generator=gen, dtype=torch.float64), dim=-1)
+            for _ in range(2))
+    v = torch.randn(1, Tn, Hv, V, generator=gen, dtype=torch.float64)
+    g = -torch.rand(1, Tn, Hv, generator=gen, dtype=torch.float64)
+    beta = torch.rand(1, Tn, Hv, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(len(lens), Hv, K, V, generator=gen, dtype=torch.float64)
+    o, ht = variants.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                cu_seqlens=cu, segment_chunks=0, variant="ws16+prep2")
+    ro, rht = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert calls == ["prep2", ""]  # float64 inputs: ws16 keeps the input dtype (fp16 only replaces bf16)
+    # g, beta and h0 travel as fp32 (the kernels' contract): agreement to fp32 rounding, not 1e-10
+    assert ((o - ro).norm() / ro.norm()).item() < 1e-6 and ((ht - rht).norm() / rht.norm()).item() < 1e-6
