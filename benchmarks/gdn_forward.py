@@ -320,6 +320,8 @@ def main():
     ap.add_argument("--precompile-only", action="store_true", help="stop after --precompile (no GPU needed)")
     ap.add_argument("--sms", type=int, default=0, help="SM count for --precompile without a GPU (H200: 132)")
     ap.add_argument("--smoke-timeout", type=int, default=240, help="seconds per variant smoke check")
+    ap.add_argument("--stages", action="store_true",
+                    help="also time each variant's stages alone (prep, CP maps + scan, fused): ~1 s per variant/config")
     ap.add_argument("--smoke", metavar="VARIANT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.render:
@@ -348,7 +350,7 @@ def main():
         if not res["ok"]:
             dropped[name] = res["reason"]
     active = [v for v in names if v not in dropped]
-    rows = run_suite(idx, active, args.skip_torch)
+    rows = run_suite(idx, active, args.skip_torch, args.stages)
     flops_ceiling, bytes_ceiling = ceilings()
     for row in rows:
         row["bytes_floor_ms"], row["flop_floor_ms"] = floor_ms(row["Hk"], row["Hv"], row["seqlen"], row["nseq"],
@@ -371,7 +373,42 @@ def main():
     print(table)
 
 
-def run_suite(idx, active, skip_torch):
+def stage_ms(variant, q, k, v, g, beta, h0, cu):
+    """Medians (ms) of one variant's stages on these inputs: prep, the context-parallel maps + scan (0 when the plan
+    keeps sequences whole) and the fused stage, each launched alone on the others' outputs."""
+    import triton
+
+    from flashqla_kernels.gated_delta_rule.hopper import forward, plan, segment_states, state_scan, variants
+
+    var = variants.parse_variant(variant)
+    Tn, Hk, Kd = q.shape[1], q.shape[2], q.shape[3]
+    Hv, Vd = v.shape[2], v.shape[3]
+    q3, k3, v3 = q.reshape(Tn, Hk, Kd), k.reshape(Tn, Hk, Kd), v.reshape(Tn, Hv, Vd)
+    g3, b3 = g.reshape(Tn, Hv).float().contiguous(), beta.reshape(Tn, Hv).float().contiguous()
+    offsets = plan.host_offsets(cu)
+    bdv = forward.block_dv(len(offsets) - 1, Hv, Kd, Vd, q.device)
+    bdv = min(Vd, var.block_v) if var.block_v and Kd <= 128 else bdv
+    pl = plan.make_plan(offsets, Hv, Vd // bdv, True, q.device)
+    prep, fused = variants.prep_fn(var), variants.fused_fn(var, q.dtype)
+    bench = (lambda fn: triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median"))
+    gamma, a0 = prep(k3, g3, b3, pl.chunks, Hv)
+    out = {"prep": bench(lambda: prep(k3, g3, b3, pl.chunks, Hv)), "cp": 0.0}
+
+    def cp():
+        hs, ms = segment_states.segment_states(k3, v3, a0, gamma, b3, pl, bDV=bdv)
+        return state_scan.state_scan(h0, hs, ms, pl.seqs, pl.segs.shape[0])
+
+    h_init = h0
+    if pl.segment_chunks:
+        h_init = cp()
+        out["cp"] = bench(cp)
+    o, ht = torch.empty_like(v3), torch.empty_like(h0)
+    out["fused"] = bench(lambda: fused(q3, k3, v3, a0, gamma, b3, h_init, pl.segs, o, ht, scale=Kd ** -0.5, bDV=bdv))
+    out["bDV"], out["segment_chunks"] = bdv, pl.segment_chunks
+    return out
+
+
+def run_suite(idx, active, skip_torch, stages=False):
     """Check every active variant against the float64 reference, then time them, FLA, FlashQLA and torch."""
     import triton
 
@@ -402,6 +439,8 @@ def run_suite(idx, active, skip_torch):
                    "variants": {v: {"ms": ms[ours_key(v)], "rel_l2_o_vs_ref": checks[v][0],
                                     "rel_l2_state_vs_ref": checks[v][1], "nan": checks[v][2],
                                     "rel_l2_o_vs_default": vs_default[v]} for v in active}}
+            if stages:
+                row["stages_ms"] = {v: stage_ms(v, *inputs) for v in active}
             rows.append(row)
             print(json.dumps(row), flush=True)
             torch.cuda.empty_cache()
@@ -446,7 +485,7 @@ def variants_markdown(r):
     """Per-variant table: ms, ratios to the anchor FLA and to this run's FlashQLA, errors vs fp64 and vs default."""
     names = [v for v in r.get("variants", []) if v != "default"]
     dropped = r.get("dropped_variants") or {}
-    if not names and not dropped:
+    if not names and not dropped and not any(x.get("stages_ms") for x in r["rows"]):
         return []
     f = (lambda x, p=3: "-" if x is None else f"{x:.{p}f}")
     cols = ["default", *names]
@@ -470,6 +509,13 @@ def variants_markdown(r):
         lines.append(f"- {v}: geomean {f(fla, 2)}x the anchor FLA times, {f(qla, 2)}x this run's FlashQLA")
     for v, why in dropped.items():
         lines.append(f"- {v}: dropped before timing: {why}")
+    staged = [x for x in r["rows"] if x.get("stages_ms")]
+    if staged:
+        lines += ["", "Stages alone, ms (prep / CP maps + scan / fused; bDV, segment chunks):", ""]
+        for x in staged:
+            cells = [f"{v} {st['prep']:.3f} / {st['cp']:.3f} / {st['fused']:.3f} ({st['bDV']}, {st['segment_chunks']})"
+                     for v, st in x["stages_ms"].items()]
+            lines.append(f"- {x['Hk']}/{x['Hv']} {x['seqlen']}x{x['nseq']}: " + "; ".join(cells))
     return lines + [""]
 
 

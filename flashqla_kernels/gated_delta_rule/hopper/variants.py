@@ -115,7 +115,7 @@ def _run(var: Variant, q, k, v, g, beta, *, scale, initial_state, output_final_s
     if var.block_v and K <= 128:
         bDV = min(V, var.block_v)
     pl = plan.make_plan(cu, Hv, V // bDV, h0 is not None, q.device, segment_chunks)
-    gamma, a0 = _prep_fn(var)(k3, g3, b3, pl.chunks, Hv)
+    gamma, a0 = prep_fn(var)(k3, g3, b3, pl.chunks, Hv)
     if pl.segment_chunks:
         hs, ms = segment_states.segment_states(k3, v3, a0, gamma, b3, pl, bDV=bDV)
         h_init = state_scan.state_scan(h0, hs, ms, pl.seqs, pl.segs.shape[0])
@@ -123,11 +123,12 @@ def _run(var: Variant, q, k, v, g, beta, *, scale, initial_state, output_final_s
         h_init = h0 if h0 is not None else torch.zeros((1, Hv, K, V), dtype=torch.float32, device=q.device)
     o = forward._empty((B * Tn, Hv, V), q.dtype, q.device)
     ht = forward._empty((N, Hv, K, V), torch.float32, q.device) if output_final_state else None
-    _fused_fn(var, q.dtype)(q3, k3, v3, a0, gamma, b3, h_init, pl.segs, o, ht, scale=scale, bDV=bDV)
+    fused_fn(var, q.dtype)(q3, k3, v3, a0, gamma, b3, h_init, pl.segs, o, ht, scale=scale, bDV=bDV)
     return o.view(B, Tn, Hv, V), ht
 
 
-def _prep_fn(var: Variant):
+def prep_fn(var: Variant):
+    """The prep stage launcher of a variant (``prep.prep`` or ``prep_v2.prep_v2``; same contract)."""
     if var.prep2:
         from flashqla_kernels.gated_delta_rule.hopper.prep_v2 import prep_v2
 
@@ -137,7 +138,8 @@ def _prep_fn(var: Variant):
     return prep
 
 
-def _fused_fn(var: Variant, dtype: torch.dtype):
+def fused_fn(var: Variant, dtype: torch.dtype):
+    """The fused stage launcher of a variant for inputs of ``dtype`` (same contract as ``fused_fwd.fused_fwd``)."""
     if var.fused == "default":
         from flashqla_kernels.gated_delta_rule.hopper.fused_fwd import fused_fwd
 
