@@ -3,6 +3,8 @@
 __version__ = "0.1.0"
 
 from qwen_scope.store import ActivationStore  # noqa: E402
+# The verb shadows the submodule attribute on purpose: `qwen_scope.collect(...)` is the documented call.
+from qwen_scope.collect import CollectSummary, collect, load_corpus  # noqa: E402
 from qwen_scope.scope import Scope  # noqa: E402
 from qwen_scope.features import FeatureStat, LayerFeatures, TextFeatures, text_features  # noqa: E402
 from qwen_scope.steering import (FeatureEdit, Generation, SteeringResult, Sweep, ablate, add, clamp,  # noqa: E402
@@ -12,7 +14,7 @@ from qwen_scope.explore import (FeatureCard, FeatureDatabase, build_feature_data
                                 comparison_figure, feature_card, feature_json, feature_views, layer_range_figure,
                                 prompt_heatmap, store_chunks, token_features_figure, write_dashboard)
 
-__all__ = ["ActivationStore", "Scope", "FeatureStat", "LayerFeatures", "TextFeatures", "text_features",
+__all__ = ["ActivationStore", "CollectSummary", "collect", "load_corpus", "Scope", "FeatureStat", "LayerFeatures", "TextFeatures", "text_features",
            "FeatureEdit", "Generation", "SteeringResult", "Sweep", "ablate", "add", "clamp", "steer", "steering", "sweep",
            "Comparison", "FeatureDiff", "LayerComparison", "compare"]
 __all__ += ["FeatureCard", "FeatureDatabase", "build_feature_database", "comparison_figure", "feature_card",
