@@ -8,9 +8,11 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
 
 
 def add_scope_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="model hub id or local directory (tokenizer loaded from it)")
-    p.add_argument("--release", required=True,
-                   help="SAE release id (qwen-scope-3.5-2b-base-w32k-l50), hub repo or local release directory")
+    p.add_argument("--model", default=None,
+                   help="model hub id or local directory (tokenizer loaded from it); default: the bundled nano model")
+    p.add_argument("--release", default=None,
+                   help="SAE release id (qwen-scope-3.5-2b-base-w32k-l50), hub repo or local release directory; "
+                        "default: the nano model's own SAE set (only without --model)")
     p.add_argument("--device", default=None, help="cpu (default) or cuda")
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="model dtype (default bf16 on cuda)")
     p.add_argument("--template", default=None, choices=("chat", "chat-think", "chat-nothink"),
@@ -39,5 +41,12 @@ def build_scope(args: argparse.Namespace, layers: list[int]):
 
     from qwen_scope.scope import Scope
 
+    from qwen_scope.nano import NANO_DIR, NANO_RELEASE_DIR
+
+    if args.model is not None and args.release is None:
+        raise SystemExit(f"--model {args.model} needs --release (an SAE release trained for it); "
+                         "`qwen-scope releases` lists the Qwen-Scope sets")
+    model = NANO_DIR if args.model is None else args.model
+    release = NANO_RELEASE_DIR if args.release is None else args.release
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
-    return Scope.from_pretrained(args.model, args.release, layers, device=args.device, dtype=dtype)
+    return Scope.from_pretrained(model, release, layers, device=args.device, dtype=dtype)
