@@ -35,7 +35,7 @@ from torch import nn
 
 from hooks import collect as forward_collect
 from hooks import get_adapter, parse_hook_name
-from qwen_scope.store import ShardWriter, merge_manifest
+from qwen_scope.store_writer import ShardWriter, merge_manifest
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "float32": torch.float32, "fp32": torch.float32}

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from qwen_scope.store import ActivationStore, ShardWriter, merge_manifest
+from qwen_scope.store import ActivationStore
+from qwen_scope.store_writer import ShardWriter, merge_manifest
 
 D_MODEL, D_SAE, K = 8, 32, 4
 POINTS = {"resid_post.1": {"dense": True, "d_model": D_MODEL, "sae": {"release": "r", "layer": 1, "k": K,
