@@ -5,6 +5,7 @@ layer that is not resident evicts the least recently used ones first (before loa
 """
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -15,6 +16,9 @@ import torch
 from saes.loading import _release_from_path, load, resolve
 from saes.registry import Release, get_release
 from saes.topk import TopKSAE
+
+# A release directory holds layer{n}.sae.pt and/or layer{n}.sae.safetensors (saes.training can write either).
+_LAYER_FILE_RE = re.compile(r"layer(\d+)\.sae\.(?:pt|safetensors)")
 
 
 def _nbytes(sae: TopKSAE) -> int:
@@ -69,7 +73,8 @@ class SAEBank:
             if self.release is not None and self.release.n_layers is not None:
                 return tuple(self.release.layers)
             if path.is_dir():
-                found = sorted(int(p.name[5:-7]) for p in path.glob("layer*.sae.pt") if p.name[5:-7].isdigit())
+                found = sorted({int(m[1]) for p in path.glob("layer*.sae.*")
+                                if (m := _LAYER_FILE_RE.fullmatch(p.name))})
                 if found:
                     return tuple(found)
             raise ValueError(f"cannot tell which layers {self.source} has; pass layers=[...]")

@@ -230,8 +230,11 @@ def _via_cache(root: str | Path, path: Path, release: Release | None, layer: int
         root.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(f".tmp{os.getpid()}")
         meta = {"source": str(path), "layer": str(layer), "k": str(k), "release": release.id if release else ""}
-        save_file({key: t.to(dtype).contiguous() for key, t in state.items()}, tmp, metadata=meta)
-        os.replace(tmp, target)
+        try:
+            save_file({key: t.to(dtype).contiguous() for key, t in state.items()}, tmp, metadata=meta)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)  # a failed write (disk full, interrupt) leaves no stray temporary
     return read_release_file(target, release)
 
 

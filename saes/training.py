@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -310,16 +311,27 @@ def save_sae(sae: TopKSAE, directory: str | Path, layer: int, *, formats: tuple[
     state = {key: t.detach().to("cpu", dtype).contiguous() for key, t in sae.release_state().items()}
     paths = []
     if "pt" in formats:
-        torch.save(state, out / f"layer{layer}.sae.pt")
-        paths.append(out / f"layer{layer}.sae.pt")
+        paths.append(_write_atomically(out / f"layer{layer}.sae.pt", lambda tmp: torch.save(state, tmp)))
     if "safetensors" in formats:
         meta = {"k": str(sae.k), "d_sae": str(sae.d_sae), "d_model": str(sae.d_model), "layer": str(layer),
                 "format": "qwen-scope-release"}
         meta.update({key: value if isinstance(value, str) else json.dumps(value)
                      for key, value in (metadata or {}).items()})
-        save_file(state, str(out / f"layer{layer}.sae.safetensors"), metadata=meta)
-        paths.append(out / f"layer{layer}.sae.safetensors")
+        paths.append(_write_atomically(out / f"layer{layer}.sae.safetensors",
+                                       lambda tmp: save_file(state, str(tmp), metadata=meta)))
     return paths
+
+
+def _write_atomically(path: Path, write) -> Path:
+    """Run ``write(tmp)`` then rename ``tmp`` onto ``path``: an interrupted save never leaves a half-written file
+    under the name loaders read (nor a stray temporary: it is dot-prefixed and removed on failure)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 def save_release(saes: Mapping[int, TopKSAE], directory: str | Path, *, formats: tuple[str, ...] = ("pt", "safetensors"),

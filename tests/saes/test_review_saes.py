@@ -1,0 +1,67 @@
+"""Defects found in review of saes/: each test failed before its fix."""
+from __future__ import annotations
+
+import pytest
+import safetensors.torch
+import torch
+
+import saes.loading
+import saes.training
+from saes import SAEBank, TopKSAE, load
+from saes.training import save_sae
+from tests.factories import random_sae_state, write_sae_release
+
+
+def _sae(seed: int = 0) -> TopKSAE:
+    return TopKSAE.from_release_state(random_sae_state(seed=seed), k=8)
+
+
+def test_bank_finds_the_layers_of_a_safetensors_only_directory(tmp_path):
+    # save_sae(formats=("safetensors",)) writes directories that load() reads; the bank must list their layers too.
+    root = tmp_path / "SAE-Res-MyModel-W0K-L0_8"
+    for n in (0, 2, 10):
+        save_sae(_sae(seed=n), root, n, formats=("safetensors",))
+    bank = SAEBank(root)
+    assert bank.layers == (0, 2, 10)
+    torch.testing.assert_close(bank[10].W_enc.detach(), random_sae_state(seed=10)["W_enc"], rtol=0, atol=0)
+
+
+def test_bank_lists_a_layer_once_when_both_formats_are_present(tmp_path):
+    root = tmp_path / "SAE-Res-MyModel-W0K-L0_8"
+    for n in (1, 3):
+        save_sae(_sae(seed=n), root, n)  # .pt and .safetensors
+    assert SAEBank(root).layers == (1, 3)
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_interrupted_save_keeps_the_previous_file_and_leaves_no_partial_one(tmp_path, monkeypatch, fmt):
+    root = tmp_path / "SAE-Res-MyModel-W0K-L0_8"
+    save_sae(_sae(seed=1), root, 0, formats=(fmt,))
+
+    def dies_halfway(obj, f, *args, **kwargs):
+        with open(f, "wb") as fh:
+            fh.write(b"PK\x03\x04 half a file")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", dies_halfway)
+    monkeypatch.setattr(safetensors.torch, "save_file", dies_halfway)
+    with pytest.raises(OSError, match="No space left"):
+        save_sae(_sae(seed=2), root, 0, formats=(fmt,))
+    monkeypatch.undo()
+    assert sorted(p.name for p in root.iterdir()) == [f"layer0.sae.{fmt}"]
+    torch.testing.assert_close(load(root, 0).W_dec.detach(), random_sae_state(seed=1)["W_dec"], rtol=0, atol=0)
+
+
+def test_failed_safetensors_cache_write_leaves_no_temporary(tmp_path, monkeypatch):
+    root = write_sae_release(tmp_path)
+    cache = tmp_path / "st"
+
+    def dies_halfway(tensors, filename, metadata=None):
+        with open(filename, "wb") as fh:
+            fh.write(b"partial")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", dies_halfway)
+    with pytest.raises(OSError, match="No space left"):
+        load(root, 1, safetensors_cache=cache)
+    assert list(cache.iterdir()) == []
