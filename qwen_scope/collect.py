@@ -24,6 +24,8 @@ import hashlib
 import itertools
 import os
 import queue
+import re
+import shutil
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -449,6 +451,7 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
         writer = ShardWriter(out_dir, config, rank=rank, world_size=world, overwrite=overwrite)
         if overwrite and rank == 0:
             (Path(out_dir) / "manifest.json").unlink(missing_ok=True)
+            _remove_extra_ranks(Path(out_dir), world)
         run = _collect_rank(writer, adapter, corpus, tokenizer, device, dense, sae_map, config, pad_id,
                             progress and rank == 0)
         summary = _finish(writer, run, world, created)
@@ -459,6 +462,15 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
         if created:
             import torch.distributed as dist
             dist.destroy_process_group()
+
+
+def _remove_extra_ranks(root: Path, world: int) -> None:
+    """Delete ``rank{r}/`` of an earlier run with more ranks: no writer of this run clears them, and the manifest
+    merge would find their progress files and refuse the directory as a mix of two collections."""
+    for d in root.glob("rank*"):
+        m = re.fullmatch(r"rank(\d+)", d.name)
+        if m and d.is_dir() and int(m.group(1)) >= world:
+            shutil.rmtree(d)
 
 
 def _collect_rank(writer: ShardWriter, adapter, corpus, tokenizer, device, dense, sae_map, config, pad_id,

@@ -1,0 +1,23 @@
+"""Review findings in collect(): re-running into a directory that held a collection with more ranks."""
+from __future__ import annotations
+
+import torch
+
+from qwen_scope.collect import collect
+from qwen_scope.store import ActivationStore
+from qwen_scope.store_writer import ShardWriter
+from tests.factories import tiny_model, tiny_tokenizer
+
+
+def test_overwrite_discards_rank_directories_of_an_earlier_run_with_more_ranks(tmp_path):
+    # What a 2-rank torchrun leaves behind: rank001/ with its own progress file of another config.
+    old = ShardWriter(tmp_path, {"earlier": "two-rank run"}, rank=1, world_size=2)
+    old.write({"token_ids": torch.arange(3, dtype=torch.int32)}, n_rows=1, n_pad=0, cursor=[0, 0])
+    old.finish({})
+    docs = ["the cat sat on a mat"] * 8
+    summary = collect(tiny_model("qwen3_5"), docs, points=["resid_post.1"], token_budget=40, context_len=8,
+                      out_dir=tmp_path, tokenizer=tiny_tokenizer(), progress=False, overwrite=True)
+    store = ActivationStore(tmp_path)
+    assert summary.complete and summary.world_size == 1
+    assert store.n_tokens == 40 and {s["rank"] for s in store.shards} == {0}
+    assert not (tmp_path / "rank001").exists()
