@@ -82,6 +82,16 @@ def _weights(args, model_id: str | None, release: str | None, layer: int):
                          f"logit lens") from err
 
 
+def _check_reusable(db, source: dict, db_dir: Path) -> None:
+    """Refuse a database mined at another point or from another store (its pages would show other features)."""
+    for key, want in source.items():
+        have = db.meta.get(key)
+        if have is not None and want is not None and have != want:
+            raise SystemExit(f"{db_dir} was mined with {key}={have!r}, this run asks for {key}={want!r} "
+                             f"(store {db.meta.get('store')!r} then); use another --out, or --rebuild to mine it "
+                             f"again (labels are kept for the same point and release)")
+
+
 def run(args: argparse.Namespace) -> int:
     from qwen_scope.explore import FeatureDatabase, build_feature_database, store_chunks, write_dashboard
     from qwen_scope.store import ActivationStore
@@ -94,14 +104,26 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     db_dir = out / "database"
     t = time.time()
-    if (db_dir / "database.json").exists() and not args.rebuild:
-        db = FeatureDatabase.load(db_dir)
+    old = None
+    if (db_dir / "database.json").exists():
+        try:
+            old = FeatureDatabase.load(db_dir)
+        except (OSError, ValueError):
+            if not args.rebuild:
+                raise
+    source = {"point": point, "store_config_hash": store.manifest.get("config_hash")}
+    if old is not None and not args.rebuild:
+        _check_reusable(old, source, db_dir)
+        db = old
         print(f"reusing the feature database at {db_dir} (--rebuild to mine it again)")
     else:
-        meta = {"model": model_id, "point": point, "layer": layer, "release": release, "store": str(args.store)}
+        meta = {"model": model_id, "point": point, "layer": layer, "release": release, "store": str(args.store),
+                **source}
         db = build_feature_database(store_chunks(store, point, chunk_tokens=args.chunk_tokens), int(info["d_sae"]),
                                     meta=meta, device=args.device, n_top=args.n_top,
                                     context=_parse_pair(args.context), exclude_position_0=not args.include_first)
+        if old is not None and old.meta.get("point") == point and old.meta.get("release") == release:
+            db.labels = old.labels  # --rebuild re-mines the statistics; the user's labels of these features stay
         db.save(db_dir)
         print(f"mined {db.n_tokens} tokens at {point} in {time.time() - t:.1f}s -> {db_dir}")
     scope, sae = _weights(args, model_id, release, layer)

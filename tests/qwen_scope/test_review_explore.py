@@ -1,0 +1,53 @@
+"""Review findings in ``qwen-scope explore``: a database in OUT mined elsewhere is not reused; --rebuild keeps labels."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from qwen_scope.cli import main
+from qwen_scope.explore import FeatureDatabase
+from tests.qwen_scope.test_explore_cli import run  # noqa: F401  (the module fixture: store, release, dashboard)
+
+
+def _copy(run, tmp_path):
+    root, out, code = run
+    assert code == 0
+    dest = tmp_path / "dash"
+    shutil.copytree(out, dest)
+    return root, dest
+
+
+def test_explore_refuses_a_database_mined_at_another_point(run, tmp_path):
+    root, dest = _copy(run, tmp_path)
+    info_path = dest / "database" / "database.json"
+    info = json.loads(info_path.read_text())
+    info["meta"]["point"] = "resid_post.0"
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(SystemExit, match=r"mined with point='resid_post.0'.*resid_post.2.*--rebuild"):
+        main(["explore", "--store", str(root / "store"), "--out", str(dest), "--features", "1", "--no-model"])
+
+
+def test_explore_refuses_a_database_of_another_store(run, tmp_path):
+    root, dest = _copy(run, tmp_path)
+    info_path = dest / "database" / "database.json"
+    info = json.loads(info_path.read_text())
+    info["meta"]["store_config_hash"] = "0123456789abcdef"
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(SystemExit, match="store_config_hash='0123456789abcdef'"):
+        main(["explore", "--store", str(root / "store"), "--out", str(dest), "--features", "1", "--no-model"])
+
+
+def test_rebuild_keeps_the_labels_of_the_same_point(run, tmp_path):
+    root, dest = _copy(run, tmp_path)
+    db = FeatureDatabase.load(dest / "database")
+    db.annotate(5, label="digits", notes="fires on numbers")
+    release = db.meta["release"]
+    assert main(["explore", "--store", str(root / "store"), "--release", release, "--out", str(dest),
+                 "--features", "5", "--no-model", "--rebuild"]) == 0
+    again = FeatureDatabase.load(dest / "database")
+    assert again.label(5) == "digits" and again.notes(5) == "fires on numbers"
+    assert torch.equal(again.count, db.count)
+
