@@ -130,7 +130,7 @@ class TextFeatures:
     def table(self, layer: int, n: int = 5) -> str:
         """A plain-text view: one line per token with its top ``n`` features."""
         lines = [f"layer {layer}: FVE {self[layer].fve:.3f}, cosine {self[layer].cosine:.3f}"
-                 + (" (position 0 excluded)" if self.skip_first else "")]
+                 + (" (position 0 excluded)" if self[layer].first else "")]
         for t, tok in enumerate(self.tokens):
             feats = "  ".join(f"#{f}={v:.2f}" for f, v in self.token_top(layer, t, n))
             lines.append(f"{t:>4} {tok!r:<14} {feats}")
@@ -152,6 +152,8 @@ def encode_layer(sae: TopKSAE, resid: torch.Tensor, layer: int, *, top_k: int | 
     Returns:
         ``LayerFeatures`` on the CPU in float32.
     """
+    if top_k is not None and int(top_k) < 0:
+        raise ValueError(f"top_k must be >= 0 features per token (or None for all {sae.k}), got {top_k}")
     x = resid.float()
     codes = sae.encode_sparse(x)
     recon = sae.decode(codes).float()

@@ -63,6 +63,8 @@ class FeatureEdit:
 def add(layer: int, feature: int, strength: float | str, *, scale: str = "raw",
         positions: str | int | Sequence[int] = "all") -> FeatureEdit:
     """Add ``strength`` x the feature's decoder direction (a preset name ``"light"/"medium"/"strong"`` works too)."""
+    if isinstance(strength, str) and strength not in PRESETS:
+        raise ValueError(f"strength {strength!r} is not a preset; expected a number or one of {PRESETS}")
     value = PRESETS[strength] if isinstance(strength, str) else float(strength)
     return FeatureEdit(layer, int(feature), "add", value, scale, positions)
 

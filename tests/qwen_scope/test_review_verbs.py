@@ -1,0 +1,32 @@
+"""Review findings in the verbs: one-token texts, top_k validation, unknown steering presets."""
+from __future__ import annotations
+
+import pytest
+
+from qwen_scope.steering import add
+from tests.qwen_scope.scope_helpers import tiny_scope
+
+
+@pytest.fixture(scope="module")
+def scope():
+    return tiny_scope(layers=(1,))
+
+
+def test_table_of_a_one_token_text_does_not_claim_position_0_was_excluded(scope):
+    feats = scope.features("a", layers=1)
+    assert feats[1].first == 0
+    assert "excluded" not in feats.table(1).splitlines()[0]
+    longer = scope.features("ab", layers=1)
+    assert longer[1].first == 1 and "(position 0 excluded)" in longer.table(1).splitlines()[0]
+
+
+def test_negative_top_k_is_refused_instead_of_dropping_the_last_feature(scope):
+    with pytest.raises(ValueError, match="top_k must be >= 0.*got -1"):
+        scope.features("abc", layers=1, top_k=-1)
+    assert scope.features("abc", layers=1, top_k=3)[1].values.shape == (3, 3)
+
+
+def test_add_with_an_unknown_preset_names_the_presets():
+    with pytest.raises(ValueError, match=r"'huge' is not a preset.*'light': 5\.0"):
+        add(1, 3, "huge")
+    assert add(1, 3, "strong").value == 100.0
