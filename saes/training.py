@@ -162,7 +162,9 @@ class SAETrainer(nn.Module):
             fired[indices[values > 0]] = True
             self.tokens_since_fired.add_(x.shape[0]).masked_fill_(fired, 0)
             var = (xn - xn.mean(0)).pow(2).sum(-1).mean()
-            return {"loss": float(loss), "mse": float(mse), "aux": float(aux), "fve": float(1 - mse / var),
+            # One token has no variance about its own mean: its FVE is undefined (nan), not -inf.
+            fve = float(1 - mse / var) if x.shape[0] > 1 else math.nan
+            return {"loss": float(loss), "mse": float(mse), "aux": float(aux), "fve": fve,
                     "l0": float((values > 0).sum(-1).float().mean()), "dead": float(self.dead_mask().float().mean())}
 
     def lr_at(self, step: int) -> float:
@@ -210,7 +212,8 @@ def train_sae(activations: Iterable[torch.Tensor] | torch.Tensor, config: SAETra
         desc: progress-bar label.
     Returns:
         ``TrainingResult(sae, history, final)``; ``history`` holds one dict per ``log_every`` steps with ``step``,
-        ``tokens`` and window means of ``loss, mse, aux, fve, l0, dead``.
+        ``tokens`` and window means of ``loss, mse, aux, fve, l0, dead`` (weighted by batch tokens, so the small last
+        batch of an epoch barely counts; a batch's undefined FVE (one token) is left out).
     """
     from tqdm.auto import tqdm
 
@@ -221,15 +224,15 @@ def train_sae(activations: Iterable[torch.Tensor] | torch.Tensor, config: SAETra
         raise ValueError("train_sae got no activations; pass a Tensor [N, d_model] or a non-empty iterable")
     trainer = SAETrainer(first.shape[-1], config, first)
     history: list[dict] = []
-    window: list[dict] = []
+    window: list[tuple[int, dict]] = []
     bar = tqdm(total=config.n_steps, desc=desc, disable=not progress, leave=False)
     tokens = 0
     step_batches = _chain_first(first, batches)
     for step, x in enumerate(step_batches, start=1):
-        window.append(trainer.step(x))
+        window.append((x.shape[0], trainer.step(x)))
         tokens += x.shape[0]
         if step % config.log_every == 0 or step == config.n_steps:
-            entry = {"step": step, "tokens": tokens, **{k: sum(m[k] for m in window) / len(window) for k in window[0]}}
+            entry = {"step": step, "tokens": tokens, **_window_means(window)}
             history.append(entry)
             window = []
             bar.set_postfix(fve=f"{entry['fve']:.3f}", l0=f"{entry['l0']:.1f}", dead=f"{entry['dead']:.3f}")
@@ -238,9 +241,17 @@ def train_sae(activations: Iterable[torch.Tensor] | torch.Tensor, config: SAETra
             break
     bar.close()
     if window:
-        history.append({"step": step, "tokens": tokens,
-                        **{k: sum(m[k] for m in window) / len(window) for k in window[0]}})
+        history.append({"step": step, "tokens": tokens, **_window_means(window)})
     return TrainingResult(trainer.export(), history, dict(history[-1]))
+
+
+def _window_means(window: list[tuple[int, dict]]) -> dict[str, float]:
+    """Token-weighted mean of each metric over ``(n_tokens, metrics)`` steps, skipping nan entries."""
+    out = {}
+    for key in window[0][1]:
+        pairs = [(n, m[key]) for n, m in window if not math.isnan(m[key])]
+        out[key] = sum(n * v for n, v in pairs) / sum(n for n, _ in pairs) if pairs else math.nan
+    return out
 
 
 def _chain_first(first: torch.Tensor, rest: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:

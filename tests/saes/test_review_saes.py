@@ -65,3 +65,28 @@ def test_failed_safetensors_cache_write_leaves_no_temporary(tmp_path, monkeypatc
     with pytest.raises(OSError, match="No space left"):
         load(root, 1, safetensors_cache=cache)
     assert list(cache.iterdir()) == []
+
+
+def test_a_one_token_tail_batch_does_not_turn_the_logged_fve_into_minus_infinity():
+    # 65 tokens in batches of 64: every epoch ends with a 1-token batch, whose FVE (1 - mse / 0) is undefined.
+    x = torch.randn(65, 16, generator=torch.Generator().manual_seed(0))
+    config = saes.training.SAETrainingConfig(d_sae=32, k=4, n_tokens=64 * 4, batch_size=64, log_every=2)
+    result = saes.training.train_sae(x, config, progress=False)
+    assert [h["tokens"] for h in result.history] == [65, 130]
+    for entry in result.history:
+        assert 0.0 < entry["fve"] < 1.0, entry
+    # The window mean is token-weighted: the 64-token batch dominates, the 1-token batch's undefined FVE is left out.
+    steps = []
+    trainer_step = saes.training.SAETrainer.step
+
+    def spy(self, batch):
+        steps.append((batch.shape[0], trainer_step(self, batch)))
+        return steps[-1][1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(saes.training.SAETrainer, "step", spy)
+        result = saes.training.train_sae(x, config, progress=False)
+    assert [n for n, _ in steps] == [64, 1, 64, 1]
+    assert steps[1][1]["fve"] != steps[1][1]["fve"]  # nan
+    assert result.history[0]["fve"] == pytest.approx(steps[0][1]["fve"])
+    assert result.history[0]["mse"] == pytest.approx((64 * steps[0][1]["mse"] + steps[1][1]["mse"]) / 65)
