@@ -288,7 +288,8 @@ def collect(model: nn.Module, points: str | Sequence[str], *, stop_early: bool =
         points: hook names (any accepted spelling).
         stop_early: stop after the deepest requested block (no later blocks, no lm_head).
         positions, dtype, device: as for ``capture``.
-        **forward_kwargs: model inputs, e.g. ``input_ids`` [B, T] and ``attention_mask`` [B, T].
+        **forward_kwargs: model inputs, e.g. ``input_ids`` [B, T] and ``attention_mask`` [B, T] (``use_cache`` is
+            always False).
 
     Returns:
         a ``Capture`` (``cap[name]`` is [B, T_kept, d_model]).
@@ -306,7 +307,8 @@ def collect(model: nn.Module, points: str | Sequence[str], *, stop_early: bool =
     with torch.no_grad(), capture(adapter.model, names, positions=positions, dtype=dtype, device=device) as cap:
         handle = adapter.layers[deepest].register_forward_hook(stop) if stop_early else None
         try:
-            adapter.model(**forward_kwargs, use_cache=False)
+            # Always cache-less; a use_cache= the caller passes along with the inputs must not clash with it.
+            adapter.model(**{**forward_kwargs, "use_cache": False})
         except _StopForward:
             pass
         finally:

@@ -1,0 +1,20 @@
+"""Defects found in review of hooks/: each test failed before its fix."""
+from __future__ import annotations
+
+import torch
+
+from hooks import capture, collect
+from tests.factories import tiny_model
+
+
+def test_collect_accepts_use_cache_among_the_forward_kwargs():
+    # Callers forward their usual model kwargs; collect forces use_cache=False and must not raise
+    # "got multiple values for keyword argument 'use_cache'".
+    model = tiny_model("qwen3")
+    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), capture(model, ["resid_post.1"]) as ref:
+        model(input_ids=ids, use_cache=False)
+    for use_cache in (False, True):
+        cap = collect(model, ["resid_post.1"], input_ids=ids, use_cache=use_cache)
+        assert torch.equal(cap["resid_post.1"], ref["resid_post.1"])
+    assert not model.model.layers[1]._forward_hooks and not model.model._forward_pre_hooks
