@@ -158,6 +158,8 @@ def compare(scope, text_a: str | Sequence[str], text_b: str | Sequence[str],
     if not texts_a or not texts_b:
         raise ValueError("compare needs at least one text on each side")
     layer_list = scope.layers if layers is None else ([layers] if isinstance(layers, int) else list(layers))
+    if not layer_list:
+        raise ValueError("no layers to compare: attach SAEs first (Scope.load_saes) or pass layers=")
     saes = {n: scope.sae(n) for n in layer_list}
     ids_a = [scope.tokenize(t, template)[0] for t in texts_a]
     ids_b = [scope.tokenize(t, template)[0] for t in texts_b]

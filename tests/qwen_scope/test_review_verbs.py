@@ -30,3 +30,13 @@ def test_add_with_an_unknown_preset_names_the_presets():
     with pytest.raises(ValueError, match=r"'huge' is not a preset.*'light': 5\.0"):
         add(1, 3, "huge")
     assert add(1, 3, "strong").value == 100.0
+
+
+def test_compare_without_sae_layers_says_so(scope):
+    from qwen_scope.scope import Scope
+
+    bare = Scope(scope.model, scope.tokenizer)
+    with pytest.raises(ValueError, match="no layers to compare.*load_saes"):
+        bare.compare("ab", "cd")
+    with pytest.raises(ValueError, match="no layers to compare"):
+        scope.compare("ab", "cd", layers=[])
