@@ -54,6 +54,16 @@ def parse_edit(spec: str):
         raise SystemExit(f"bad --edit {spec!r}: {e}") from None
 
 
+def _number(text: str, option: str) -> float:
+    from qwen_scope.steering import PRESETS
+
+    try:
+        return float(text)
+    except ValueError:
+        raise SystemExit(f"bad {option} {text!r}: expected a number (or for --strength one of "
+                         f"{sorted(PRESETS)})") from None
+
+
 def _edits(args) -> list:
     from qwen_scope.steering import FeatureEdit, PRESETS
 
@@ -61,7 +71,7 @@ def _edits(args) -> list:
     if args.feature:
         if args.layer is None:
             raise SystemExit("--feature needs --layer")
-        value = 0.0 if args.mode == "ablate" else PRESETS.get(args.strength) or float(args.strength)
+        value = 0.0 if args.mode == "ablate" else PRESETS.get(args.strength) or _number(args.strength, "--strength")
         edits += [FeatureEdit(args.layer, f, args.mode, value, args.scale, args.positions) for f in args.feature]
     if not edits and not args.sweep:
         raise SystemExit("nothing to steer: pass --layer/--feature or --edit")
@@ -80,11 +90,13 @@ def run(args: argparse.Namespace) -> int:
     layers = sorted({e.layer for e in edits} | ({args.layer} if args.sweep else set()))
     if args.sweep and (args.layer is None or len(args.feature) != 1):
         raise SystemExit("--sweep needs --layer and exactly one --feature")
+    if args.sweep and args.mode == "ablate":
+        raise SystemExit("--sweep varies an add strength or a clamp value; use --mode add or --mode clamp")
+    strengths = [_number(s, "--sweep value") for s in args.sweep.split(",") if s.strip()] if args.sweep else []
     scope = build_scope(args, layers)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, seed=args.seed, template=args.template,
                top_n=args.top_n)
     if args.sweep:
-        strengths = [float(s) for s in args.sweep.split(",") if s.strip()]
         result = sweep(scope, args.prompt, args.layer, args.feature[0], strengths,
                        mode="clamp" if args.mode == "clamp" else "add", scale=args.scale, positions=args.positions,
                        **gen)
