@@ -151,18 +151,27 @@ class Capture(Mapping):
     def _key(self, name: str) -> str:
         return parse_hook_name(name, self.n_layers).name
 
+    def _recorded(self, name: str) -> str:
+        """The canonical key of ``name``; KeyError naming the requested points when nothing was recorded there."""
+        key = self._key(name)
+        if key not in self._calls or not self._calls[key]:
+            raise KeyError(f"nothing captured at {key}: was it requested (this capture has {sorted(self._calls)}), and "
+                           "did the model run inside the with-block?")
+        return key
+
     def calls(self, name: str) -> list[torch.Tensor]:
-        """One Tensor [B, T_i, d_model] per forward pass, in order."""
-        return list(self._calls[self._key(name)])
+        """One Tensor [B, T_i, d_model] per forward pass, in order (empty if the model did not run)."""
+        key = self._key(name)
+        if key not in self._calls:
+            self._recorded(name)  # raises, naming the points this capture records
+        return list(self._calls[key])
 
     def positions(self, name: str) -> torch.Tensor:
         """LongTensor [T]: the absolute positions of the tokens in ``self[name]``."""
-        return torch.cat(self._positions[self._key(name)])
+        return torch.cat(self._positions[self._recorded(name)])
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        key = self._key(name)
-        if key not in self._calls or not self._calls[key]:
-            raise KeyError(f"nothing captured at {key}: was it requested, and did the model run inside the with-block?")
+        key = self._recorded(name)
         calls = self._calls[key]
         if len(calls) == 1:
             return calls[0]

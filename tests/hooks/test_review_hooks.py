@@ -1,6 +1,7 @@
 """Defects found in review of hooks/: each test failed before its fix."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hooks import capture, collect
@@ -18,3 +19,16 @@ def test_collect_accepts_use_cache_among_the_forward_kwargs():
         cap = collect(model, ["resid_post.1"], input_ids=ids, use_cache=use_cache)
         assert torch.equal(cap["resid_post.1"], ref["resid_post.1"])
     assert not model.model.layers[1]._forward_hooks and not model.model._forward_pre_hooks
+
+
+def test_capture_accessors_name_the_recorded_points_for_a_missing_one():
+    model = tiny_model("qwen3")
+    with capture(model, ["resid_post.1"]) as cap:
+        pass  # the model never ran
+    assert cap.calls("resid_post.1") == []
+    # positions() used to die in torch.cat with "expected a non-empty list of Tensors".
+    with pytest.raises(KeyError, match=r"nothing captured at resid_post.1"):
+        cap.positions("resid_post.1")
+    for accessor in (cap.calls, cap.positions, cap.__getitem__):
+        with pytest.raises(KeyError, match=r"nothing captured at resid_post.2.*\['resid_post.1'\]"):
+            accessor("blocks.2.hook_resid_post")
