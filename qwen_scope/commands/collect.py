@@ -69,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
         sae_layers = [int(n) for n in args.sae_layers.split(",") if n.strip()]
     if args.sae_layers and not args.release:
         raise SystemExit("--sae-layers needs --release (an SAE release id, hub repo or local directory)")
+    if args.release and not args.sae_layers:
+        raise SystemExit(f"--release {args.release} needs --sae-layers (e.g. 6,12 or all) to store SAE codes")
     corpus = load_corpus(args.corpus, split=args.split, name=args.name, streaming=args.streaming)
     summary = collect(
         args.model, corpus, points=[p.strip() for p in args.points.split(",") if p.strip()] or None,
