@@ -147,16 +147,17 @@ def model_activations(model: nn.Module, token_batches: Iterable[torch.Tensor], l
             raise ValueError(f"layer {n} out of range: the model has {len(blocks)} decoder blocks")
     device = device or next(model.parameters()).device
     captured: dict[int, torch.Tensor] = {}
-    handles = [blocks[n].register_forward_hook(_grab(captured, n)) for n in layers]
-    try:
-        for ids in token_batches:
+    for ids in token_batches:
+        # Hooks live only around this forward: none stay on the model while the consumer holds a paused generator.
+        handles = [blocks[n].register_forward_hook(_grab(captured, n)) for n in layers]
+        try:
             model(input_ids=ids.to(device), use_cache=False)
-            acts = {n: captured[n][:, skip_positions:].reshape(-1, captured[n].shape[-1]).float().cpu()
-                    for n in layers}
-            yield acts[layers[0]] if isinstance(layer, int) else acts
-    finally:
-        for h in handles:
-            h.remove()
+        finally:
+            for h in handles:
+                h.remove()
+        acts = {n: captured.pop(n)[:, skip_positions:] for n in layers}
+        acts = {n: a.reshape(-1, a.shape[-1]).float().cpu() for n, a in acts.items()}
+        yield acts[layers[0]] if isinstance(layer, int) else acts
 
 
 def _grab(store: dict, n: int):

@@ -90,3 +90,21 @@ def test_a_one_token_tail_batch_does_not_turn_the_logged_fve_into_minus_infinity
     assert steps[1][1]["fve"] != steps[1][1]["fve"]  # nan
     assert result.history[0]["fve"] == pytest.approx(steps[0][1]["fve"])
     assert result.history[0]["mse"] == pytest.approx((64 * steps[0][1]["mse"] + steps[1][1]["mse"]) / 65)
+
+
+def test_model_activations_leaves_no_hook_on_the_model_between_batches():
+    from saes.training_data import model_activations
+    from tests.factories import tiny_model
+
+    model = tiny_model("qwen3")
+    ids = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    batches = model_activations(model, [ids, ids], layer=1)
+    first = next(batches)  # the consumer pauses here (e.g. train_sae stopped at n_tokens and keeps the iterator)
+    assert not any(m._forward_hooks for m in model.modules())
+    with torch.no_grad():
+        out = model.model.layers[1].register_forward_hook(lambda mod, a, o: setattr(mod, "_seen", o))
+        model(input_ids=ids, use_cache=False)
+        out.remove()
+    seen = model.model.layers[1]._seen
+    torch.testing.assert_close(first, seen[:, 1:].reshape(-1, seen.shape[-1]).float())
+    torch.testing.assert_close(next(batches), first)
