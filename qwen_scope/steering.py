@@ -329,10 +329,10 @@ def sweep(scope, prompt: str, layer: int, feature: int, strengths: Sequence[floa
     """
     if mode not in ("add", "clamp"):
         raise ValueError(f"sweep mode must be 'add' or 'clamp', got {mode!r}")
-    base = steer(scope, prompt, [], **steer_kwargs).steered
+    base = steer(scope, prompt, [], **{**steer_kwargs, "baseline": False}).steered
     runs = []
     for s in strengths:
         edit = add(layer, feature, s, scale=scale, positions=positions) if mode == "add" else \
             clamp(layer, feature, s, positions=positions)
-        runs.append(steer(scope, prompt, [edit], baseline=False, **steer_kwargs).steered)
+        runs.append(steer(scope, prompt, [edit], **{**steer_kwargs, "baseline": False}).steered)
     return Sweep(prompt, layer, feature, tuple(float(s) for s in strengths), base, tuple(runs))

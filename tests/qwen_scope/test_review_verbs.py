@@ -40,3 +40,14 @@ def test_compare_without_sae_layers_says_so(scope):
         bare.compare("ab", "cd")
     with pytest.raises(ValueError, match="no layers to compare"):
         scope.compare("ab", "cd", layers=[])
+
+
+def test_sweep_generates_once_per_strength_plus_one_baseline(scope, monkeypatch):
+    calls = []
+    generate = scope.model.generate
+    monkeypatch.setattr(scope.model, "generate", lambda *a, **k: calls.append(1) or generate(*a, **k))
+    from qwen_scope.steering import sweep
+
+    result = sweep(scope, "ab", 1, 3, [0.0, 50.0], max_new_tokens=2, baseline=True)
+    assert len(calls) == 3 and len(result.runs) == 2
+    assert result.runs[0].token_ids.tolist() == result.baseline.token_ids.tolist()
