@@ -20,6 +20,7 @@ loses only the shard in flight. Under ``torchrun`` document ``i`` goes to rank `
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import itertools
 import os
@@ -59,8 +60,12 @@ def load_corpus(source: str | os.PathLike, *, split: str = "train", name: str | 
     import datasets
 
     path = Path(source)
-    files = sorted(path.iterdir()) if path.is_dir() else sorted(Path().glob(str(source))) if "*" in str(source) \
-        else [path] if path.exists() else []
+    # glob.glob, not Path().glob: the latter refuses absolute patterns ("/data/*.jsonl").
+    files = sorted(path.iterdir()) if path.is_dir() else sorted(map(Path, glob.glob(str(source)))) \
+        if "*" in str(source) else [path] if path.exists() else []
+    if not files and "*" in str(source):
+        raise FileNotFoundError(f"{source}: the pattern matches no file; check the path (relative to "
+                                f"{Path.cwd()}) or pass a hub dataset id")
     if files:
         exts = {f.suffix for f in files if f.suffix in _LOCAL_BUILDERS}
         if len(exts) != 1:

@@ -1,6 +1,7 @@
-"""Review findings in collect(): re-running into a directory that held a collection with more ranks."""
+"""Review findings in collect(): re-running into a directory that held more ranks; absolute corpus globs."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from qwen_scope.collect import collect
@@ -21,3 +22,14 @@ def test_overwrite_discards_rank_directories_of_an_earlier_run_with_more_ranks(t
     assert summary.complete and summary.world_size == 1
     assert store.n_tokens == 40 and {s["rank"] for s in store.shards} == {0}
     assert not (tmp_path / "rank001").exists()
+
+
+def test_load_corpus_reads_an_absolute_glob_and_names_an_empty_one(tmp_path):
+    from qwen_scope.collect import load_corpus
+
+    for name, text in (("a.jsonl", "first"), ("b.jsonl", "second")):
+        (tmp_path / name).write_text(f'{{"text": "{text}"}}\n')
+    # Path().glob refused absolute patterns with NotImplementedError.
+    assert load_corpus(str(tmp_path / "*.jsonl"))["text"] == ["first", "second"]
+    with pytest.raises(FileNotFoundError, match=r"nothing-\*\.jsonl: the pattern matches no file"):
+        load_corpus(str(tmp_path / "nothing-*.jsonl"))
