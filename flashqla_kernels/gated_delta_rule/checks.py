@@ -13,6 +13,12 @@ def _shape(x: torch.Tensor) -> str:
     return "[" + ",".join(str(s) for s in x.shape) + "]"
 
 
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor {_shape(x)}"
+    return f"a {type(x).__name__}"
+
+
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  initial_state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> int:
     """Validate the op's inputs and return N, the number of sequences.
@@ -55,7 +61,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         N = _check_cu_seqlens(cu_seqlens, B, T)
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor) or not initial_state.is_floating_point():
-            raise TypeError("initial_state must be a floating-point tensor [N, Hv, K, V]")
+            raise TypeError(f"initial_state must be a floating-point tensor [N, Hv, K, V] (fp32 recommended); got "
+                            f"{_describe(initial_state)}")
         if tuple(initial_state.shape) != (N, Hv, K, V):
             raise ValueError(f"initial_state must be [N, Hv, K, V] = [{N},{Hv},{K},{V}] (N = "
                              f"{'len(cu_seqlens) - 1' if cu_seqlens is not None else 'B'}); got {_shape(initial_state)}")
@@ -67,7 +74,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> int:
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
         raise TypeError("cu_seqlens must be a 1-D integer tensor of offsets [N+1] (FlashAttention style), e.g. "
-                        "torch.tensor([0, 47, 128], dtype=torch.int32)")
+                        f"torch.tensor([0, 47, 128], dtype=torch.int32); got {_describe(cu_seqlens)}")
     if B != 1:
         raise ValueError(f"with cu_seqlens the sequences are packed along T, so B must be 1; got B={B}. "
                          "Flatten with x.reshape(1, -1, *x.shape[2:]) and pass offsets.")
