@@ -189,8 +189,10 @@ class Scope:
     def sae(self, layer: int) -> TopKSAE:
         """The SAE at ``layer``; ``KeyError`` names the loaded layers."""
         if layer not in self.saes:
-            raise KeyError(f"no SAE at layer {layer}; loaded layers are {self.layers}. "
-                           f"Load it with scope.load_saes(release, [{layer}])")
+            n = self.adapter.n_layers
+            fix = (f"Load it with scope.load_saes(release, [{layer}])" if isinstance(layer, int) and 0 <= layer < n
+                   else f"{self.model_name or 'the model'} has decoder blocks 0..{n - 1} only")
+            raise KeyError(f"no SAE at layer {layer}; loaded layers are {self.layers}. {fix}")
         return self.saes[layer]
 
     def hook_name(self, layer: int) -> str:

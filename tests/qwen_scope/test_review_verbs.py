@@ -51,3 +51,11 @@ def test_sweep_generates_once_per_strength_plus_one_baseline(scope, monkeypatch)
     result = sweep(scope, "ab", 1, 3, [0.0, 50.0], max_new_tokens=2, baseline=True)
     assert len(calls) == 3 and len(result.runs) == 2
     assert result.runs[0].token_ids.tolist() == result.baseline.token_ids.tolist()
+
+
+def test_missing_layer_past_the_last_block_is_not_told_to_load_it(scope):
+    n = scope.adapter.n_layers
+    with pytest.raises(KeyError, match=rf"no SAE at layer {n}; loaded layers are \[1\]\. .*blocks 0\.\.{n - 1} only"):
+        scope.sae(n)
+    with pytest.raises(KeyError, match=r"no SAE at layer 0.*load_saes\(release, \[0\]\)"):
+        scope.sae(0)
