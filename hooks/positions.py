@@ -6,6 +6,7 @@ pass (``-1`` is the last token of the pass, i.e. every new token during generati
 """
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Sequence
 
@@ -37,10 +38,15 @@ def parse_positions(spec: None | int | str | Sequence[int]) -> tuple[int, ...] |
         return None
     if isinstance(spec, bool):
         raise TypeError(f"positions must be None, an int, a sequence of ints or a spec like '0,2,5-8'; got {spec!r}")
-    if isinstance(spec, int):
-        return (spec,)
     if isinstance(spec, torch.Tensor):
+        if spec.is_floating_point() or spec.is_complex():
+            raise TypeError(f"positions must be integers, got a {spec.dtype} tensor; convert with .long() if intended")
         return tuple(sorted({int(p) for p in spec.flatten().tolist()}))
+    if not isinstance(spec, str):
+        try:  # int, numpy integer scalars
+            return (operator.index(spec),)
+        except TypeError:
+            pass
     if isinstance(spec, str):
         text = spec.strip().lower()
         if text in ("all", "*", ""):
@@ -59,7 +65,8 @@ def parse_positions(spec: None | int | str | Sequence[int]) -> tuple[int, ...] |
                 raise ValueError(f"bad position {part!r} in {spec!r}: expected e.g. 'all', '5', '3-7' or '0,2,5-8'")
         return tuple(sorted(out))
     try:
-        return tuple(sorted({int(p) for p in spec}))
+        # operator.index, not int(): a float position (2.7) is a mistake to report, not to truncate.
+        return tuple(sorted({operator.index(p) for p in spec}))
     except (TypeError, ValueError):
         raise TypeError(f"positions must be None, an int, a sequence of ints or a spec like '0,2,5-8'; got {spec!r}")
 

@@ -32,3 +32,16 @@ def test_capture_accessors_name_the_recorded_points_for_a_missing_one():
     for accessor in (cap.calls, cap.positions, cap.__getitem__):
         with pytest.raises(KeyError, match=r"nothing captured at resid_post.2.*\['resid_post.1'\]"):
             accessor("blocks.2.hook_resid_post")
+
+
+def test_positions_accept_numpy_integers_and_refuse_floats_instead_of_truncating():
+    import numpy as np
+
+    from hooks import parse_positions
+
+    assert parse_positions(np.int64(3)) == (3,)  # e.g. a position from np.argmax
+    assert parse_positions([np.int32(4), -1]) == (-1, 4)
+    assert parse_positions(np.array([5, 2])) == (2, 5)
+    for bad in ([1.5], 2.0, torch.tensor([1.0, 2.0])):
+        with pytest.raises(TypeError, match="positions must be"):
+            parse_positions(bad)
