@@ -63,7 +63,8 @@ def rebatch(chunks: Iterable[torch.Tensor], batch_size: int, *, shuffle_buffer: 
         keep = buf.shape[0] // 2 if shuffle_buffer else buf.shape[0] % batch_size
         emit = buf[: buf.shape[0] - keep]
         n_full = emit.shape[0] // batch_size * batch_size
-        yield from emit[:n_full].split(batch_size)
+        if n_full:  # an empty tensor splits into one empty batch, which would train on nothing (nan loss)
+            yield from emit[:n_full].split(batch_size)
         rest = torch.cat([emit[n_full:], buf[buf.shape[0] - keep:]])
         pending, held = [rest], rest.shape[0]
     if held:

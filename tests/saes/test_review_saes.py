@@ -108,3 +108,17 @@ def test_model_activations_leaves_no_hook_on_the_model_between_batches():
     seen = model.model.layers[1]._seen
     torch.testing.assert_close(first, seen[:, 1:].reshape(-1, seen.shape[-1]).float())
     torch.testing.assert_close(next(batches), first)
+
+
+@pytest.mark.parametrize("shuffle_buffer", [0, 5, 17, 100])
+@pytest.mark.parametrize("batch_size", [1, 4, 7, 50])
+def test_rebatch_never_yields_an_empty_batch_and_keeps_every_token_once(shuffle_buffer, batch_size):
+    # A buffer between batch_size and 2 * batch_size used to emit [0, d_model] batches (nan loss in train_sae).
+    from saes.training_data import rebatch
+
+    chunks = [torch.arange(s, s + n, dtype=torch.float32)[:, None] for s, n in [(0, 3), (3, 10), (13, 1), (14, 0),
+                                                                               (14, 30)]]
+    out = list(rebatch(chunks, batch_size, shuffle_buffer=shuffle_buffer))
+    sizes = [b.shape[0] for b in out]
+    assert all(n == batch_size for n in sizes[:-1]) and 0 < sizes[-1] <= batch_size, sizes
+    assert torch.equal(torch.cat(out).flatten().sort().values, torch.arange(44, dtype=torch.float32))
