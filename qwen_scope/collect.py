@@ -249,10 +249,31 @@ def _auto_shard_tokens(points: dict) -> int:
     return min(1 << 18, (1 << 30) // per_token)
 
 
+def _sae_reference(sae, release) -> str:
+    """What ``saes.load`` can load again (``qwen-scope explore`` reads it from the store): a catalogue id, else the
+    release directory. The id ``saes`` derives from a local ``SAE-Res-...`` directory name is not loadable."""
+    from saes import get_release
+
+    rel_id = getattr(getattr(sae, "release", None), "id", None)
+    if rel_id is not None:
+        try:
+            get_release(rel_id)
+            return rel_id
+        except ValueError:
+            pass
+    if release and Path(str(release)).expanduser().exists():
+        return str(Path(str(release)).expanduser().resolve())
+    if release:
+        return str(release)
+    source = getattr(sae, "source", None)
+    if source and Path(source).is_file():
+        return str(Path(source).resolve().parent)
+    return rel_id or source or "custom"
+
+
 def _sae_info(sae, release) -> dict:
     sample = sae.W_enc.detach()[:4, :8].float().cpu().tolist()
-    rel = getattr(getattr(sae, "release", None), "id", None) or (str(release) if release else None) or \
-        getattr(sae, "source", None) or "custom"
+    rel = _sae_reference(sae, release)
     return {"release": rel, "layer": getattr(sae, "layer", None), "k": sae.k, "d_sae": sae.d_sae,
             "dtype": str(sae.W_enc.dtype).removeprefix("torch."),
             "weights_sample": hashlib.sha256(repr(sample).encode()).hexdigest()[:16]}

@@ -33,3 +33,19 @@ def test_load_corpus_reads_an_absolute_glob_and_names_an_empty_one(tmp_path):
     assert load_corpus(str(tmp_path / "*.jsonl"))["text"] == ["first", "second"]
     with pytest.raises(FileNotFoundError, match=r"nothing-\*\.jsonl: the pattern matches no file"):
         load_corpus(str(tmp_path / "nothing-*.jsonl"))
+
+
+@pytest.mark.parametrize("how", ["saes", "release"])
+def test_the_store_records_a_release_that_loads_again(tmp_path, how):
+    # `qwen-scope explore` loads the recorded release when --release is not given; for a local SAE-Res-... directory
+    # the store used to record an id derived from its name, which saes.load() does not know.
+    from saes.loading import load
+    from tests.factories import write_sae_release
+
+    release_dir = write_sae_release(tmp_path / "rel")
+    extra = {"saes": {1: load(release_dir, 1)}} if how == "saes" else {"sae_layers": [1], "release": str(release_dir)}
+    collect(tiny_model("qwen3_5"), ["the cat sat on a mat"] * 4, token_budget=20, context_len=8,
+            out_dir=tmp_path / "store", tokenizer=tiny_tokenizer(), progress=False, **extra)
+    recorded = ActivationStore(tmp_path / "store").point_info("resid_post.1")["sae"]["release"]
+    again = load(recorded, 1)
+    assert torch.equal(again.W_enc, load(release_dir, 1).W_enc)
