@@ -67,9 +67,17 @@ class LayerFeatures:
             return self.dense_codes
         return SparseCodes(self.values, self.indices).to_dense(self.d_sae)
 
-    def stats(self, include_first: bool = False) -> list[FeatureStat]:
-        """Every feature active somewhere in the statistics positions, unsorted."""
-        start = 0 if include_first else self.first
+    def stats(self, include_first: bool | None = None) -> list[FeatureStat]:
+        """Every feature active somewhere in the statistics positions, unsorted.
+
+        Args:
+            include_first: True counts position 0, False leaves it out (unless it is the only token), None
+                (default) follows ``first``.
+        """
+        if include_first is None:
+            start = self.first
+        else:
+            start = 0 if include_first or self.values.shape[0] < 2 else 1
         values, indices = self.values[start:], self.indices[start:]
         n_pos = values.shape[0]
         active = values > 0

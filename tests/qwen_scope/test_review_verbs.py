@@ -59,3 +59,12 @@ def test_missing_layer_past_the_last_block_is_not_told_to_load_it(scope):
         scope.sae(n)
     with pytest.raises(KeyError, match=r"no SAE at layer 0.*load_saes\(release, \[0\]\)"):
         scope.sae(0)
+
+
+def test_top_include_first_false_leaves_position_0_out_even_when_computed_with_skip_first_false(scope):
+    kept = scope.features("abcd", layers=1, skip_first=False)
+    skipped = scope.features("abcd", layers=1, skip_first=True)
+    assert kept.top(1, 50, include_first=False) == skipped.top(1, 50)
+    assert all(s.count <= 3 for s in kept.top(1, 50, include_first=False))
+    assert kept.top(1, 50) == skipped.top(1, 50, include_first=True)
+    assert max(s.count for s in kept.top(1, 50)) == 4
