@@ -314,6 +314,9 @@ def save_sae(sae: TopKSAE, directory: str | Path, layer: int, *, formats: tuple[
     """
     from safetensors.torch import save_file
 
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise ValueError(f"layer must be a non-negative int (the decoder block the SAE reads, named layer{{n}}.sae.*), "
+                         f"got {layer!r}; a negative index cannot be resolved without the model's depth")
     unknown = set(formats) - {"pt", "safetensors"}
     if unknown or not formats:
         raise ValueError(f"formats must be a non-empty subset of ('pt', 'safetensors'), got {formats}")

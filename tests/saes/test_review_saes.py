@@ -122,3 +122,12 @@ def test_rebatch_never_yields_an_empty_batch_and_keeps_every_token_once(shuffle_
     sizes = [b.shape[0] for b in out]
     assert all(n == batch_size for n in sizes[:-1]) and 0 < sizes[-1] <= batch_size, sizes
     assert torch.equal(torch.cat(out).flatten().sort().values, torch.arange(44, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("layer", [-1, 2.0, True])
+def test_save_sae_refuses_a_layer_no_loader_can_find(tmp_path, layer):
+    # layer=-1 used to write layer-1.sae.pt, which load() and SAEBank never find.
+    root = tmp_path / "SAE-Res-MyModel-W0K-L0_8"
+    with pytest.raises(ValueError, match=r"layer must be a non-negative int.*got"):
+        save_sae(_sae(), root, layer)
+    assert not root.exists()
