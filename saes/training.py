@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -314,9 +315,14 @@ def save_sae(sae: TopKSAE, directory: str | Path, layer: int, *, formats: tuple[
     """
     from safetensors.torch import save_file
 
-    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+    try:
+        index = None if isinstance(layer, bool) else operator.index(layer)  # int or numpy integer
+    except TypeError:
+        index = None
+    if index is None or index < 0:
         raise ValueError(f"layer must be a non-negative int (the decoder block the SAE reads, named layer{{n}}.sae.*), "
                          f"got {layer!r}; a negative index cannot be resolved without the model's depth")
+    layer = index
     unknown = set(formats) - {"pt", "safetensors"}
     if unknown or not formats:
         raise ValueError(f"formats must be a non-empty subset of ('pt', 'safetensors'), got {formats}")

@@ -131,3 +131,10 @@ def test_save_sae_refuses_a_layer_no_loader_can_find(tmp_path, layer):
     with pytest.raises(ValueError, match=r"layer must be a non-negative int.*got"):
         save_sae(_sae(), root, layer)
     assert not root.exists()
+
+
+def test_save_sae_accepts_a_numpy_integer_layer(tmp_path):
+    import numpy as np
+
+    paths = save_sae(_sae(), tmp_path / "SAE-Res-MyModel-W0K-L0_8", np.int64(3), formats=("pt",))
+    assert [p.name for p in paths] == ["layer3.sae.pt"]
