@@ -187,7 +187,9 @@ def _index_html(title: str, entries: list[dict], db, plotly_src: str) -> str:
     from qwen_scope.explore.figures import density_figure
 
     fig = density_figure(db).to_html(full_html=False, include_plotlyjs=False, default_height="300px")
-    payload = json.dumps(entries, ensure_ascii=False).replace("</", "<\\/")
+    # Every "<" as \u003c: "</script>" would close the element and "<!--<script>" (an HTML feature's tokens or
+    # a label) would put the HTML parser in the double-escaped state where the closing tag no longer counts.
+    payload = json.dumps(entries, ensure_ascii=False).replace("<", "\\u003c")
     return (f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f'<script src="{plotly_src}"></script><style>{CSS} body{{margin:16px}} th[data-k]{{cursor:pointer}}'
             f"</style></head><body><div class='qs-card'><h2>{html.escape(title)}</h2>"
