@@ -131,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
     t = time.time()
     index = write_dashboard(db, out, scope=scope, sae=sae, layer=layer, features=features,
                             max_features=args.max_features)
-    print(f"dashboard with {len(list((out / 'features').glob('*.html')))} feature pages in {time.time() - t:.1f}s: "
-          f"{index}")
+    # Counted from the selection: features/ may still hold pages of an earlier run into the same OUT.
+    n_pages = len(features) if features is not None else len(db.top_features(args.max_features))
+    print(f"dashboard with {n_pages} feature pages in {time.time() - t:.1f}s: {index}")
     return 0

@@ -51,3 +51,11 @@ def test_rebuild_keeps_the_labels_of_the_same_point(run, tmp_path):
     assert again.label(5) == "digits" and again.notes(5) == "fires on numbers"
     assert torch.equal(again.count, db.count)
 
+
+
+def test_page_count_is_this_runs_selection_not_every_file_in_features(run, tmp_path, capsys):
+    root, dest = _copy(run, tmp_path)
+    assert len(list((dest / "features").glob("*.html"))) == 12
+    assert main(["explore", "--store", str(root / "store"), "--out", str(dest), "--features", "3,4",
+                 "--no-model"]) == 0
+    assert "dashboard with 2 feature pages" in capsys.readouterr().out
