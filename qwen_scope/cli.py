@@ -18,6 +18,8 @@ def _command_modules():
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen-scope", description=__doc__)
     parser.add_argument("--version", action="version", version=f"qwen-scope {__version__}")
+    parser.add_argument("--traceback", action="store_true",
+                        help="show the full Python traceback of an error instead of its one-line message")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _command_modules():
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
@@ -32,7 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "_run"):
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, TypeError, KeyError, FileNotFoundError) as err:
+        # The library's errors already say what, expected, actual and the fix: show that, not a traceback.
+        if args.traceback:
+            raise
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"qwen-scope {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -28,3 +28,16 @@ def test_steer_defaults_to_the_nano_model(capsys):
 def test_model_without_release_is_refused_with_the_fix():
     with pytest.raises(SystemExit, match="needs --release"):
         main(["features", "--model", "Qwen/Qwen3.5-2B", "--layers", "3", "--text", "x"])
+
+
+def test_library_errors_are_one_line_messages_with_exit_status_2(capsys):
+    assert main(["features", "--layers", "99", "--text", "x"]) == 2
+    full = capsys.readouterr().err
+    err = full.strip().splitlines()[-1]
+    assert err.startswith("qwen-scope features: error: ") and "0..5" in err and "got 99" in err
+    assert "Traceback" not in full
+
+
+def test_traceback_flag_reraises():
+    with pytest.raises(ValueError, match="got 99"):
+        main(["--traceback", "features", "--layers", "99", "--text", "x"])
