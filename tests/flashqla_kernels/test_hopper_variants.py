@@ -348,3 +348,27 @@ def test_variant_wiring_equals_reference_with_torch_stages(monkeypatch):
     assert calls == ["prep2", ""]  # float64 inputs: ws16 keeps the input dtype (fp16 only replaces bf16)
     # g, beta and h0 travel as fp32 (the kernels' contract): agreement to fp32 rounding, not 1e-10
     assert ((o - ro).norm() / ro.norm()).item() < 1e-6 and ((ht - rht).norm() / rht.norm()).item() < 1e-6
+
+
+def test_default_launcher_wiring_equals_reference_with_torch_stages(monkeypatch):
+    """The default launcher shares ``forward.launch`` with the variants: with prep / fused swapped for float64 torch
+    stages of the same contracts it equals the reference (dense batch, B = 2, no cu_seqlens)."""
+    from flashqla_kernels.gated_delta_rule.hopper import forward, fused_fwd, plan, prep
+    from flashqla_kernels.gated_delta_rule.reference import chunk_gated_delta_rule_ref
+
+    monkeypatch.setattr(forward, "unsupported_reason", lambda *a, **kw: None)
+    monkeypatch.setattr(plan, "num_sms", lambda device: 132)
+    monkeypatch.setattr(prep, "prep", _torch_prep)
+    monkeypatch.setattr(fused_fwd, "fused_fwd", _torch_fused)
+    gen = torch.Generator().manual_seed(5)
+    B, Tn, Hk, Hv, K, V = 2, 70, 1, 2, 16, 8
+    q, k = (torch.randn(B, Tn, Hk, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, Tn, Hv, V, generator=gen, dtype=torch.float64)
+    g = -torch.rand(B, Tn, Hv, generator=gen, dtype=torch.float64)
+    beta = torch.rand(B, Tn, Hv, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(B, Hv, K, V, generator=gen, dtype=torch.float64)
+    o, ht = forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True, segment_chunks=0)
+    ro, rht = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True)
+    assert ((o - ro).norm() / ro.norm()).item() < 1e-6 and ((ht - rht).norm() / rht.norm()).item() < 1e-6

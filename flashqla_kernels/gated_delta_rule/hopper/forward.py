@@ -90,7 +90,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
     reason = unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens)
     if reason is not None:
         raise ValueError(reason)
-    from flashqla_kernels.gated_delta_rule.hopper import fused_fwd, plan, prep, segment_states, state_scan
+    from flashqla_kernels.gated_delta_rule.hopper import fused_fwd, prep
 
     B, Tn, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
@@ -101,6 +101,22 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
             ht = (initial_state.to(torch.float32).clone() if initial_state is not None
                   else torch.zeros((N, Hv, K, V), dtype=torch.float32, device=q.device))
         return v.new_empty(v.shape), ht
+    return launch(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                  segment_chunks=segment_chunks, prep_fn=prep.prep, fused_fn=fused_fwd.fused_fwd)
+
+
+def launch(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+           segment_chunks, prep_fn, fused_fn, block_v: int | None = None):
+    """The stage wiring shared by the default launcher and the kernel variants (``variants.py``).
+
+    Inputs are checked by the caller and T > 0. ``prep_fn`` / ``fused_fn`` follow the contracts of ``prep.prep`` and
+    ``fused_fwd.fused_fwd``; ``block_v`` forces the V slice per CTA (K <= 128 only).
+    """
+    from flashqla_kernels.gated_delta_rule.hopper import plan, segment_states, state_scan
+
+    B, Tn, Hk, K = k.shape
+    Hv, V = v.shape[2], v.shape[3]
     scale = K ** -0.5 if scale is None else float(scale)
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
@@ -114,8 +130,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
 
     bDV = block_dv(N, Hv, K, V, q.device)
+    if block_v and K <= 128:
+        bDV = min(V, block_v)
     pl = plan.make_plan(cu, Hv, V // bDV, h0 is not None, q.device, segment_chunks)
-    gamma, a0 = prep.prep(k3, g3, b3, pl.chunks, Hv)
+    gamma, a0 = prep_fn(k3, g3, b3, pl.chunks, Hv)
     if pl.segment_chunks:
         hs, ms = segment_states.segment_states(k3, v3, a0, gamma, b3, pl, bDV=bDV)
         h_init = state_scan.state_scan(h0, hs, ms, pl.seqs, pl.segs.shape[0])
@@ -123,5 +141,5 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
         h_init = h0 if h0 is not None else torch.zeros((1, Hv, K, V), dtype=torch.float32, device=q.device)
     o = _empty((B * Tn, Hv, V), q.dtype, q.device)
     ht = _empty((N, Hv, K, V), torch.float32, q.device) if output_final_state else None
-    fused_fwd.fused_fwd(q3, k3, v3, a0, gamma, b3, h_init, pl.segs, o, ht, scale=scale, bDV=bDV)
+    fused_fn(q3, k3, v3, a0, gamma, b3, h_init, pl.segs, o, ht, scale=scale, bDV=bDV)
     return o.view(B, Tn, Hv, V), ht

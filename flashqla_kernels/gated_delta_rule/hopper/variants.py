@@ -82,7 +82,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
     kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
                   segment_chunks=segment_chunks)
-    B, Tn = k.shape[0], k.shape[1]
+    Tn = k.shape[1]
     if var.is_default or Tn == 0:
         return forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kwargs)
     reason = forward.unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens)
@@ -91,40 +91,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
     return _run(var, q, k, v, g, beta, **kwargs)
 
 
-def _run(var: Variant, q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-         cu_seqlens, segment_chunks):
-    # the wiring of forward.chunk_gated_delta_rule_fwd with the stage functions swapped (kept in step by the GPU
-    # tests: every variant must equal the float64 reference on the same suite)
-    from flashqla_kernels.gated_delta_rule.hopper import plan, segment_states, state_scan
-
-    B, Tn, Hk, K = k.shape
-    Hv, V = v.shape[2], v.shape[3]
-    scale = K ** -0.5 if scale is None else float(scale)
-    if use_qk_l2norm_in_kernel:
-        q, k = forward._l2norm(q), forward._l2norm(k)
-    cu = list(range(0, B * Tn + 1, Tn)) if cu_seqlens is None else plan.host_offsets(cu_seqlens)
-    N = len(cu) - 1
-    q3 = q.reshape(B * Tn, Hk, K).contiguous()
-    k3 = k.reshape(B * Tn, Hk, K).contiguous()
-    v3 = v.reshape(B * Tn, Hv, V).contiguous()
-    g3 = g.reshape(B * Tn, Hv).to(torch.float32).contiguous()
-    b3 = beta.reshape(B * Tn, Hv).to(torch.float32).contiguous()
-    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-
-    bDV = forward.block_dv(N, Hv, K, V, q.device)
-    if var.block_v and K <= 128:
-        bDV = min(V, var.block_v)
-    pl = plan.make_plan(cu, Hv, V // bDV, h0 is not None, q.device, segment_chunks)
-    gamma, a0 = prep_fn(var)(k3, g3, b3, pl.chunks, Hv)
-    if pl.segment_chunks:
-        hs, ms = segment_states.segment_states(k3, v3, a0, gamma, b3, pl, bDV=bDV)
-        h_init = state_scan.state_scan(h0, hs, ms, pl.seqs, pl.segs.shape[0])
-    else:
-        h_init = h0 if h0 is not None else torch.zeros((1, Hv, K, V), dtype=torch.float32, device=q.device)
-    o = forward._empty((B * Tn, Hv, V), q.dtype, q.device)
-    ht = forward._empty((N, Hv, K, V), torch.float32, q.device) if output_final_state else None
-    fused_fn(var, q.dtype)(q3, k3, v3, a0, gamma, b3, h_init, pl.segs, o, ht, scale=scale, bDV=bDV)
-    return o.view(B, Tn, Hv, V), ht
+def _run(var: Variant, q, k, v, g, beta, **kwargs):
+    # forward's wiring with the stage functions swapped (every variant must equal the float64 reference on the GPU suite)
+    return forward.launch(q, k, v, g, beta, **kwargs, prep_fn=prep_fn(var), fused_fn=fused_fn(var, q.dtype),
+                          block_v=var.block_v)
 
 
 def prep_fn(var: Variant):
