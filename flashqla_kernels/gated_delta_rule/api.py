@@ -74,6 +74,11 @@ def _decide(op: str, backend: str | None, q, k, v, g, beta, initial_state, cu_se
                              "Pass backend=None to fall back to the torch path automatically.")
         return Decision("torch", (f"tilelang: not used: {reason}", "torch: runs everything the op supports"))
     if _needs_grad(q, k, v, g, beta, initial_state):
+        if backend == "tilelang":
+            raise ValueError(f"backend='tilelang' cannot run {op}_gated_delta_rule on these inputs: an input requires "
+                             "grad and the TileLang kernels are forward-only (no backward kernel yet). Run under "
+                             "torch.no_grad() / detach the inputs, or pass backend=None for the differentiable torch "
+                             "path.")
         return Decision("torch", ("tilelang: not used: an input requires grad and there is no backward kernel yet",
                                   "torch: differentiable fallback"), grad_fallback=True)
     return Decision("tilelang", ("tilelang: all verifiers passed",))

@@ -17,11 +17,13 @@ Example:
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from qwen_scope.explore._buffer import KeyedTopK
@@ -32,6 +34,7 @@ HIST_EDGES = torch.logspace(-4, 5, 9 * 16 + 1, dtype=torch.float64)
 N_HIST = HIST_EDGES.numel() + 1
 
 FORMAT_VERSION = 1
+_INFO_KEY = "qwen_scope_feature_database"  # safetensors metadata key holding the database description
 
 
 @dataclass(frozen=True)
@@ -297,23 +300,32 @@ class FeatureDatabase:
 
     def _write_labels(self, path: Path) -> None:
         data = {str(f): e for f, e in sorted(self.labels.items())}
-        tmp = path / "labels.json.tmp"
+        tmp = path / f".labels.json.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False))
         tmp.replace(path / "labels.json")
 
     # ------------------------------------------------------------------ I/O
     def save(self, path: str | Path) -> Path:
-        """Write the database (and its labels) to directory ``path``; returns it. Later labels go there too."""
+        """Write the database (and its labels) to directory ``path``; returns it. Later labels go there too.
+
+        Atomic: the tensors and their description go into one safetensors file (the description also in its
+        metadata) written under a temporary name and renamed, so an interrupted save leaves the previous database
+        whole; ``database.json`` is the same description for people and tools, renamed into place after it.
+        """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         tensors = {"count": self.count, "act_sum": self.act_sum, "act_max": self.act_max, "hist": self.hist,
                    "tracked": self.tracked, "cooc": self.cooc, **self.top.state("top"),
                    **self.samples.state("samples")}
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "database.safetensors"))
-        config = asdict(self.config)
-        info = {"format_version": FORMAT_VERSION, "config": config, "n_tokens_seen": self.n_tokens_seen,
+        info = {"format_version": FORMAT_VERSION, "config": asdict(self.config), "n_tokens_seen": self.n_tokens_seen,
                 "n_tokens": self.n_tokens, "meta": self.meta}
-        (path / "database.json").write_text(json.dumps(info, indent=1))
+        text = json.dumps(info, indent=1)
+        for name, write in (("database.safetensors", lambda f: save_file(
+                                {k: v.contiguous() for k, v in tensors.items()}, str(f), metadata={_INFO_KEY: text})),
+                            ("database.json", lambda f: f.write_text(text))):
+            tmp = path / f".{name}.tmp-{os.getpid()}"
+            write(tmp)
+            tmp.replace(path / name)
         self.path = path
         self._write_labels(path)
         return path
@@ -322,19 +334,26 @@ class FeatureDatabase:
     def load(cls, path: str | Path) -> FeatureDatabase:
         """Read a database written by :meth:`save` (labels included)."""
         path = Path(path)
-        info_file = path / "database.json"
-        if not info_file.is_file():
-            raise FileNotFoundError(f"{info_file} not found: expected a feature database directory written by "
+        tensor_file, info_file = path / "database.safetensors", path / "database.json"
+        if not tensor_file.is_file():
+            raise FileNotFoundError(f"{tensor_file} not found: expected a feature database directory written by "
                                     f"FeatureDatabase.save() or `qwen-scope explore`")
-        info = json.loads(info_file.read_text())
+        with safe_open(str(tensor_file), "pt") as f:
+            text = (f.metadata() or {}).get(_INFO_KEY)
+        if text is None:  # written before the description moved into the tensor file
+            if not info_file.is_file():
+                raise FileNotFoundError(f"{info_file} not found next to {tensor_file.name}: the database directory "
+                                        "is incomplete; rebuild it with `qwen-scope explore`")
+            text = info_file.read_text()
+        info = json.loads(text)
         if info.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{info_file} has format_version {info.get('format_version')}, this qwen-scope reads "
+            raise ValueError(f"{tensor_file} has format_version {info.get('format_version')}, this qwen-scope reads "
                              f"{FORMAT_VERSION}; rebuild the database")
         cfg = dict(info["config"])
         cfg["context"] = tuple(cfg["context"])
         if isinstance(cfg["cooccurrence"], list):
             cfg["cooccurrence"] = tuple(cfg["cooccurrence"])
-        t = load_file(str(path / "database.safetensors"))
+        t = load_file(str(tensor_file))
         labels_file = path / "labels.json"
         labels = {int(k): v for k, v in json.loads(labels_file.read_text()).items()} if labels_file.is_file() else {}
         return cls(config=DatabaseConfig(**cfg), n_tokens_seen=info["n_tokens_seen"], n_tokens=info["n_tokens"],

@@ -189,6 +189,13 @@ def test_dispatch_uses_kernels_when_verifiers_pass_and_warns_once_on_grad(monkey
     with torch.no_grad():
         chunk_gated_delta_rule(qg, k, v, g, beta)
     assert len(calls) == 2
+    # forced backend: the kernels or one error, never a silent fallback
+    with pytest.raises(ValueError, match="requires grad.*forward-only"):
+        chunk_gated_delta_rule(qg, k, v, g, beta, backend="tilelang")
+    assert explain_backend(qg, k, v, g, beta, backend="tilelang").startswith("error: backend='tilelang'")
+    with torch.no_grad():
+        chunk_gated_delta_rule(qg, k, v, g, beta, backend="tilelang")
+    assert len(calls) == 3
 
 
 def test_missing_or_broken_hopper_module_is_a_reason_not_a_crash(monkeypatch):

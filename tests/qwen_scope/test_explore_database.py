@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,6 +182,29 @@ def test_save_load_round_trip_with_labels(db, tmp_path):
     db.path = None
 
 
+def test_save_is_atomic_and_describes_itself_in_the_tensor_file(db, tmp_path, monkeypatch):
+    import qwen_scope.explore.database as database
+
+    target = tmp_path / "db"
+    db.save(target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    (target / "database.json").unlink()  # the tensor file alone is enough
+    assert FeatureDatabase.load(target).n_tokens == db.n_tokens
+
+    def crash(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half a file")  # the kill lands mid-write
+        raise KeyboardInterrupt("killed mid-save")
+
+    db.save(target)
+    monkeypatch.setattr(database, "save_file", crash)
+    with pytest.raises(KeyboardInterrupt):
+        db.save(target)
+    after = {p.name: p.read_bytes() for p in target.iterdir() if not p.name.startswith(".")}
+    assert after == before  # the interrupted save left the previous database whole
+    assert FeatureDatabase.load(target).top_examples(9) == db.top_examples(9)
+    db.path = None
+
+
 def test_errors_name_the_problem(data, tmp_path):
     tokens, docs, positions, values, indices = data
     with pytest.raises(ValueError, match="d_sae=8"):
@@ -189,7 +213,7 @@ def test_errors_name_the_problem(data, tmp_path):
         build_feature_database([Chunk(tokens[:5], docs[:5], positions[:5], (values[:5], indices[:5]), 3)], D_SAE)
     with pytest.raises(ValueError, match="shapes disagree"):
         build_feature_database([Chunk(tokens[:5], docs[:4], positions[:5], (values[:5], indices[:5]))], D_SAE)
-    with pytest.raises(FileNotFoundError, match="database.json"):
+    with pytest.raises(FileNotFoundError, match="database.safetensors not found"):
         FeatureDatabase.load(tmp_path)
 
 

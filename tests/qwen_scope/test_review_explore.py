@@ -1,7 +1,6 @@
 """Review findings in ``qwen-scope explore``: a database in OUT mined elsewhere is not reused; --rebuild keeps labels."""
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -22,20 +21,18 @@ def _copy(run, tmp_path):
 
 def test_explore_refuses_a_database_mined_at_another_point(run, tmp_path):
     root, dest = _copy(run, tmp_path)
-    info_path = dest / "database" / "database.json"
-    info = json.loads(info_path.read_text())
-    info["meta"]["point"] = "resid_post.0"
-    info_path.write_text(json.dumps(info))
+    db = FeatureDatabase.load(dest / "database")
+    db.meta["point"] = "resid_post.0"
+    db.save(dest / "database")
     with pytest.raises(SystemExit, match=r"mined with point='resid_post.0'.*resid_post.2.*--rebuild"):
         main(["explore", "--store", str(root / "store"), "--out", str(dest), "--features", "1", "--no-model"])
 
 
 def test_explore_refuses_a_database_of_another_store(run, tmp_path):
     root, dest = _copy(run, tmp_path)
-    info_path = dest / "database" / "database.json"
-    info = json.loads(info_path.read_text())
-    info["meta"]["store_config_hash"] = "0123456789abcdef"
-    info_path.write_text(json.dumps(info))
+    db = FeatureDatabase.load(dest / "database")
+    db.meta["store_config_hash"] = "0123456789abcdef"
+    db.save(dest / "database")
     with pytest.raises(SystemExit, match="store_config_hash='0123456789abcdef'"):
         main(["explore", "--store", str(root / "store"), "--out", str(dest), "--features", "1", "--no-model"])
 
