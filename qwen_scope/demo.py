@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from qwen_scope.explore.views import vocab_limit
+
 __all__ = ["DemoConfig", "DemoResult", "run_demo", "logit_lens"]
 
 SAMPLE_TEXT = ('def read_config(path):\n    """Return the settings stored in the file at path."""\n'
@@ -87,7 +89,7 @@ def logit_lens(scope, layer: int, feature: int, n: int = 8) -> tuple[list[str], 
     """
     adapter = scope.adapter
     direction = scope.sae(layer).decoder_directions(feature).to(scope.device, scope.dtype)     # [1, d_model]
-    logits = adapter.unembed(adapter.final_norm(direction))[0].float()
+    logits = adapter.unembed(adapter.final_norm(direction))[0, :vocab_limit(scope)].float()
     return _readable(scope, logits.topk(8 * n).indices, n), _readable(scope, (-logits).topk(8 * n).indices, n)
 
 
@@ -136,7 +138,6 @@ def run_demo(config: DemoConfig = DemoConfig(), *, echo: Callable[[str], None] =
     """
     from qwen_scope.collect import collect
     from qwen_scope.explore import build_feature_database, store_chunks
-    from qwen_scope.steering import add
     from qwen_scope.store import ActivationStore
 
     out = Path(config.out_dir)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qwen_scope.explore.database import Cooccurrence, Example, FeatureDatabase, QuantileBin
-from qwen_scope.explore.views import FeatureView, feature_views, make_decoder
+from qwen_scope.explore.views import FeatureView, feature_views, make_decoder, vocab_limit
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,8 @@ def feature_card(db: FeatureDatabase, feature: int, *, scope=None, model=None, s
     if view is None:
         model, sae = _weights(db, scope, model, sae)
         if sae is not None:
-            view = feature_views(model, sae, [feature])[feature]
+            vocab = vocab_limit(scope) if scope is not None else None
+            view = feature_views(model, sae, [feature], vocab=vocab)[feature]
 
     def decoded(examples) -> tuple[DecodedExample, ...]:
         return tuple(DecodedExample(e, tuple(decode(e.tokens))) for e in examples)

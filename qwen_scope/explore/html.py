@@ -19,7 +19,7 @@ from pathlib import Path
 from qwen_scope.explore.card import DecodedExample, FeatureCard, feature_card
 from qwen_scope.explore.database import Example
 from qwen_scope.explore.export import write_feature_json
-from qwen_scope.explore.views import feature_views, make_decoder
+from qwen_scope.explore.views import feature_views, make_decoder, vocab_limit
 
 CSS = """
 .qs-card{font-family:system-ui,sans-serif;font-size:14px;max-width:1100px;color:#222}
@@ -238,7 +238,8 @@ def write_dashboard(db, out: str | Path, *, scope=None, layer: int | None = None
             sae = scope.sae(int(layer))
     decode = make_decoder(decode if decode is not None else scope)
     chosen = list(features) if features is not None else db.top_features(max_features)
-    views = feature_views(model, sae, chosen) if sae is not None else {}
+    vocab = vocab_limit(scope) if scope is not None else None
+    views = feature_views(model, sae, chosen, vocab=vocab) if sae is not None else {}
     plotly_js = assets / "plotly.min.js"
     if not plotly_js.exists():
         plotly_js.write_text(plotly.offline.get_plotlyjs(), encoding="utf-8")

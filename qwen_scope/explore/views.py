@@ -104,8 +104,20 @@ def _decoder(sae) -> torch.Tensor:
     return w.detach()
 
 
+def vocab_limit(model, vocab: int | None = None) -> int | None:
+    """How many unembedding rows are real tokens: ``vocab`` if given, else the size of ``model.tokenizer`` when
+    ``model`` carries one (a ``Scope``), else None (all rows)."""
+    if vocab is not None:
+        if int(vocab) < 1:
+            raise ValueError(f"vocab must be a positive number of token ids, got {vocab}")
+        return int(vocab)
+    tokenizer = getattr(model, "tokenizer", None)
+    return len(tokenizer) if tokenizer is not None else None
+
+
 @torch.no_grad()
-def logit_lens(model, directions: torch.Tensor, *, top: int = 10, bins: int = 50) -> list[LogitLens]:
+def logit_lens(model, directions: torch.Tensor, *, top: int = 10, bins: int = 50,
+               vocab: int | None = None) -> list[LogitLens]:
     """Logit lens of directions through ``model``'s final norm and unembedding.
 
     Args:
@@ -113,6 +125,8 @@ def logit_lens(model, directions: torch.Tensor, *, top: int = 10, bins: int = 50
         directions: ``[n, d_model]`` residual-stream directions (e.g. decoder columns).
         top: tokens listed at each end.
         bins: bins of the histogram over the vocabulary.
+        vocab: rank only token ids below this (the tokenizer's size: Qwen's unembedding is padded past it with
+            ids no text can produce). Default: ``len(model.tokenizer)`` for a ``Scope``, else every row.
     Returns:
         one :class:`LogitLens` per direction.
     Raises:
@@ -125,10 +139,11 @@ def logit_lens(model, directions: torch.Tensor, *, top: int = 10, bins: int = 50
     if directions.ndim != 2 or directions.shape[1] != adapter.d_model:
         raise ValueError(f"directions must be [n, d_model={adapter.d_model}], got {tuple(directions.shape)}")
     param = next(adapter.unembed.parameters())
+    limit = vocab_limit(model, vocab)
     out = []
     for block in directions.split(64):
         h = adapter.final_norm(block.to(param.device, param.dtype)[:, None, :])
-        logits = adapter.unembed(h)[:, 0, :].float().cpu()  # [n, vocab]
+        logits = adapter.unembed(h)[:, 0, :limit].float().cpu()  # [n, vocab]
         n = min(top, logits.shape[1])
         hi, lo = logits.topk(n, dim=1), logits.topk(n, dim=1, largest=False)
         for i in range(logits.shape[0]):
@@ -168,8 +183,8 @@ def decoder_norms(sae) -> torch.Tensor:
     return _decoder(sae).float().norm(dim=0).cpu()
 
 
-def feature_views(model, sae, features: Iterable[int], *, top: int = 10,
-                  n_neighbors: int = 10) -> dict[int, FeatureView]:
+def feature_views(model, sae, features: Iterable[int], *, top: int = 10, n_neighbors: int = 10,
+                  vocab: int | None = None) -> dict[int, FeatureView]:
     """Decoder norm, logit lens and nearest features of ``features``.
 
     Args:
@@ -178,6 +193,7 @@ def feature_views(model, sae, features: Iterable[int], *, top: int = 10,
         features: feature ids.
         top: logit-lens tokens at each end.
         n_neighbors: nearest features listed.
+        vocab: token ids the logit lens ranks (see :func:`logit_lens`).
     Returns:
         ``{feature: FeatureView}``.
 
@@ -189,8 +205,8 @@ def feature_views(model, sae, features: Iterable[int], *, top: int = 10,
         return {}
     w = _decoder(sae)
     norms = decoder_norms(w)
-    lens = (logit_lens(model, w[:, torch.tensor(features, device=w.device)].T, top=top) if model is not None
-            else [None] * len(features))
+    columns = w[:, torch.tensor(features, device=w.device)].T
+    lens = logit_lens(model, columns, top=top, vocab=vocab) if model is not None else [None] * len(features)
     near = nearest_features(w, features, n=n_neighbors)
     return {f: FeatureView(f, float(norms[f]), lens[i], tuple(near[i][0]), tuple(near[i][1]))
             for i, f in enumerate(features)}

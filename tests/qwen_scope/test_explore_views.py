@@ -36,6 +36,32 @@ def test_logit_lens_equals_manual_computation(family):
         assert sum(lens.hist_counts) == row.numel() and len(lens.hist_edges) == len(lens.hist_counts) + 1
 
 
+def test_logit_lens_ranks_only_real_token_ids():
+    """The unembedding is padded past the tokenizer (Qwen: 151936 rows for 151669 tokens); those ids are never
+    listed: ``vocab=`` limits the ranking, a Scope limits it to its tokenizer by itself."""
+    from qwen_scope.explore.views import vocab_limit
+
+    model = tiny_model("qwen3_5")
+    vocab = model.config.vocab_size
+    d = torch.randn(4, model.config.hidden_size)
+    full = manual_logits(model, "qwen3_5", d)
+    for lens, row in zip(logit_lens(model, d, top=5, vocab=vocab - 7), full):
+        assert max(lens.top_ids + lens.bottom_ids) < vocab - 7
+        assert list(lens.top_ids) == row[:vocab - 7].topk(5).indices.tolist()
+        assert sum(lens.hist_counts) == vocab - 7
+
+    class Tok:
+        def __len__(self):
+            return vocab - 3
+
+    class FakeScope:
+        tokenizer = Tok()
+
+    assert vocab_limit(FakeScope()) == vocab - 3 and vocab_limit(model) is None and vocab_limit(model, 9) == 9
+    with pytest.raises(ValueError, match="positive"):
+        vocab_limit(model, 0)
+
+
 def test_feature_views_use_decoder_columns():
     model = tiny_model("qwen3_5")
     sae = TopKSAE.from_release_state(random_sae_state(d_sae=128, seed=3), k=8)

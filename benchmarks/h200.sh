@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One call on the H200 device machine: set up, then run the named phases in order, each under its own time limit,
+# logs and results under $OUT. A phase that fails or times out is logged and the next one still runs.
+#
+#   device tool: command "bash benchmarks/h200.sh gdn-tests gdn-bench", carry [".gpudeps", ".whl", ".tlc_dev"]
+#
+# Carried, all git-ignored: .gpudeps/site.tar.xz (tilelang, FLA, FlashQLA: ../shared/gpu/pack-deps .gpudeps), .whl/
+# (pytest and its needs for CPython 3.12: /work/.library/device/README.md), .tlc_dev/cache.tar.xz (TileLang's disk
+# cache filled on a CPU box by `benchmarks/precompile_h200.sh`; the kernels then load instead of compiling, 10-15 s
+# each). Phases:
+#   gdn-tests    the Gated DeltaNet GPU suite: default launcher, then each kernel variant in its own pytest process
+#   gdn-bench    benchmarks/gdn_forward.py, every variant, stages timed alone too
+#   encode       benchmarks/topk_encode.py (fused TopK SAE encode vs torch)
+#   collect      benchmarks/collect_throughput.py (bare forward / capture / SAE codes; ours vs FLA vs torch GDN)
+#   layer-tests  benchmarks/gdn_layer.py --gpu-tests (the fused GDN layer against transformers' layer)
+#   layer        benchmarks/gdn_layer.py, every arm (ours, qla_op, fla, torch, compile, ours+compile)
+set -o pipefail
+export PYTHONUNBUFFERED=1 FLA_FLASH_QLA=0 TILELANG_CACHE_DIR=/tmp/tlcache PYTHONPATH=/tmp/site:/tmp/pyt:$PWD
+OUT=${OUT:-/tmp/h200-out}
+mkdir -p "$OUT" /tmp/site /tmp/pyt /tmp/tlcache
+t0=$(date +%s)
+[ -d /tmp/site/tilelang ] || tar xJf .gpudeps/site.tar.xz -C /tmp/site || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/pyt .whl/*.whl \
+    || exit 1
+[ -f .tlc_dev/cache.tar.xz ] && tar xJf .tlc_dev/cache.tar.xz -C /tmp/tlcache
+{ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv
+  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+} > "$OUT/machine.txt" 2>&1
+echo "setup $(( $(date +%s) - t0 )) s; cached kernels: $(find /tmp/tlcache -name executable.so | wc -l)" | tee "$OUT/phases.log"
+
+phase() {  # phase NAME SECONDS COMMAND...: run with a limit, tee to $OUT/NAME.log, record status and time
+    local name=$1 limit=$2 s=$(date +%s); shift 2
+    timeout "$limit" bash -c "$*" 2>&1 | grep --line-buffered -v ' \[TileLang:.*INFO' | tee "$OUT/$name.log"
+    echo "$name: exit ${PIPESTATUS[0]} in $(( $(date +%s) - s )) s" | tee -a "$OUT/phases.log"
+}
+
+gdn_tests() {
+    python3 benchmarks/gdn_forward.py --variants all --precompile 14 --precompile-only
+    python3 -m pytest -q --timeout 300 -p no:cacheprovider tests/flashqla_kernels/test_hopper_gpu.py \
+        tests/flashqla_kernels/test_dispatch_gpu.py
+    for v in ws ws16 prep2 ws+prep2 ws16+prep2 ws16+prep2+bv128; do
+        echo "== variant $v"
+        FLASHQLA_TEST_VARIANTS=$v timeout 200 python3 -m pytest -q --timeout 150 --timeout-method thread \
+            -p no:cacheprovider -m gpu tests/flashqla_kernels/test_hopper_variants.py 2>&1 | tail -15
+    done
+}
+
+export -f gdn_tests
+for p in "$@"; do
+    case $p in
+        gdn-tests) phase gdn-tests 330 gdn_tests ;;
+        gdn-bench) phase gdn-bench 420 python3 benchmarks/gdn_forward.py --variants all --stages --precompile 14 \
+                       --out "$OUT" ;;
+        encode) phase encode 240 python3 benchmarks/topk_encode.py --precompile 14 --out "$OUT" ;;
+        collect) phase collect 300 python3 benchmarks/collect_throughput.py --out "$OUT" --steps 3 --budget-s 240 ;;
+        layer-tests) phase layer-tests 200 python3 benchmarks/gdn_layer.py --gpu-tests --out "$OUT" ;;
+        layer) phase layer 400 python3 benchmarks/gdn_layer.py --out "$OUT" ;;
+        *) echo "unknown phase $p" | tee -a "$OUT/phases.log" ;;
+    esac
+done
+echo "total $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.log"

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Compile, on a CPU box with nvcc, every TileLang kernel that benchmarks/h200.sh runs on the H200, and pack TileLang's
+# disk cache as .tlc_dev/cache.tar.xz (a few MB) for the device call to carry: there the kernels load in well under a
+# second instead of JIT-compiling for 10-15 s each, and device minutes go to measuring.
+#
+#   bash benchmarks/precompile_h200.sh [JOBS]      (from the repo root, with .venv and .gpudeps/site.tar.xz present)
+#
+# The cache only hits on the device if the CUDA sources and nvcc options are byte-identical there. TileLang passes
+# its include directories as absolute paths, so the compile must see tilelang at the device's path, /tmp/site/tilelang
+# (the .gpudeps copy: its libraries are the ones in .venv, byte for byte). Only tilelang is unpacked there; tvm_ffi
+# and the rest come from .venv (the .gpudeps builds are for CPython 3.12).
+set -euo pipefail
+jobs=${1:-2}
+site=/tmp/site
+if [ ! -d "$site/tilelang" ]; then
+    mkdir -p "$site"
+    tar xJf .gpudeps/site.tar.xz -C "$site" ./tilelang ./tilelang-0.1.15.dist-info
+fi
+export TILELANG_CACHE_DIR=$PWD/.tlc_dev/cache PYTHONPATH=$site:$PWD
+py=.venv/bin/python
+quiet() { grep -v ' \[TileLang:.*INFO' || true; }
+$py benchmarks/gdn_forward.py --variants all --precompile "$jobs" --precompile-only --sms 132 2>&1 | quiet
+$py benchmarks/topk_encode.py --precompile "$jobs" --precompile-only 2>&1 | quiet
+$py benchmarks/collect_throughput.py --precompile 2>&1 | quiet
+$py benchmarks/gdn_layer.py --precompile --jobs "$jobs" 2>&1 | quiet
+tar cf - -C "$TILELANG_CACHE_DIR" . | xz -T0 -6 > .tlc_dev/cache.tar.xz
+echo "packed $(find "$TILELANG_CACHE_DIR" -name executable.so | wc -l) kernels: $(du -h .tlc_dev/cache.tar.xz | cut -f1)"
