@@ -150,10 +150,25 @@ def parse_repo_id(repo_id: str) -> Release:
         n_layers=known[0].n_layers if known else None, registered=False)
 
 
+_ID_RE = re.compile(r"^qwen-scope-(?P<short>[\w.-]+?)-w(?P<width>\d+)k-l(?P<k>\d+)$")
+
+
+def _release_from_derived_id(key: str) -> Release | None:
+    """The release behind an id that ``parse_repo_id`` derived for an unregistered set (``qwen-scope-3.5-nano-base-
+    w1k-l16`` -> ``Qwen/SAE-Res-Qwen3.5-Nano-Base-W1K-L0_16``; hub names are case-insensitive). None for a registered
+    model's name: a width or k the table lacks there is a typo, answered with the closest ids."""
+    m = _ID_RE.match(key)
+    if m is None or any(r.model_id.lower() == f"qwen/qwen{m['short']}" for r in _table()):
+        return None
+    words = [w.upper() if re.fullmatch(r"a?\d+(\.\d+)?b", w) else w.capitalize() for w in m["short"].split("-")]
+    return parse_repo_id(f"Qwen/SAE-Res-Qwen{'-'.join(words)}-W{m['width']}K-L0_{m['k']}")
+
+
 def get_release(id_or_repo: str) -> Release:
     """Look up a set by sae-lens release id or HF repo id (with or without ``Qwen/``), case-insensitively.
 
-    Unregistered names of the ``SAE-Res-...-W<N>K-L0_<k>`` pattern are parsed (``registered=False``).
+    Unregistered names of the ``SAE-Res-...-W<N>K-L0_<k>`` pattern are parsed (``registered=False``), and so are the
+    ids derived from them (``Release.id`` of such a set) when the model is not one of the registered ones.
 
     Raises:
         ValueError: unknown id, with the closest known ids.
@@ -168,6 +183,9 @@ def get_release(id_or_repo: str) -> Release:
         return parse_repo_id(id_or_repo)
     except ValueError:
         pass
+    derived = _release_from_derived_id(key)
+    if derived is not None:
+        return derived
     names = [r.id for r in _table()] + [r.repo_id for r in _table()]
     close = difflib.get_close_matches(id_or_repo, names, n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(close)}?" if close else ""

@@ -80,6 +80,14 @@ def test_unregistered_repo_ids_are_parsed_with_k_from_the_name():
     assert parse_repo_id("Qwen/SAE-Res-Qwen3.5-27B-W80K-L0_100").trained_on == "instruct"
 
 
+@pytest.mark.parametrize("repo", ["Qwen/SAE-Res-Qwen3.5-Nano-Base-W1K-L0_16", "Qwen/SAE-Res-Qwen4-35B-A3B-W64K-L0_50",
+                                  "Qwen/SAE-Res-Qwen3.5-0.8B-Base-W16K-L0_50"])
+def test_ids_derived_for_unregistered_sets_resolve_back(repo):
+    r = parse_repo_id(repo)
+    back = get_release(r.id)
+    assert back == r and back.repo_id == repo and not back.registered
+
+
 def test_unknown_ids_and_layers_raise_helpful_errors():
     with pytest.raises(ValueError, match="Did you mean qwen-scope-3.5-2b-base-w32k-l100"):
         get_release("qwen-scope-3.5-2b-base-w32k-l10")
