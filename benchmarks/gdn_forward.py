@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata as md
-import itertools
 import json
 import math
 import os
@@ -350,27 +349,30 @@ def main():
         if not res["ok"]:
             dropped[name] = res["reason"]
     active = [v for v in names if v not in dropped]
-    rows = run_suite(idx, active, args.skip_torch, args.stages)
     flops_ceiling, bytes_ceiling = ceilings()
-    for row in rows:
-        row["bytes_floor_ms"], row["flop_floor_ms"] = floor_ms(row["Hk"], row["Hv"], row["seqlen"], row["nseq"],
-                                                               flops_ceiling, bytes_ceiling)
-    result = {
-        "gpu": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
-        "versions": versions(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit(), "bf16_matmul_tflops": flops_ceiling / 1e12, "copy_tbps": bytes_ceiling / 1e12,
-        "method": "packed B=1 + cu_seqlens, triton.testing.do_bench median, torch.no_grad, high-level call",
-        "geomean_speedup_vs_fla": geomean([r["speedup_vs_fla"] for r in rows]),
-        "geomean_ratio_vs_flashqla": geomean([r["ratio_vs_flashqla"] for r in rows]),
-        "variants": active, "dropped_variants": dropped,
-        "rows": rows,
-    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gdn_forward.json").write_text(json.dumps(result, indent=1))
-    table = markdown(result)
-    (out / "gdn_forward.md").write_text(table)
-    print(table)
+
+    def save(rows):  # after every row: a run cut short by its time limit keeps the rows it finished
+        for row in rows:
+            row["bytes_floor_ms"], row["flop_floor_ms"] = floor_ms(row["Hk"], row["Hv"], row["seqlen"], row["nseq"],
+                                                                   flops_ceiling, bytes_ceiling)
+        result = {
+            "gpu": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+            "versions": versions(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": commit(), "bf16_matmul_tflops": flops_ceiling / 1e12, "copy_tbps": bytes_ceiling / 1e12,
+            "method": "packed B=1 + cu_seqlens, triton.testing.do_bench median, torch.no_grad, high-level call",
+            "geomean_speedup_vs_fla": geomean([r["speedup_vs_fla"] for r in rows]),
+            "geomean_ratio_vs_flashqla": geomean([r["ratio_vs_flashqla"] for r in rows]),
+            "variants": active, "dropped_variants": dropped, "configs_planned": len(idx),
+            "rows": rows,
+        }
+        (out / "gdn_forward.json").write_text(json.dumps(result, indent=1))
+        (out / "gdn_forward.md").write_text(markdown(result))
+        return result
+
+    result = save(run_suite(idx, active, args.skip_torch, args.stages, on_row=save))
+    print(markdown(result))
 
 
 def stage_ms(variant, q, k, v, g, beta, h0, cu):
@@ -408,20 +410,29 @@ def stage_ms(variant, q, k, v, g, beta, h0, cu):
     return out
 
 
-def run_suite(idx, active, skip_torch, stages=False):
-    """Check every active variant against the float64 reference, then time them, FLA, FlashQLA and torch."""
+def run_suite(idx, active, skip_torch, stages=False, on_row=None):
+    """Check every active variant against the float64 reference, then time them, FLA, FlashQLA and torch;
+    ``on_row(rows)`` after each config."""
     import triton
 
     rows = []
     with torch.no_grad():
         for i in idx:
             Hk, Hv, seqlen, nseq = SUITE[i]
+            t0 = time.time()
             checks = check_vs_reference(Hk, Hv, seqlen, nseq, active)
+            t_check = time.time() - t0
             inputs = make_inputs(Hk, Hv, seqlen, nseq)
             fns = runners(*inputs, Hk, Hv, nseq, active)
             if skip_torch:
                 fns.pop("torch", None)
-            outs = {name: fn() for name, fn in fns.items()}
+            first = {}
+            outs = {}
+            for name, fn in fns.items():  # first calls: JIT / autotune of the baselines happen here
+                t1 = time.time()
+                outs[name] = fn()
+                torch.cuda.synchronize()
+                first[name] = round(time.time() - t1, 1)
             vs_fla = rel_l2(outs["ours"][0], outs["fla"][0]) if "fla" in outs else None
             vs_default = {v: rel_l2(outs[ours_key(v)][0], outs["ours"][0]) for v in active}
             del outs
@@ -439,10 +450,15 @@ def run_suite(idx, active, skip_torch, stages=False):
                    "variants": {v: {"ms": ms[ours_key(v)], "rel_l2_o_vs_ref": checks[v][0],
                                     "rel_l2_state_vs_ref": checks[v][1], "nan": checks[v][2],
                                     "rel_l2_o_vs_default": vs_default[v]} for v in active}}
+            t2 = time.time()
             if stages:
                 row["stages_ms"] = {v: stage_ms(v, *inputs) for v in active}
+            row["wall_s"] = {"check": round(t_check, 1), "first_calls": first, "stages": round(time.time() - t2, 1),
+                             "total": round(time.time() - t0, 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if on_row is not None:
+                on_row(rows)
             torch.cuda.empty_cache()
     return rows
 
@@ -475,6 +491,9 @@ def markdown(r):
               f"the anchor FLA times of shared/reference/anchors-h200.md; vs FlashQLA: "
               f"{f(r['geomean_ratio_vs_flashqla'], 2)}x (this run), {f(qla_anchor, 2)}x against its anchors "
               "(>1 = ours faster).", ""]
+    if len(r["rows"]) < r.get("configs_planned", len(r["rows"])):
+        lines += [f"Partial run: {len(r['rows'])} of the {r['configs_planned']} planned configs finished within the "
+                  "time limit.", ""]
     if r.get("note"):
         lines += [r["note"], ""]
     lines += variants_markdown(r)

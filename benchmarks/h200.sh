@@ -2,14 +2,16 @@
 # One call on the H200 device machine: set up, then run the named phases in order, each under its own time limit,
 # logs and results under $OUT. A phase that fails or times out is logged and the next one still runs.
 #
-#   device tool: command "bash benchmarks/h200.sh gdn-tests gdn-bench", carry [".gpudeps", ".whl", ".tlc_dev"]
+#   device tool: command "bash benchmarks/h200.sh gdn-tests gdn-bench", carry [".gpudeps", ".whl", ".tlc_dev/cache.tar.xz"]
+#   on nvidia-h200-x2: "bash benchmarks/h200.sh --split 'gdn-bench collect' 'encode layer-tests layer'" (one list a GPU)
 #
 # Carried, all git-ignored: .gpudeps/site.tar.xz (tilelang, FLA, FlashQLA: ../shared/gpu/pack-deps .gpudeps), .whl/
 # (pytest and its needs for CPython 3.12: /work/.library/device/README.md), .tlc_dev/cache.tar.xz (TileLang's disk
 # cache filled on a CPU box by `benchmarks/precompile_h200.sh`; the kernels then load instead of compiling, 10-15 s
 # each). Phases:
 #   gdn-tests    the Gated DeltaNet GPU suite: default launcher, then each kernel variant in its own pytest process
-#   gdn-bench    benchmarks/gdn_forward.py, every variant, stages timed alone too
+#   gdn-bench    benchmarks/gdn_forward.py, every variant, stages timed alone too (narrow with GDN_VARIANTS=ws16,...
+#                and GDN_CONFIGS=0,7,8,9; GDN_TESTS_S / GDN_BENCH_S override the phase limits)
 #   encode       benchmarks/topk_encode.py (fused TopK SAE encode vs torch)
 #   collect      benchmarks/collect_throughput.py (bare forward / capture / SAE codes; ours vs FLA vs torch GDN)
 #   layer-tests  benchmarks/gdn_layer.py --gpu-tests (the fused GDN layer against transformers' layer)
@@ -20,9 +22,10 @@ OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT" /tmp/site /tmp/pyt /tmp/tlcache
 t0=$(date +%s)
 [ -d /tmp/site/tilelang ] || tar xJf .gpudeps/site.tar.xz -C /tmp/site || exit 1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/pyt .whl/*.whl \
-    || exit 1
-[ -f .tlc_dev/cache.tar.xz ] && tar xJf .tlc_dev/cache.tar.xz -C /tmp/tlcache
+[ -f /tmp/pyt/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/pyt .whl/*.whl && touch /tmp/pyt/.done; } || exit 1
+[ -f /tmp/tlcache/.done ] || { [ -f .tlc_dev/cache.tar.xz ] && tar xJf .tlc_dev/cache.tar.xz -C /tmp/tlcache \
+    && touch /tmp/tlcache/.done; }
 { nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 } > "$OUT/machine.txt" 2>&1
@@ -30,7 +33,7 @@ echo "setup $(( $(date +%s) - t0 )) s; cached kernels: $(find /tmp/tlcache -name
 
 phase() {  # phase NAME SECONDS COMMAND...: run with a limit, tee to $OUT/NAME.log, record status and time
     local name=$1 limit=$2 s=$(date +%s); shift 2
-    timeout "$limit" bash -c "$*" 2>&1 | grep --line-buffered -v ' \[TileLang:.*INFO' | tee "$OUT/$name.log"
+    timeout "$limit" bash -c "$(printf '%q ' "$@")" 2>&1 | grep --line-buffered -v ' \[TileLang:.*INFO' | tee "$OUT/$name.log"
     echo "$name: exit ${PIPESTATUS[0]} in $(( $(date +%s) - s )) s" | tee -a "$OUT/phases.log"
 }
 
@@ -40,21 +43,30 @@ gdn_tests() {
         tests/flashqla_kernels/test_dispatch_gpu.py
     for v in ws ws16 prep2 ws+prep2 ws16+prep2 ws16+prep2+bv128; do
         echo "== variant $v"
-        FLASHQLA_TEST_VARIANTS=$v timeout 200 python3 -m pytest -q --timeout 150 --timeout-method thread \
+        FLASHQLA_TEST_VARIANTS=$v timeout "${VARIANT_TEST_S:-120}" python3 -m pytest -q --timeout 60 --timeout-method thread \
             -p no:cacheprovider -m gpu tests/flashqla_kernels/test_hopper_variants.py 2>&1 | tail -15
     done
 }
 
 export -f gdn_tests
+if [ "${1:-}" = --split ]; then  # --split "PHASES ON GPU 0" "PHASES ON GPU 1": both at once, outputs in gpu0/, gpu1/
+    CUDA_VISIBLE_DEVICES=0 OUT=$OUT/gpu0 bash "$0" $2 > "$OUT/gpu0.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 OUT=$OUT/gpu1 bash "$0" $3 > "$OUT/gpu1.txt" 2>&1
+    wait
+    tail -n 3 "$OUT"/gpu*/phases.log
+    exit 0
+fi
 for p in "$@"; do
     case $p in
-        gdn-tests) phase gdn-tests 330 gdn_tests ;;
-        gdn-bench) phase gdn-bench 420 python3 benchmarks/gdn_forward.py --variants all --stages --precompile 14 \
-                       --out "$OUT" ;;
-        encode) phase encode 240 python3 benchmarks/topk_encode.py --precompile 14 --out "$OUT" ;;
-        collect) phase collect 300 python3 benchmarks/collect_throughput.py --out "$OUT" --steps 3 --budget-s 240 ;;
-        layer-tests) phase layer-tests 200 python3 benchmarks/gdn_layer.py --gpu-tests --out "$OUT" ;;
-        layer) phase layer 400 python3 benchmarks/gdn_layer.py --out "$OUT" ;;
+        gdn-tests) phase gdn-tests "${GDN_TESTS_S:-330}" gdn_tests ;;
+        gdn-bench) phase gdn-bench "${GDN_BENCH_S:-420}" python3 benchmarks/gdn_forward.py --variants "${GDN_VARIANTS:-all}" \
+                       --configs "${GDN_CONFIGS:-}" --stages --precompile 14 --out "$OUT" ;;
+        encode) phase encode "${ENCODE_S:-240}" python3 benchmarks/topk_encode.py --precompile 14 --out "$OUT" ;;
+        collect) phase collect "${COLLECT_S:-300}" python3 benchmarks/collect_throughput.py --out "$OUT" --steps 3 \
+                     --budget-s "$(( ${COLLECT_S:-300} - 60 ))" ;;
+        layer-tests) phase layer-tests "${LAYER_TESTS_S:-200}" python3 benchmarks/gdn_layer.py --gpu-tests --out "$OUT" ;;
+        layer) phase layer "${LAYER_S:-400}" python3 benchmarks/gdn_layer.py --arms "${LAYER_ARMS:-ours,qla_op,fla,torch,compile,ours+compile}" \
+                   --out "$OUT" ;;
         *) echo "unknown phase $p" | tee -a "$OUT/phases.log" ;;
     esac
 done
