@@ -53,7 +53,9 @@ if [ "${1:-}" = --split ]; then  # --split "PHASES ON GPU 0" "PHASES ON GPU 1": 
     CUDA_VISIBLE_DEVICES=0 OUT=$OUT/gpu0 bash "$0" $2 > "$OUT/gpu0.txt" 2>&1 &
     CUDA_VISIBLE_DEVICES=1 OUT=$OUT/gpu1 bash "$0" $3 > "$OUT/gpu1.txt" 2>&1
     wait
-    tail -n 3 "$OUT"/gpu*/phases.log
+    tail -n 4 "$OUT"/gpu*/phases.log
+    # the device tool returns a limited number of files: one archive holds them all
+    tar czf "$OUT/results.tgz" -C "$OUT" gpu0 gpu1 gpu0.txt gpu1.txt && rm -rf "$OUT"/gpu0 "$OUT"/gpu1
     exit 0
 fi
 for p in "$@"; do

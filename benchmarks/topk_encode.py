@@ -103,7 +103,10 @@ def bench_shape(d_model: int, d_sae: int, k: int, configs: list[tuple[int, int]]
                   flush=True)
             if row[f"check_{cfg[0]}x{cfg[1]}"]["ok"] and ms < best_ms:
                 best_cfg, best_ms = cfg, ms
-        hk.DEFAULT_CONFIG = best_cfg or configs[0]
+        if best_cfg is None:
+            raise RuntimeError(f"{d_model}->{d_sae} k={k}: no mainloop config gave exact codes: "
+                               + json.dumps({key: val for key, val in row.items() if key.startswith("check_")}))
+        hk.DEFAULT_CONFIG = best_cfg
         row["config"] = list(hk.DEFAULT_CONFIG)
         row["kernel_ms"] = row[f"kernel_ms_{hk.DEFAULT_CONFIG[0]}x{hk.DEFAULT_CONFIG[1]}"]
         codes = fe.fused_encode(x, sae, backend="tilelang")

@@ -140,12 +140,12 @@ def _encode_tilelang(x: torch.Tensor, sae, chunk_tokens: int = CHUNK_TOKENS, *, 
         still = []
         for part in rows.split(chunk_tokens):
             v, i, f = hopper_topk.merge_candidates(candidates(x[part], W_enc, b_enc, wider), k)
-            values[part], indices[part] = v, i
+            values[part], indices[part] = v.to(values.dtype), i  # index_put does not cast: fp32 merge -> x.dtype
             still.append(part[f])
         rows = torch.cat(still)
     for part in rows.split(chunk_tokens) if rows.numel() else ():
         exact = sae.encode_sparse(x[part])
-        values[part], indices[part] = exact.values, exact.indices
+        values[part], indices[part] = exact.values.to(values.dtype), exact.indices
     return SparseCodes(values, indices)
 
 

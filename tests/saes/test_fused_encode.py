@@ -143,6 +143,23 @@ def test_rows_whose_topk_crowds_one_tile_are_flagged_rerun_wider_or_recomputed()
     assert_topk_up_to_ties(codes, _true_acts(x, sae), sae.k, rel=2**-14)
 
 
+def test_half_precision_inputs_keep_their_dtype_through_the_rerun_and_the_fallback():
+    """bf16 activations (the GPU case): the wider re-run and the encode_sparse fallback write fp32 results into the
+    bf16 output rows (index_put does not cast: this crashed the first H200 collection run)."""
+    sae = _sae(d_sae=16 * BN, k=8)
+    with torch.no_grad():
+        sae.b_enc[BN + 10 : BN + 22] = 0.0
+        sae.W_enc[BN + 10 : BN + 22] = 0.0
+        sae.W_enc[BN + 10 : BN + 22, 0] = 50.0
+    sae = sae.to(torch.bfloat16)
+    x = torch.randn(200, 64).bfloat16()
+    for c, source in ((4, hk.topk_candidates_reference),
+                      (2, lambda xs, w, b, c: hk.topk_candidates_reference(xs, w, b, 2))):
+        codes = fe._encode_tilelang(x, sae, c=c, candidates=source)
+        assert codes.values.dtype == torch.bfloat16 and codes.indices.dtype == torch.long
+        assert_topk_up_to_ties(codes, _true_acts(x, sae), sae.k)  # bf16 rounding of the values: rel 2^-7
+
+
 def test_chunks_and_the_wider_rerun_give_the_codes_of_one_pass():
     sae = _sae(d_sae=16 * BN, k=8)
     with torch.no_grad():
