@@ -220,12 +220,14 @@ def check_store(model, path: Path, saes) -> dict:
     for p in points:
         x = cap[p][0]
         if store.point_info(p)["dense"]:
-            out[f"{p} dense max|diff|"] = float((store.dense(p, 0, T).to(DEVICE).float() - x.float()).abs().max())
+            # the stored row ran in a batch of B, the check alone: bf16 GEMMs round batch-dependently
+            stored = store.dense(p, 0, T).to(DEVICE).float()
+            out[f"{p} dense rel-L2 vs a direct forward"] = float((stored - x.float()).norm() / x.float().norm())
         if store.point_info(p)["sae"]:
-            want = saes[int(p.split(".")[1])].encode_sparse(x)
+            want = fp32_twin(saes[int(p.split(".")[1])]).encode_sparse(x)
             got = store.sae_codes(p, 0, T)
-            same = (got.indices.to(DEVICE).sort(-1).values == want.indices.sort(-1).values).all(-1).float().mean()
-            out[f"{p} code indices equal (fraction)"] = float(same)
+            out[f"{p} stored codes: features shared with encode_sparse (fp32) of a direct forward"] = \
+                shared_features(got, want)
     return out
 
 
@@ -247,13 +249,30 @@ def correctness(model, backends: Backends, names: list[str]) -> dict:
 
     sae = random_sae(0)
     x = outs[names[0]][0].bfloat16()
-    fused, plain = fused_encode(x, sae), sae.encode_sparse(x)
+    fused = fused_encode(x, sae)
     result["encode backend"] = explain_backend(x, sae)
-    result["fused vs encode_sparse: index sets equal (fraction of tokens)"] = float(
-        (fused.indices.sort(-1).values == plain.indices.sort(-1).values).all(-1).float().mean())
-    result["fused vs encode_sparse: max |value diff| / max value"] = float(
-        (fused.values.float() - plain.values.float()).abs().max() / plain.values.float().abs().max())
+    # The fused encode accumulates in fp32; the benchmark SAE's own encode_sparse computes in bf16 (compute_dtype),
+    # whose rounding (2^-8) is wider than the gap between the k-th and (k+1)-th pre-activation: compare with both.
+    for label, ref in (("fp32 compute", fp32_twin(sae).encode_sparse(x)), ("bf16 compute", sae.encode_sparse(x))):
+        result[f"fused vs encode_sparse ({label}): index sets equal (fraction of tokens)"] = float(
+            (fused.indices.sort(-1).values == ref.indices.sort(-1).values).all(-1).float().mean())
+        result[f"fused vs encode_sparse ({label}): features shared (fraction)"] = shared_features(fused, ref)
+        result[f"fused vs encode_sparse ({label}): max |value diff| / max value"] = float(
+            (fused.values.float() - ref.values.float()).abs().max() / ref.values.float().abs().max())
     return result
+
+
+def fp32_twin(sae):
+    """The same weights with the default compute dtype (fp32 math on bf16 weights), like the fused kernel."""
+    from saes import TopKSAE
+
+    return TopKSAE(sae.W_enc, sae.W_dec, sae.b_enc, sae.b_dec, k=sae.k).requires_grad_(False)
+
+
+def shared_features(got, want) -> float:
+    """Share of ``want``'s (token, feature) picks that ``got`` also made."""
+    hit = (got.indices.to(want.indices.device)[..., :, None] == want.indices[..., None, :]).any(-2)
+    return float(hit.float().mean())
 
 
 def versions() -> dict:
@@ -265,8 +284,9 @@ def versions() -> dict:
         except md.PackageNotFoundError:
             out[dist] = None
     try:
-        out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       cwd=Path(__file__).parent).stdout.strip() or None
+        out["commit"] = os.environ.get("QWEN_SCOPE_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+            cwd=Path(__file__).parent).stdout.strip() or None
     except OSError:
         out["commit"] = None
     return out

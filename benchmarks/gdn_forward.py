@@ -159,8 +159,8 @@ def versions():
 
 
 def commit():
-    if os.environ.get("GDN_COMMIT"):
-        return os.environ["GDN_COMMIT"]
+    if os.environ.get("QWEN_SCOPE_COMMIT"):  # the device copy's git may not be this tree's (benchmarks/h200.sh)
+        return os.environ["QWEN_SCOPE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except Exception:  # noqa: BLE001

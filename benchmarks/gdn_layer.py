@@ -225,8 +225,9 @@ def versions(device: str) -> dict:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
             out[dist] = None
-    out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                   cwd=Path(__file__).parent).stdout.strip() or None
+    out["commit"] = os.environ.get("QWEN_SCOPE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        cwd=Path(__file__).parent).stdout.strip() or None
     return out
 
 
@@ -394,9 +395,14 @@ def run_gpu_tests(out: Path) -> int:
             with contextlib.redirect_stdout(buf):
                 fn(**kwargs)
             lines.append(f"PASS {case_id} {buf.getvalue().strip()}".rstrip())
-        except Exception:
-            failures += 1
-            lines.append(f"FAIL {case_id} {buf.getvalue().strip()}\n{traceback.format_exc(limit=4)}")
+        except BaseException as err:  # noqa: BLE001 - pytest.skip raises a BaseException subclass
+            if type(err).__name__ == "Skipped":
+                lines.append(f"SKIP {case_id} {buf.getvalue().strip()} ({err})")
+            elif isinstance(err, Exception):
+                failures += 1
+                lines.append(f"FAIL {case_id} {buf.getvalue().strip()}\n{traceback.format_exc(limit=4)}")
+            else:
+                raise
         finally:
             mp.undo()
         print(lines[-1], flush=True)

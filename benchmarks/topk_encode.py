@@ -136,7 +136,8 @@ def environment() -> dict:
     import tilelang
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = os.environ.get("QWEN_SCOPE_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = ""
     commit = commit or os.environ.get("GIT_COMMIT", "")  # the device's copy of the tree has no git history

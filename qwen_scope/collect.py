@@ -20,15 +20,14 @@ loses only the shard in flight. Under ``torchrun`` document ``i`` goes to rank `
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import glob
 import hashlib
 import itertools
 import os
-import queue
 import re
 import shutil
-import threading
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +35,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hooks import collect as forward_collect
 from hooks import get_adapter, parse_hook_name
+from qwen_scope.collect_loop import collect_rank
 from qwen_scope.store_writer import ShardWriter, merge_manifest
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -172,15 +171,6 @@ def pack_rows(docs: Iterable[tuple[int, int, list[int]]], context_len: int, *, p
 
 
 # ---------------------------------------------------------------------------------------------- model side
-def _encoder(sae):
-    """``x [n, d_model] -> SparseCodes``: ``saes.fused_encode`` (TileLang on Hopper, else chunked torch) if present."""
-    try:
-        from saes.fused_encode import fused_encode
-    except ImportError:
-        return sae.encode_sparse
-    return lambda x: fused_encode(x, sae)
-
-
 def _model_fingerprint(model: nn.Module) -> str:
     config = model.config.to_json_string(use_diff=True) if hasattr(model, "config") else ""
     w = get_adapter(model).embed.weight
@@ -257,8 +247,8 @@ def _sae_reference(sae, release) -> str:
     rel_id = getattr(getattr(sae, "release", None), "id", None)
     if rel_id is not None:
         try:
-            get_release(rel_id)
-            return rel_id
+            if get_release(rel_id).registered:  # an unregistered set's id names a hub repo, not the local files
+                return rel_id
         except ValueError:
             pass
     if release and Path(str(release)).expanduser().exists():
@@ -279,112 +269,6 @@ def _sae_info(sae, release) -> dict:
             "weights_sample": hashlib.sha256(repr(sample).encode()).hexdigest()[:16]}
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """Copy to the CPU: small tensors asynchronously into pinned memory (the caller synchronises), large ones
-    (dense captures, 100s of MB) into pageable memory, which does not grow the pinned cache by power-of-two blocks."""
-    if t.device.type == "cpu":
-        return t.contiguous()
-    if t.numel() * t.element_size() > 1 << 26:
-        return t.cpu()
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return out.copy_(t, non_blocking=True)
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """Rows ready for the GPU (built in the prefetch thread): ``ids``/``keep`` ``[B, context_len]``."""
-
-    rows: list[Row]
-    ids: torch.Tensor
-    keep: torch.Tensor
-    doc_index: torch.Tensor
-    n_tokens: int
-
-
-def _batches(rows: Iterator[Row], budget: int, batch_size: int, context_len: int, pad_id: int) -> Iterator[_Batch]:
-    """Group rows into right-padded batches until ``budget`` real tokens (the last row is cut to fit)."""
-    while budget > 0:
-        batch, n = [], 0
-        while len(batch) < batch_size and n < budget:
-            row = next(rows, None)
-            if row is None:
-                break
-            if len(row.tokens) > budget - n:
-                row = Row(row.tokens[:budget - n], row.doc_index[:budget - n], row.cursor)
-            batch.append(row)
-            n += len(row.tokens)
-        if not batch:
-            return
-        ids = torch.full((len(batch), context_len), pad_id, dtype=torch.long)
-        for i, row in enumerate(batch):
-            ids[i, :len(row.tokens)] = torch.tensor(row.tokens)
-        keep = torch.arange(context_len)[None] < torch.tensor([len(r.tokens) for r in batch])[:, None]
-        yield _Batch(batch, ids, keep, torch.tensor([d for r in batch for d in r.doc_index]), n)
-        budget -= n
-
-
-_END = object()
-
-
-def _prefetch(items: Iterator, depth: int = 2) -> Iterator:
-    """Produce ``items`` in a background thread (tokenizing, packing) while the GPU runs the previous batch."""
-    slots: queue.Queue = queue.Queue(depth)
-    stop = threading.Event()
-
-    def put(x) -> bool:
-        while not stop.is_set():
-            try:
-                slots.put(x, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def work() -> None:
-        try:
-            for x in items:
-                if not put(x):
-                    return
-            put(_END)
-        except BaseException as err:  # handed to the consumer, re-raised there
-            put(err)
-
-    threading.Thread(target=work, daemon=True, name="collect-prefetch").start()
-    try:
-        while (x := slots.get()) is not _END:
-            if isinstance(x, BaseException):
-                raise x
-            yield x
-    finally:
-        stop.set()
-
-
-def _forward_batch(adapter, batch: _Batch, device, dense: list[str], encoders: dict, store_dtype
-                   ) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
-    """Run one batch; return its shard columns (real tokens only, on the CPU) and an event to wait for on CUDA."""
-    B, L = batch.ids.shape
-    full, keep_dev = bool(batch.keep.all()), batch.keep.to(device)
-    # One cache-less forward that stops after the deepest requested block (no later blocks, no lm_head).
-    cap = forward_collect(adapter.model, dense + list(encoders), input_ids=batch.ids.to(device))
-    with torch.no_grad():
-        out = {"token_ids": batch.ids[batch.keep].int(), "doc_index": batch.doc_index,
-               "positions": torch.arange(L).expand(B, -1)[batch.keep].int()}
-        acts = {name: (cap[name].reshape(-1, adapter.d_model) if full else cap[name][keep_dev])
-                for name in dict.fromkeys(dense + list(encoders))}
-        for name in dense:
-            out[f"dense.{name}"] = _to_host(acts[name].to(store_dtype))
-        for name, encode in encoders.items():
-            values, indices = encode(acts[name])
-            out[f"sae.{name}.values"] = _to_host(values.to(store_dtype))
-            out[f"sae.{name}.indices"] = _to_host(indices.int())
-    if device.type != "cuda":
-        return out, None
-    # The pinned copies land asynchronously: the next batch is launched before they are waited for.
-    event = torch.cuda.Event()
-    event.record()
-    return out, event
-
-
 # ---------------------------------------------------------------------------------------------- the verb
 @dataclass(frozen=True)
 class CollectSummary:
@@ -400,12 +284,14 @@ class CollectSummary:
     bytes: int
     world_size: int
     complete: bool
+    gdn: str = ""
 
     def __str__(self) -> str:
         return (f"collected {self.n_tokens:,} tokens into {self.out_dir} ({self.n_shards} shards, "
                 f"{self.bytes / 2**30:.2f} GiB, {self.world_size} rank(s)); this run {self.n_tokens_this_run:,} "
                 f"tokens in {self.seconds:.1f} s = {self.tokens_per_s:,.0f} tokens/s; padding "
-                f"{100 * self.padding_fraction:.2f}%; complete={self.complete}")
+                f"{100 * self.padding_fraction:.2f}%; complete={self.complete}"
+                + (f"; GDN layers: {self.gdn}" if self.gdn else ""))
 
 
 def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = None,
@@ -415,7 +301,8 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
             sae_dtype: torch.dtype | None = None, text_column: str = "text", tokenizer=None,
             packing: str = "concat", separator_id: int | str | None = "eos", prepend_bos_id: int | None = None,
             shard_tokens: int | None = None, device: str | torch.device | None = None, overwrite: bool = False,
-            progress: bool = True, corpus_id: str | None = None) -> CollectSummary:
+            progress: bool = True, corpus_id: str | None = None, gdn_kernels: bool | None = None
+            ) -> CollectSummary:
     """Collect activations and/or SAE codes of ``token_budget`` corpus tokens into a sharded store at ``out_dir``.
 
     Args:
@@ -436,6 +323,10 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
         overwrite: discard a previous collection of another config in ``out_dir`` (the same config resumes).
         progress: show a progress bar with tokens/s and ETA, then the summary (rank 0).
         corpus_id: names the corpus in the config hash when it has no ``datasets`` fingerprint (streaming).
+        gdn_kernels: run the Gated DeltaNet layers (Qwen3.5, Qwen3-Next) on ``flashqla_kernels``' fused layer for
+            the call (``patched_transformers(fused_layer=True)``, restored after). None (default): when the model
+            is on a Hopper GPU with tilelang installed and the caller has not patched transformers already. True:
+            always (the fused path's torch formulation off Hopper). False: the model as loaded.
     Returns:
         ``CollectSummary``; the store is read with ``ActivationStore(out_dir)``.
 
@@ -478,9 +369,11 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
         if overwrite and rank == 0:
             (Path(out_dir) / "manifest.json").unlink(missing_ok=True)
             _remove_extra_ranks(Path(out_dir), world)
-        run = _collect_rank(writer, adapter, corpus, tokenizer, device, dense, sae_map, config, pad_id,
-                            progress and rank == 0)
-        summary = _finish(writer, run, world, created)
+        gdn_context, gdn = _gdn_layers(adapter, device, gdn_kernels)
+        with gdn_context:
+            run = _collect_rank(writer, adapter, corpus, tokenizer, device, dense, sae_map, config, pad_id,
+                                progress and rank == 0)
+        summary = dataclasses.replace(_finish(writer, run, world, created), gdn=gdn)
         if progress and rank == 0:
             print(summary)
         return summary
@@ -488,6 +381,32 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
         if created:
             import torch.distributed as dist
             dist.destroy_process_group()
+
+
+_GDN_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl")
+
+
+def _gdn_layers(adapter, device: torch.device, wanted: bool | None) -> tuple[contextlib.AbstractContextManager, str]:
+    """The transformers patch the collection runs under, and how the GDN layers run, in words."""
+    if wanted is False:
+        return contextlib.nullcontext(), "as loaded (gdn_kernels=False)" if adapter.family in _GDN_FAMILIES else ""
+    if adapter.family not in _GDN_FAMILIES:
+        if wanted:
+            raise ValueError(f"gdn_kernels=True but {adapter.family!r} models have no Gated DeltaNet layers "
+                             f"(families with them: {', '.join(_GDN_FAMILIES)}); leave gdn_kernels unset")
+        return contextlib.nullcontext(), ""
+    import flashqla_kernels
+
+    if wanted is None:
+        if flashqla_kernels.is_patched():
+            return contextlib.nullcontext(), "as patched by the caller (flashqla_kernels)"
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+            return contextlib.nullcontext(), f"transformers' own path (fused kernels need a Hopper GPU; {device})"
+        try:
+            import tilelang  # noqa: F401
+        except ImportError:
+            return contextlib.nullcontext(), "transformers' own path (install tilelang for the fused kernels)"
+    return flashqla_kernels.patched_transformers(fused_layer=True), "fused layer (flashqla_kernels)"
 
 
 def _remove_extra_ranks(root: Path, world: int) -> None:
@@ -501,54 +420,17 @@ def _remove_extra_ranks(root: Path, world: int) -> None:
 
 def _collect_rank(writer: ShardWriter, adapter, corpus, tokenizer, device, dense, sae_map, config, pad_id,
                   progress: bool) -> dict:
-    """This rank's loop: rows -> batches -> shards, from the writer's resume cursor to this rank's budget."""
-    from tqdm.auto import tqdm
-
+    """This rank's rows from the writer's resume cursor, through ``collect_loop.collect_rank``."""
     world, rank = writer.world_size, writer.rank
-    budget = config["token_budget"] // world + (rank < config["token_budget"] % world)
-    context_len, batch_size, rows_per_shard = config["context_len"], config["batch_size"], config["rows_per_shard"]
     policy = config["bos_policy"]
     cursor = tuple(writer.cursor or (0, 0))
-    stored = start_tokens = writer.n_tokens
-    encoders = {name: _encoder(sae) for name, sae in sae_map.items()}
     exhausted = writer.complete or cursor[0] < 0
     rows = iter(()) if exhausted else pack_rows(
-        _rank_documents(corpus, rank, world, cursor[0], config["text_column"], tokenizer), context_len,
+        _rank_documents(corpus, rank, world, cursor[0], config["text_column"], tokenizer), config["context_len"],
         packing=policy["packing"], separator_id=policy["separator_id"], prepend_bos_id=policy["prepend_bos_id"],
         start=cursor)
-    bar = tqdm(total=budget, initial=stored, unit="tok", unit_scale=True, disable=not progress,
-               desc=f"collect rank {rank}", smoothing=0.1)
-    t0, shard, shard_rows, shard_pad, event = time.perf_counter(), [], 0, 0, None
-    store_dtype = _DTYPES[config["store_dtype"]]
-
-    def flush(after: tuple[int, int]) -> None:
-        if event is not None:
-            event.synchronize()
-        tensors = {k: torch.cat([b[k] for b in shard]) if len(shard) > 1 else shard[0][k] for k in shard[0]}
-        writer.write(tensors, n_rows=shard_rows, n_pad=shard_pad, cursor=list(after))
-
-    after = (-1, 0)
-    for batch in _prefetch(_batches(rows, budget - stored, batch_size, context_len, pad_id)):
-        out, event = _forward_batch(adapter, batch, device, dense, encoders, store_dtype)
-        shard.append(out)
-        stored, shard_rows = stored + batch.n_tokens, shard_rows + len(batch.rows)
-        shard_pad += len(batch.rows) * context_len - batch.n_tokens
-        after = batch.rows[-1].cursor
-        bar.update(batch.n_tokens)
-        bar.set_postfix(pad=f"{100 * (writer.n_pad + shard_pad) / max(1, writer.n_pad + shard_pad + stored):.1f}%",
-                        refresh=False)
-        # Shards hold whole batches, so a resumed run forms exactly the batches of an uninterrupted one.
-        if shard_rows >= rows_per_shard:
-            flush(after)
-            shard, shard_rows, shard_pad = [], 0, 0
-    if shard:
-        flush(after)
-    exhausted = exhausted or stored < budget
-    writer.flush()
-    bar.close()
-    seconds = time.perf_counter() - t0
-    return {"rank": rank, "tokens_this_run": stored - start_tokens, "seconds": seconds, "tokens": stored,
-            "corpus_exhausted": exhausted and stored < budget}
+    return collect_rank(writer, adapter, rows, device, dense, sae_map, config, pad_id,
+                        _DTYPES[config["store_dtype"]], progress)
 
 
 def _finish(writer: ShardWriter, run: dict, world: int, created: bool) -> CollectSummary:

@@ -112,6 +112,15 @@ def gdn_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, cache
     Kc, idx = layer.conv_kernel_size, layer.layer_idx
     conv_state = recurrent_state = None
     if cache is not None:
+        missing = [m for m in _CACHE_API if not hasattr(cache, m)]
+        if missing:
+            import transformers
+
+            raise ValueError(
+                f"gdn_layer_forward keeps the layer's states through the hybrid-cache API of transformers >= 5.23, "
+                f"and this {type(cache).__name__} (transformers {transformers.__version__}) lacks "
+                f"{', '.join(missing)}. Call the layer module itself (patch_gdn_layers() hands such calls to "
+                f"transformers' forward), pass cache=None, or upgrade transformers.")
         conv_state = cache.get_conv_state(idx, state_idx=0)
         recurrent_state = cache.get_recurrent_state(idx, state_idx=0)
 

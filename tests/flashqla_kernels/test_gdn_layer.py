@@ -283,3 +283,19 @@ def test_patched_generation_with_a_static_cache_equals_unpatched():
         with patched_gdn_layers(backend="torch"):
             got = model.generate(ids, **kw)
     assert torch.equal(got, want)
+
+
+def test_a_cache_without_the_hybrid_cache_api_is_refused_by_name():
+    """transformers before 5.23 keeps GDN states in another cache API (seen on the H200 with 5.17): the direct call
+    says what is missing and what to do; the patched layer hands such calls to transformers instead."""
+    model = tiny_model("qwen3_5")
+    layer = _gdn(model)
+
+    class OldCache:
+        def update_conv_state(self, *args, **kwargs):
+            raise AssertionError("never reached")
+
+    assert "lacks get_conv_state, get_recurrent_state, update_recurrent_state" in layer_unsupported_reason(
+        layer, OldCache())
+    with pytest.raises(ValueError, match=r"OldCache \(transformers .*\) lacks get_conv_state.*patch_gdn_layers"):
+        gdn_layer_forward(layer, torch.randn(1, 3, layer.hidden_size), cache=OldCache())
