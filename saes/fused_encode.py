@@ -14,6 +14,13 @@ Two backends, one result (``SparseCodes`` equal to ``TopKSAE.encode_sparse`` up 
 
 ``backend=None`` picks ``"tilelang"`` where ``unsupported_reason`` returns None, else ``"torch"``;
 ``explain_backend`` says which and why.
+
+Host syncs. ``fused_encode_async`` never reads GPU data on the host: the uncertain rows are compacted into buffers of
+fixed capacity (``rerun_capacity(N)`` rows for the wider re-run, ``FALLBACK_ROWS`` for ``encode_sparse``) and written
+back by scatter, and it returns an ``overflow`` flag on the device that is True when either buffer was too small (the
+codes are then not certified). ``fused_encode`` runs it and reads the flag once, redoing the input with the unbounded
+multi-pass path in the rare overflow case; a loop that launches more GPU work behind the encode (activation collection)
+calls ``fused_encode_async`` and checks ``overflow`` where it syncs anyway.
 """
 from __future__ import annotations
 
@@ -27,6 +34,12 @@ BACKENDS = ("tilelang", "torch")
 CHUNK_TOKENS = 16384
 # Bytes of fp32 pre-activations the torch backend materialises per block of rows.
 MAX_BLOCK_BYTES = 1 << 30
+# Sync-free path: rows re-run wider per CHUNK_TOKENS tokens, one kernel row block (128: 32x the ~4 flagged rows per
+# 16K tokens of real activations, 8x the 1e-3 rate candidates_per_tile aims for) ...
+RERUN_ROWS_PER_CHUNK = hopper_topk.BLOCK_M
+# ... and rows handed to encode_sparse when the wider re-run still cannot certify them (64 rows: 8 MiB of fp32
+# pre-activations at d_sae = 32K, computed on every call).
+FALLBACK_ROWS = 64
 
 
 def unsupported_reason(x: torch.Tensor, sae) -> str | None:
@@ -76,6 +89,9 @@ def explain_backend(x: torch.Tensor, sae, backend: str | None = None) -> str:
 def fused_encode(x: torch.Tensor, sae, *, backend: str | None = None) -> SparseCodes:
     """Top-k SAE codes of ``x``, as ``sae.encode_sparse(x)`` returns them, without the ``[N, d_sae]`` intermediate.
 
+    Always exact. On the TileLang backend it synchronises with the host once (to read ``fused_encode_async``'s overflow
+    flag) and, when the flag is set, encodes ``x`` again through the unbounded multi-pass path.
+
     Args:
         x: residual stream ``[..., d_model]``.
         sae: a ``TopKSAE`` (or anything with ``W_enc [d_sae, d_model]``, ``b_enc [d_sae]``, ``k`` and
@@ -89,6 +105,56 @@ def fused_encode(x: torch.Tensor, sae, *, backend: str | None = None) -> SparseC
         >>> sae = saes.load("qwen-scope-3.5-2b-base-w32k-l100", layer=12, device="cuda", dtype=torch.bfloat16)
         >>> codes = fused_encode(resid, sae)          # resid [B, T, 2048] bf16 -> values/indices [B, T, 100]
     """
+    x2, reason = _check_call("fused_encode", x, sae, backend)
+    if reason is not None:
+        return _shaped(_encode_torch(x2, sae), x, sae)
+    codes, overflow = _encode_tilelang_async(x2, sae)
+    if overflow.item():
+        codes = _encode_tilelang(x2, sae)
+    return _shaped(codes, x, sae)
+
+
+def fused_encode_async(x: torch.Tensor, sae, *, backend: str | None = None) -> tuple[SparseCodes, torch.Tensor]:
+    """``fused_encode`` without host synchronisation: the codes, and a device flag saying whether to trust them.
+
+    On the TileLang backend nothing waits for the GPU (no ``.item()``, no data-dependent shape), so the host can queue
+    the next kernels behind the encode. The rows the merge cannot certify go through fixed-capacity buffers:
+    ``rerun_capacity(N)`` rows for the wider kernel re-run and ``FALLBACK_ROWS`` for ``encode_sparse``. When more rows
+    need them, ``overflow`` is True and the codes of the rows left out are not certified: encode ``x`` again with
+    ``fused_encode``. When it is False the codes are those of ``fused_encode`` (rows recomputed by ``encode_sparse``
+    up to the last fp32 bits: cuBLAS may round a row differently in a batch of another size).
+
+    Args:
+        x: residual stream ``[..., d_model]``.
+        sae: a ``TopKSAE`` (or anything with ``W_enc [d_sae, d_model]``, ``b_enc [d_sae]``, ``k`` and
+            ``encode_sparse``).
+        backend: ``"tilelang"`` (sm_90 GPU, bf16/fp16), ``"torch"`` (any device) or None (the fastest that applies).
+    Returns:
+        ``(codes, overflow)``: ``codes`` as ``fused_encode`` returns them; ``overflow`` a 0-dim bool tensor on
+        ``x.device``, always False on the torch backend (which is exact and synchronises where torch does).
+
+    Example:
+        >>> codes, overflow = fused_encode_async(resid, sae)   # queued behind the forward; nothing waits
+        >>> ...                                                # launch more work, then at the next sync point:
+        >>> if overflow.item():
+        ...     codes = fused_encode(resid, sae)
+    """
+    x2, reason = _check_call("fused_encode_async", x, sae, backend)
+    if reason is not None:
+        return _shaped(_encode_torch(x2, sae), x, sae), torch.zeros((), dtype=torch.bool, device=x.device)
+    codes, overflow = _encode_tilelang_async(x2, sae)
+    return _shaped(codes, x, sae), overflow
+
+
+def rerun_capacity(n_tokens: int) -> int:
+    """Rows ``fused_encode_async`` re-runs wider for ``n_tokens`` tokens: ``RERUN_ROWS_PER_CHUNK`` per ``CHUNK_TOKENS``
+    tokens begun (128 for up to 16384 tokens, about N / 128 beyond), at most ``n_tokens``."""
+    return min(n_tokens, -(-n_tokens // CHUNK_TOKENS) * RERUN_ROWS_PER_CHUNK)
+
+
+def _check_call(name: str, x: torch.Tensor, sae, backend: str | None) -> tuple[torch.Tensor, str | None]:
+    """Validate a ``fused_encode*`` call; returns ``x`` as ``[N, d_model]`` and why TileLang will not run (None = it
+    will)."""
     if backend not in (None, *BACKENDS):
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     d_model = sae.W_enc.shape[1]
@@ -97,10 +163,13 @@ def fused_encode(x: torch.Tensor, sae, *, backend: str | None = None) -> SparseC
         raise ValueError(f"x must be a float tensor [..., d_model={d_model}], got {got}")
     reason = unsupported_reason(x, sae) if backend != "torch" else "torch backend asked for"
     if backend == "tilelang" and reason is not None:
-        raise ValueError(f"fused_encode(backend='tilelang') cannot run: {reason}; use backend='torch' or None")
+        raise ValueError(f"{name}(backend='tilelang') cannot run: {reason}; use backend='torch' or None")
+    return x.reshape(-1, d_model), reason
+
+
+def _shaped(codes: SparseCodes, x: torch.Tensor, sae) -> SparseCodes:
+    """``[N, k]`` codes back to ``x``'s leading dims: ``[..., k]``."""
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, d_model)
-    codes = _encode_torch(x2, sae) if reason is not None else _encode_tilelang(x2, sae)
     return SparseCodes(codes.values.reshape(*lead, sae.k), codes.indices.reshape(*lead, sae.k))
 
 
@@ -114,32 +183,53 @@ def _encode_torch(x: torch.Tensor, sae, max_block_bytes: int = MAX_BLOCK_BYTES) 
     return SparseCodes(torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts]))
 
 
+def _kernel_operands(sae, c: int | None, candidates) -> tuple:
+    """``(candidates, W_enc, b_enc fp32, c)`` for the kernel: ``candidates`` defaults to ``hopper_topk.topk_candidates``
+    (tests pass its torch twin), ``c`` to ``candidates_per_tile``."""
+    W_enc = sae.W_enc.detach().contiguous()
+    b_enc = sae.b_enc.detach().float().contiguous()
+    c = c or hopper_topk.candidates_per_tile(sae.k, W_enc.shape[0])
+    return candidates or hopper_topk.topk_candidates, W_enc, b_enc, c
+
+
+def _merged_chunks(x: torch.Tensor, operands: tuple, k: int, chunk_tokens: int,
+                   spare_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """First pass, chunk by chunk without a host sync: kernel candidates and their merge.
+
+    Returns:
+        ``(values [N + spare_rows, k] x.dtype, indices [N + spare_rows, k] int64, flagged [N] bool)``; the spare rows
+        are left uninitialised.
+    """
+    candidates, W_enc, b_enc, c = operands
+    n = x.shape[0]
+    values = torch.empty(n + spare_rows, k, device=x.device, dtype=x.dtype)
+    indices = torch.empty(n + spare_rows, k, device=x.device, dtype=torch.long)
+    flagged = torch.empty(n, device=x.device, dtype=torch.bool)
+    for start in range(0, n, chunk_tokens):
+        stop = min(start + chunk_tokens, n)
+        v, i, f = hopper_topk.merge_candidates(candidates(x[start:stop].contiguous(), W_enc, b_enc, c), k)
+        values[start:stop], indices[start:stop], flagged[start:stop] = v, i, f
+    return values, indices, flagged
+
+
 @torch.no_grad()
 def _encode_tilelang(x: torch.Tensor, sae, chunk_tokens: int = CHUNK_TOKENS, *, c: int | None = None,
                      candidates=None) -> SparseCodes:
-    """Kernel candidates + certified merge per chunk of tokens, then one pass over the uncertain rows.
+    """Kernel candidates + certified merge per chunk of tokens, then one pass over the uncertain rows, however many.
 
-    The chunks run without a host sync. Rows the merge cannot certify are then re-run through the kernel with ``4 c``
-    candidates per tile (few rows, so cheap), and those still uncertain go to ``encode_sparse``. ``candidates``
-    replaces the kernel (tests pass its torch twin).
+    The chunks run without a host sync; finding the uncertain rows does not (``nonzero``). Rows the merge cannot
+    certify are re-run through the kernel with ``4 c`` candidates per tile (few rows, so cheap), and those still
+    uncertain go to ``encode_sparse``. ``candidates`` replaces the kernel (tests pass its torch twin).
     """
-    candidates = candidates or hopper_topk.topk_candidates
-    W_enc, k = sae.W_enc.detach().contiguous(), sae.k
-    b_enc = sae.b_enc.detach().float().contiguous()
-    c = c or hopper_topk.candidates_per_tile(k, W_enc.shape[0])
-    values = torch.empty(x.shape[0], k, device=x.device, dtype=x.dtype)
-    indices = torch.empty(x.shape[0], k, device=x.device, dtype=torch.long)
-    flagged = torch.empty(x.shape[0], device=x.device, dtype=torch.bool)
-    for start in range(0, x.shape[0], chunk_tokens):
-        stop = min(start + chunk_tokens, x.shape[0])
-        v, i, f = hopper_topk.merge_candidates(candidates(x[start:stop].contiguous(), W_enc, b_enc, c), k)
-        values[start:stop], indices[start:stop], flagged[start:stop] = v, i, f
+    operands = _kernel_operands(sae, c, candidates)
+    candidates, W_enc, b_enc, c = operands
+    values, indices, flagged = _merged_chunks(x, operands, sae.k, chunk_tokens)
     rows = flagged.nonzero().squeeze(1)
     wider = min(hopper_topk.BLOCK_N, 4 * c)
     if rows.numel() and wider > c:
         still = []
         for part in rows.split(chunk_tokens):
-            v, i, f = hopper_topk.merge_candidates(candidates(x[part], W_enc, b_enc, wider), k)
+            v, i, f = hopper_topk.merge_candidates(candidates(x[part], W_enc, b_enc, wider), sae.k)
             values[part], indices[part] = v.to(values.dtype), i  # index_put does not cast: fp32 merge -> x.dtype
             still.append(part[f])
         rows = torch.cat(still)
@@ -147,6 +237,66 @@ def _encode_tilelang(x: torch.Tensor, sae, chunk_tokens: int = CHUNK_TOKENS, *, 
         exact = sae.encode_sparse(x[part])
         values[part], indices[part] = exact.values.to(values.dtype), exact.indices
     return SparseCodes(values, indices)
+
+
+@torch.no_grad()
+def _encode_tilelang_async(x: torch.Tensor, sae, chunk_tokens: int = CHUNK_TOKENS, *, c: int | None = None,
+                           candidates=None, capacity: int | None = None,
+                           capacity2: int | None = None) -> tuple[SparseCodes, torch.Tensor]:
+    """``_encode_tilelang`` through fixed-capacity buffers: no host sync, and a device flag for rows left out.
+
+    The first ``capacity`` flagged rows (in row order) are gathered into a fixed-size batch, padded with unflagged
+    rows, and re-run through the kernel with ``4 c`` candidates; the first ``capacity2`` of those still flagged go to
+    ``encode_sparse``. Results are scattered back into the output, whose one spare row takes the writes of the padding
+    slots (so no two slots write one real row), and the spare row is dropped.
+
+    Args:
+        x: ``[N, d_model]``.
+        sae: a ``TopKSAE``.
+        chunk_tokens: tokens per kernel launch.
+        c: candidates per tile of the first pass (None = ``candidates_per_tile``).
+        candidates: the candidate source (None = the kernel; tests pass its torch twin).
+        capacity: rows re-run wider (None = ``rerun_capacity(N)``); at most N.
+        capacity2: rows handed to ``encode_sparse`` (None = ``FALLBACK_ROWS``); at most ``capacity``.
+    Returns:
+        ``(SparseCodes(values [N, k] x.dtype, indices [N, k] int64), overflow)``: ``overflow`` a 0-dim bool tensor,
+        True when more than ``capacity`` rows were flagged or more than ``capacity2`` stayed flagged after the wider
+        re-run. When it is False the codes are those of ``_encode_tilelang``.
+    """
+    operands = _kernel_operands(sae, c, candidates)
+    candidates, W_enc, b_enc, c = operands
+    n = x.shape[0]
+    m = min(n, rerun_capacity(n) if capacity is None else capacity)
+    m2 = min(m, FALLBACK_ROWS if capacity2 is None else capacity2)
+    if m2 < 0:
+        raise ValueError(f"capacity and capacity2 must be >= 0, got {capacity} and {capacity2}")
+    values, indices, flagged = _merged_chunks(x, operands, sae.k, chunk_tokens, spare_rows=1)
+    rows, valid = _first_set(flagged, m)
+    wider = min(hopper_topk.BLOCK_N, 4 * c)
+    if wider > c:
+        still = torch.empty(m, device=x.device, dtype=torch.bool)
+        for start in range(0, m, chunk_tokens):
+            part = slice(start, min(start + chunk_tokens, m))
+            v, i, f = hopper_topk.merge_candidates(candidates(x[rows[part]], W_enc, b_enc, wider), sae.k)
+            target = torch.where(valid[part], rows[part], n)
+            values[target], indices[target] = v.to(values.dtype), i  # index_put does not cast: fp32 merge -> x.dtype
+            still[part] = f & valid[part]
+    else:
+        still = valid
+    slots, valid2 = _first_set(still, m2)
+    rows2 = rows[slots]
+    exact = sae.encode_sparse(x[rows2])
+    target = torch.where(valid2, rows2, n)
+    values[target], indices[target] = exact.values.to(values.dtype), exact.indices
+    overflow = (flagged.sum() > m) | (still.sum() > m2)
+    return SparseCodes(values[:n], indices[:n]), overflow
+
+
+def _first_set(mask: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions of the first ``m`` set entries of ``mask [N]`` (ascending), padded with unset positions, and which
+    of them are set: a fixed-size compaction without a host sync (``m <= N``)."""
+    order = torch.argsort((~mask).to(torch.uint8), stable=True)[:m]
+    return order, mask[order]
 
 
 @torch.no_grad()

@@ -1,12 +1,16 @@
 """fused_encode: the torch backend equals encode_sparse bit for bit; the kernel's candidate/merge algorithm (run on CPU
-through its torch twin) equals encode_sparse up to ties, flagged rows included; the TileLang kernel compiles for
-sm_90a without a GPU; on Hopper the kernel itself matches encode_sparse on random and structured inputs."""
+through its torch twin) equals encode_sparse up to ties, flagged rows included; the sync-free path (fixed-capacity
+buffers, an overflow flag) gives the multi-pass path's codes without reading tensor data on the host, and fused_encode
+falls back when it overflows; the TileLang kernel compiles for sm_90a without a GPU; on Hopper the kernel itself
+matches encode_sparse on random and structured inputs."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from saes import SparseCodes, TopKSAE
 from saes import hopper_topk as hk
@@ -76,6 +80,7 @@ def test_package_exports_the_function():
     import saes
 
     assert saes.fused_encode is fe.fused_encode and "fused_encode" in saes.__all__
+    assert saes.fused_encode_async is fe.fused_encode_async and "fused_encode_async" in saes.__all__
 
 
 def test_cpu_input_falls_back_to_torch_and_tilelang_request_explains_why():
@@ -171,6 +176,188 @@ def test_chunks_and_the_wider_rerun_give_the_codes_of_one_pass():
     chunked = fe._encode_tilelang(x, sae, chunk_tokens=37, c=4, candidates=hk.topk_candidates_reference)
     assert torch.equal(one.values, chunked.values) and torch.equal(one.indices, chunked.indices)
     assert_topk_up_to_ties(chunked, _true_acts(x, sae), sae.k, rel=2**-14)
+
+
+# ---------------------------------------------------------------------------------------------------- sync-free path
+def _crowded(dtype=torch.float32, n=200) -> tuple[TopKSAE, torch.Tensor]:
+    """An SAE whose tile 1 holds 12 strong features for tokens with x[:, 0] > 0 (more than c = 4 of their top-8 in one
+    tile), and ``n`` tokens, about 40 % of which are flagged by the merge."""
+    sae = _sae(d_sae=16 * BN, k=8)
+    with torch.no_grad():
+        sae.b_enc[BN + 10 : BN + 22] = 0.0
+        sae.W_enc[BN + 10 : BN + 22] = 0.0
+        sae.W_enc[BN + 10 : BN + 22, 0] = 50.0
+    return sae.to(dtype), torch.randn(n, 64).to(dtype)
+
+
+def _narrow(xs, w, b, c):
+    """A candidate source that cannot widen (2 per tile whatever c is asked): flagged rows stay flagged after the
+    wider re-run and go to encode_sparse."""
+    return hk.topk_candidates_reference(xs, w, b, 2)
+
+
+def _one_row_at_a_time(fn):
+    """``fn`` over the rows of its first argument one by one, results concatenated: a row's result then no longer
+    depends on the batch it comes in (true of the kernel, not of a CPU matmul, which may round a row differently in a
+    batch of another size)."""
+    def rowwise(xs, *args):
+        parts = [fn(xs[i : i + 1], *args) for i in range(xs.shape[0])] or [fn(xs, *args)]
+        if isinstance(parts[0], SparseCodes):
+            return SparseCodes(torch.cat([p.values for p in parts]), torch.cat([p.indices for p in parts]))
+        return torch.cat(parts)
+
+    return rowwise
+
+
+def _assert_same_codes(got: SparseCodes, want: SparseCodes):
+    assert got.values.dtype == want.values.dtype and got.indices.dtype == torch.long
+    assert torch.equal(got.values, want.values) and torch.equal(got.indices, want.indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("narrow", [False, True], ids=["rerun-wider", "encode-sparse"])
+def test_async_path_gives_the_codes_of_the_multipass_path(dtype, narrow):
+    sae, x = _crowded(dtype)
+    c, source = (2, _narrow) if narrow else (4, hk.topk_candidates_reference)
+    n_flagged = int(hk.merge_candidates(source(x, sae.W_enc, sae.b_enc, c), sae.k)[2].sum())
+    assert n_flagged >= 60
+    want = fe._encode_tilelang(x, sae, c=c, candidates=source)
+    # Capacities of exactly the rows to redo (the narrow source certifies none of them, 4c = 16 all of them): the
+    # batches of the multi-pass path, so the same bits.
+    got, overflow = fe._encode_tilelang_async(x, sae, c=c, candidates=source, capacity=n_flagged,
+                                              capacity2=n_flagged if narrow else 0)
+    assert overflow.dtype == torch.bool and overflow.shape == () and not overflow
+    _assert_same_codes(got, want)
+    # Room to spare, padded with unflagged rows, in chunks of 37 tokens: with sources whose rows do not depend on the
+    # batch (like the kernel's), still the same bits.
+    source = _one_row_at_a_time(source)
+    sae.encode_sparse = _one_row_at_a_time(sae.encode_sparse)
+    want = fe._encode_tilelang(x, sae, chunk_tokens=37, c=c, candidates=source)
+    got, overflow = fe._encode_tilelang_async(x, sae, chunk_tokens=37, c=c, candidates=source, capacity=len(x),
+                                              capacity2=len(x))
+    assert not overflow
+    _assert_same_codes(got, want)
+    assert_topk_up_to_ties(got, _true_acts(x, sae), sae.k, rel=2**-14 if dtype == torch.float32 else 2**-7)
+
+
+def test_overflow_says_when_the_buffers_were_too_small():
+    sae, x = _crowded()
+    twin = hk.topk_candidates_reference
+    rows = hk.merge_candidates(twin(x, sae.W_enc, sae.b_enc, 4), sae.k)[2].nonzero().squeeze(1)
+    want = fe._encode_tilelang(x, sae, c=4, candidates=twin)
+
+    def run(**kw):
+        return fe._encode_tilelang_async(x, sae, c=4, candidates=twin, **kw)
+
+    # Defaults: rerun_capacity(200) = 128 rows re-run wider (more than are flagged), 64 for encode_sparse (none needed).
+    assert fe.rerun_capacity(len(x)) == 128 > len(rows)
+    codes, overflow = run()
+    assert not overflow
+    _assert_same_codes(codes, want)
+    assert not run(capacity=len(rows))[1] and run(capacity=len(rows) - 1)[1]
+    # Two slots for ~80 flagged rows: those two are certified, the others keep the first pass's uncertain codes.
+    codes, overflow = run(capacity=2)
+    assert overflow
+    assert torch.equal(codes.values[rows[:2]], want.values[rows[:2]])
+    assert (codes.values[rows[2:]] != want.values[rows[2:]]).any(dim=1).all()
+    # Rows the wider re-run cannot certify overflow the encode_sparse buffer (the narrow source flags 2/tile rows, most
+    # of them, and certifies none).
+    still = int(hk.merge_candidates(_narrow(x, sae.W_enc, sae.b_enc, 2), sae.k)[2].sum())
+    assert len(x) > still > fe.FALLBACK_ROWS
+    narrow = {"c": 2, "candidates": _narrow, "capacity": len(x)}
+    assert not fe._encode_tilelang_async(x, sae, **narrow, capacity2=still)[1]
+    assert fe._encode_tilelang_async(x, sae, **narrow, capacity2=still - 1)[1]
+    assert fe._encode_tilelang_async(x, sae, **narrow)[1]
+
+
+@pytest.mark.parametrize("capacity,falls_back", [(None, False), (2, True)])
+def test_fused_encode_reads_the_flag_once_and_redoes_an_overflowing_input(monkeypatch, capacity, falls_back):
+    """fused_encode's TileLang route, with the kernel's twin: exact codes whether or not the async path overflows."""
+    sae, x = _crowded()
+    twin = hk.topk_candidates_reference
+    want = fe._encode_tilelang(x, sae, c=4, candidates=twin)
+    real_async, real_multi = fe._encode_tilelang_async, fe._encode_tilelang
+    redone = []
+    monkeypatch.setattr(fe, "unsupported_reason", lambda x, sae: None)
+    monkeypatch.setattr(fe, "_encode_tilelang_async",
+                        lambda x, sae: real_async(x, sae, c=4, candidates=twin, capacity=capacity))
+    monkeypatch.setattr(fe, "_encode_tilelang",
+                        lambda x, sae: redone.append(x) or real_multi(x, sae, c=4, candidates=twin))
+    got = fe.fused_encode(x.reshape(4, 50, 64), sae, backend="tilelang")
+    assert len(redone) == int(falls_back)
+    assert got.values.shape == got.indices.shape == (4, 50, sae.k)
+    _assert_same_codes(SparseCodes(got.values.reshape(200, -1), got.indices.reshape(200, -1)), want)
+    got, overflow = fe.fused_encode_async(x.reshape(4, 50, 64), sae)
+    assert bool(overflow) is falls_back and got.values.shape == (4, 50, sae.k)
+
+
+def test_async_torch_backend_returns_encode_sparse_and_never_overflows():
+    sae, x = _sae(), torch.randn(3, 5, 64)
+    codes, overflow = fe.fused_encode_async(x, sae)
+    ref = sae.encode_sparse(x)
+    _assert_same_codes(codes, ref)
+    assert overflow.dtype == torch.bool and overflow.shape == () and overflow.device == x.device and not overflow
+    with pytest.raises(ValueError, match=r"fused_encode_async\(backend='tilelang'\) cannot run: x and the SAE must"):
+        fe.fused_encode_async(x, sae, backend="tilelang")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        fe.fused_encode_async(x, sae, backend="triton")
+
+
+class _NoDataDependentOps(TorchDispatchMode):
+    """Fails every aten op that reads tensor data on the host or sizes its output by the data (a sync on CUDA):
+    ``item``/``bool``/``int`` (``_local_scalar_dense``), ``nonzero``, ``masked_select``, ``unique``, and indexing with
+    a bool mask (``x[mask]``, which runs nonzero inside the index kernel)."""
+
+    DATA_SIZED = {"_local_scalar_dense", "nonzero", "nonzero_numpy", "masked_select", "_unique2", "unique_dim",
+                  "unique_consecutive"}
+    INDEXING = {"index", "index_put", "index_put_", "_index_put_impl_"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.DATA_SIZED:
+            raise AssertionError(f"host sync: aten.{name}")
+        if name in self.INDEXING and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            raise AssertionError(f"host sync: aten.{name} with a bool mask")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _no_host_reads(monkeypatch):
+    """Inside: reading tensor data on the host raises AssertionError, through the dispatcher (see
+    ``_NoDataDependentOps``) or through the methods that copy a CPU tensor out without it (``tolist``, ``numpy``)."""
+    def forbid(name):
+        def raiser(*args, **kwargs):
+            raise AssertionError(f"host sync: {name}")
+
+        return raiser
+
+    with monkeypatch.context() as patch:
+        for name in ("item", "tolist", "numpy", "nonzero", "__bool__"):
+            patch.setattr(torch.Tensor, name, forbid(f"Tensor.{name}"))
+        patch.setattr(torch, "nonzero", forbid("torch.nonzero"))
+        with _NoDataDependentOps():
+            yield
+
+
+@pytest.mark.parametrize("narrow", [False, True], ids=["rerun-wider", "encode-sparse"])
+def test_async_path_never_reads_tensor_data_on_the_host(monkeypatch, narrow):
+    sae, x = _crowded(torch.bfloat16)
+    c, source = (2, _narrow) if narrow else (4, hk.topk_candidates_reference)
+    with _no_host_reads(monkeypatch):
+        codes, overflow = fe._encode_tilelang_async(x, sae, chunk_tokens=64, c=c, candidates=source, capacity=len(x),
+                                                    capacity2=len(x))
+    assert not overflow
+    _assert_same_codes(codes, fe._encode_tilelang(x, sae, chunk_tokens=64, c=c, candidates=source))
+    # The public function too (validation, reshapes), on its TileLang route.
+    real_async = fe._encode_tilelang_async
+    monkeypatch.setattr(fe, "unsupported_reason", lambda x, sae: None)
+    monkeypatch.setattr(fe, "_encode_tilelang_async", lambda x, sae: real_async(x, sae, c=c, candidates=source))
+    with _no_host_reads(monkeypatch):
+        codes, overflow = fe.fused_encode_async(x.reshape(2, 100, 64), sae, backend="tilelang")
+    assert codes.values.shape == (2, 100, sae.k) and bool(overflow) is narrow  # narrow: ~175 flagged rows > 128
+    # The guard catches what it should: the multi-pass path syncs to find its rows.
+    with pytest.raises(AssertionError, match="host sync"), _no_host_reads(monkeypatch):
+        fe._encode_tilelang(x, sae, c=c, candidates=source)
 
 
 def test_tokens_with_fewer_than_k_positives_pad_with_zeros_at_distinct_features():
