@@ -2,7 +2,8 @@
 
 Model: the Qwen3.5-2B-shaped random bf16 model of ``shared/reference/anchors-h200.md`` (hidden 2048, 24 layers: 18 GDN
 with Hk = Hv = 16 and 6 full attention, vocab 248320, 2.39 B parameters), steps of 8 x 4096 tokens, ``use_cache=False``.
-Arms, per GDN backend (ours = ``flashqla_kernels.patch_transformers(backend="tilelang")``, FLA = transformers with
+Arms, per GDN backend (ours = ``flashqla_kernels.patch_transformers(backend="tilelang", fused_layer=True)``, what
+``collect`` uses by itself on Hopper; FLA = transformers with
 flash-linear-attention importable, torch = transformers' pure-torch ``torch_chunk_gated_delta_rule``):
   (a) bare forward of ``model.model`` (no hooks, no lm_head);
   (b) ``collect`` of all 24 ``resid_post`` points, dense bf16, into the store on local disk (fsync per shard);
@@ -135,8 +136,8 @@ class Backends:
 
         unpatch_transformers()
         self.module.torch_chunk_gated_delta_rule = self.original
-        if name == "ours":
-            patch_transformers(backend="tilelang" if DEVICE == "cuda" else None)
+        if name == "ours":  # what collect() does by itself on Hopper: the whole GDN layer on the fused path
+            patch_transformers(backend="tilelang" if DEVICE == "cuda" else None, fused_layer=True)
         elif name == "torch":
             self.module.torch_chunk_gated_delta_rule = self.torch_path
 
@@ -191,8 +192,9 @@ def collect_arm(model, docs, work: Path, steps: int, *, points=None, saes=None, 
     """Seconds per step of a timed ``collect`` after a one-step warm-up; the summary of the timed call."""
     from qwen_scope.collect import collect
 
+    # gdn_kernels=False: the arm's GDN path is the one Backends.use put in place
     kw = dict(points=points, saes=saes, context_len=T, batch_size=B, shard_tokens=B * T, progress=False,
-              corpus_id="bench", overwrite=True)
+              corpus_id="bench", overwrite=True, gdn_kernels=False)
     collect(model, docs, token_budget=B * T, out_dir=work / "warm", **kw)
     sync()
     t = time.perf_counter()
