@@ -319,15 +319,17 @@ def write(out: Path, result: dict) -> None:
 def precompile() -> None:
     """Compile (sm_90a, no GPU needed) the TileLang kernels the arms use into tilelang's cache
     (``TILELANG_CACHE_DIR``), so the timed run on the GPU loads them instead of JIT-compiling for minutes."""
-    from flashqla_kernels.gated_delta_rule.hopper import _common, fused_fwd, plan, prep, segment_states, state_scan
+    from flashqla_kernels.gated_delta_rule.hopper import (_common, fused_fwd_ws, plan, prep_v2, segment_states,
+                                                          state_scan)
     from saes import hopper_topk
 
-    _common.compile_kernel(prep.build_prep, 16, 16, 128, "bfloat16")
+    # the package default variant (ws16+prep2) at Hk = Hv = 16
+    _common.compile_kernel(prep_v2.build_prep_v2, 16, 16, 128, "bfloat16")
     # The V-slice width depends on the number of sequences (1 in the checks, B in the arms) and the H200's 132 SMs.
     for bdv in sorted({plan.choose_block_v(n, 16, 128, 128, 132) for n in (1, B)}):
         for store_final in (False, True):
-            _common.compile_kernel(fused_fwd.build_fused_fwd, 16, 16, 128, 128, bdv, "bfloat16", 128 ** -0.5,
-                                   store_final)
+            _common.compile_kernel(fused_fwd_ws.build_fused_fwd_ws, 16, 16, 128, 128, bdv, "bfloat16", 128 ** -0.5,
+                                   store_final, "float16")
         _common.compile_kernel(segment_states.build_segment_states, 16, 16, 128, 128, bdv, "bfloat16")
     for has_h0 in (False, True):
         _common.compile_kernel(state_scan.build_state_scan, 16, 128, 128, has_h0)

@@ -61,11 +61,11 @@ def make_inputs(Hk, Hv, seqlen, nseq, seed=0, device="cuda"):
 
 
 def ours_fn(variant, q, k, v, g, beta, h0, cu):
-    """Our forward in one kernel variant (``default``: the verified launcher itself)."""
+    """Our forward in one kernel variant (``default``: the package's launcher as users get it)."""
     from flashqla_kernels.gated_delta_rule import hopper
     from flashqla_kernels.gated_delta_rule.hopper import variants
 
-    if variants.parse_variant(variant).is_default:
+    if variant == "default":
         return lambda: hopper.chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, scale=None, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=False,
             cu_seqlens=cu)
@@ -246,22 +246,26 @@ def kernel_specs(variant_names, configs, sms):
     layouts |= {(Hk, Hv, Kd, dt, len(lens)) for Hk, Hv, Kd, lens, dt, _ in SMOKE_CASES}
     layouts |= gpu_test_layouts()
     specs = set()
+
+    def add(var, Hk, Hv, Kd, dt, bdv, sc, final):
+        tail = (Hk, Hv, Kd, Kd, bdv, dt)
+        specs.add(("prep2" if var.prep2 else "prep", (Hk, Hv, Kd, dt)))
+        if var.fused == "base":
+            specs.add(("fused", (*tail, sc, final)))
+        else:
+            specs.add(("ws", (*tail, sc, final, "float16" if var.fused == "ws16" and dt == "bfloat16" else "")))
+        specs.add(("segment", tail))
+
     for Hk, Hv, Kd, dt, N in layouts:
         plan_bdv = min(Kd, forced) if forced else plan.choose_block_v(N, Hv, Kd, Kd, sms)
         for var in parsed:
-            bdv = min(Kd, var.block_v) if var.block_v and Kd <= 128 else plan_bdv
-            sc, tail = float(Kd ** -0.5), (Hk, Hv, Kd, Kd, bdv, dt)
-            specs.add(("prep2" if var.prep2 else "prep", (Hk, Hv, Kd, dt)))
-            if var.fused == "default":
-                specs.add(("fused", (*tail, sc, True)))
-            else:
-                specs.add(("ws", (*tail, sc, True, "float16" if var.fused == "ws16" and dt == "bfloat16" else "")))
-            specs.add(("segment", tail))
+            add(var, Hk, Hv, Kd, dt, min(Kd, var.block_v) if var.block_v and Kd <= 128 else plan_bdv,
+                float(Kd ** -0.5), True)
         specs |= {("scan", (Hv, Kd, Kd, True)), ("scan", (Hv, Kd, Kd, False))}
     if gpu_test_layouts():
-        # test_hopper_no_final_state_returns_none: scale 0.5, no final state, one 70-token sequence
-        specs |= {("prep", (1, 2, 128, "bfloat16")),
-                  ("fused", (1, 2, 128, 128, plan.choose_block_v(1, 2, 128, 128, sms), "bfloat16", 0.5, False))}
+        # test_hopper_no_final_state_returns_none (the package default): scale 0.5, no final state, one sequence
+        add(variants.parse_variant("default"), 1, 2, 128, "bfloat16", plan.choose_block_v(1, 2, 128, 128, sms), 0.5,
+            False)
     return sorted(specs)
 
 

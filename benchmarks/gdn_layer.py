@@ -276,10 +276,12 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
     specs = []
     for Hv in (16, 32):  # the benchmark (Hv = 16; 1 and 8 sequences) and the layer tests (2 sequences)
         specs.append((chunk + "prep", "build_prep", (16, Hv, 128, bf16)))
+        specs.append((chunk + "prep_v2", "build_prep_v2", (16, Hv, 128, bf16)))  # the default variant's prep
         for bdv in sorted({plan.choose_block_v(n, Hv, 128, 128, 132) for n in (1, 2, 8)}):
             for final in (False, True):
                 args = (16, Hv, 128, 128, bdv, bf16, 128 ** -0.5, final)
                 specs.append((chunk + "fused_fwd", "build_fused_fwd", args))
+                specs.append((chunk + "fused_fwd_ws", "build_fused_fwd_ws", (*args, "float16")))  # default: ws16
             specs.append((chunk + "segment_states", "build_segment_states", (16, Hv, 128, 128, bdv, bf16)))
         for has_h0 in (False, True):
             specs.append((chunk + "state_scan", "build_state_scan", (Hv, 128, 128, has_h0)))

@@ -40,13 +40,15 @@ EXTRA = [
 
 
 def test_variant_names_parse():
-    assert variants.parse_variant("default").is_default
-    assert variants.parse_variant("").is_default
+    default = variants.Variant(fused="ws16", prep2=True)
+    assert variants.parse_variant("default") == variants.parse_variant("") == default
+    assert variants.parse_variant(variants.DEFAULT_VARIANT) == default
+    assert variants.parse_variant("base").is_base and not default.is_base
     assert variants.parse_variant("ws+prep2") == variants.Variant(fused="ws", prep2=True)
     assert variants.parse_variant(" ws16 ") == variants.Variant(fused="ws16", prep2=False)
-    assert variants.parse_variant("prep2") == variants.Variant(fused="default", prep2=True)
+    assert variants.parse_variant("prep2") == variants.Variant(fused="base", prep2=True)
     assert variants.parse_variant("ws16+prep2+bv128") == variants.Variant(fused="ws16", prep2=True, block_v=128)
-    assert not variants.parse_variant("bv64").is_default
+    assert not variants.parse_variant("bv64").is_base
     for name in variants.ALL_VARIANTS:
         variants.parse_variant(name)
     with pytest.raises(ValueError, match="unknown Hopper kernel variant part"):
@@ -60,8 +62,10 @@ def test_variant_names_parse():
 def test_variant_env_var_is_read_when_no_name_is_given(monkeypatch):
     monkeypatch.setenv(variants.ENV_VAR, "ws16+prep2")
     assert variants.parse_variant(None) == variants.Variant(fused="ws16", prep2=True)
+    monkeypatch.setenv(variants.ENV_VAR, "base")
+    assert variants.parse_variant(None).is_base
     monkeypatch.delenv(variants.ENV_VAR)
-    assert variants.parse_variant(None).is_default
+    assert variants.parse_variant(None) == variants.parse_variant(variants.DEFAULT_VARIANT)
 
 
 def _launcher_module(env: dict) -> str:
@@ -73,11 +77,25 @@ def _launcher_module(env: dict) -> str:
     return out.stdout.strip()
 
 
-def test_default_launcher_is_the_verified_forward_unless_a_variant_is_set():
-    base = {variants.ENV_VAR: None}
-    assert _launcher_module(base) == "flashqla_kernels.gated_delta_rule.hopper.forward"
-    assert _launcher_module({**base, variants.ENV_VAR: "default"}) == "flashqla_kernels.gated_delta_rule.hopper.forward"
-    assert _launcher_module({**base, variants.ENV_VAR: "ws"}) == "flashqla_kernels.gated_delta_rule.hopper.variants"
+def test_the_package_launcher_is_the_variant_launcher_and_imports_no_tilelang():
+    assert _launcher_module({variants.ENV_VAR: None}) == "flashqla_kernels.gated_delta_rule.hopper.variants"
+
+
+def test_unset_runs_the_default_variant_and_base_the_first_path(monkeypatch):
+    """Which stage launchers the package launcher wires, without a GPU: the stage selection is recorded."""
+    from flashqla_kernels.gated_delta_rule import hopper
+
+    seen = []
+    monkeypatch.setattr(variants, "_run", lambda var, *a, **kw: seen.append(var) or ("o", None))
+    monkeypatch.setattr(variants.forward, "chunk_gated_delta_rule_fwd", lambda *a, **kw: seen.append("base") or 0)
+    monkeypatch.setattr(variants.forward, "unsupported_reason", lambda *a: None)
+    x = torch.zeros(1, 4, 1, 8)
+    monkeypatch.delenv(variants.ENV_VAR, raising=False)
+    hopper.chunk_gated_delta_rule_fwd(x, x, x, x[..., 0], x[..., 0])
+    monkeypatch.setenv(variants.ENV_VAR, "base")
+    hopper.chunk_gated_delta_rule_fwd(x, x, x, x[..., 0], x[..., 0])
+    hopper.chunk_gated_delta_rule_fwd(x, x, x, x[..., 0], x[..., 0], variant="ws+prep2")
+    assert seen == [variants.Variant(fused="ws16", prep2=True), "base", variants.Variant(fused="ws", prep2=True)]
 
 
 def _build(stage, args):
@@ -247,10 +265,10 @@ def test_fp16_inner_operands_cut_the_bf16_error_in_emulation():
     assert err[torch.float16][1] < 0.8 * err[torch.bfloat16][1], err
 
 
-# FLASHQLA_TEST_VARIANTS=ws,prep2 narrows the GPU run (one pytest process per variant: a deadlocked kernel then
-# costs only its own timeout; see benchmarks/README.md)
-GPU_VARIANTS = [v for v in os.environ.get("FLASHQLA_TEST_VARIANTS", ",".join(variants.ALL_VARIANTS[1:])).split(",")
-                if v.strip()]
+# Every variant but the default (test_hopper_gpu.py runs the package launcher, i.e. the default). FLASHQLA_TEST_VARIANTS=
+# ws,prep2 narrows the GPU run (one pytest process per variant: a deadlocked kernel then costs only its own timeout)
+_OTHERS = ",".join(v for v in variants.ALL_VARIANTS if v != variants.DEFAULT_VARIANT)
+GPU_VARIANTS = [v for v in os.environ.get("FLASHQLA_TEST_VARIANTS", _OTHERS).split(",") if v.strip()]
 
 
 @pytest.mark.gpu

@@ -5,15 +5,11 @@ context parallelism for few long sequences), ``fused_fwd`` (state recurrence and
 ``forward`` wires them; ``plan`` builds the chunk/segment tables. Importing this package does not import tilelang:
 the stage modules load on the first kernel call.
 
-Kernel variants (``variants``: warp-specialised fused stage, grouped prep) run beside the verified default when asked
-for: ``variants.chunk_gated_delta_rule_fwd(..., variant="ws+prep2")``, or FLASHQLA_KERNELS_VARIANT set before this
-package is imported (then the launcher below is the variant one); unset, the launcher is ``forward``'s.
+Kernel variants (``variants``: warp-specialised fused stage, grouped prep) choose the stage kernels; the launcher
+exported here runs ``variants.DEFAULT_VARIANT`` unless FLASHQLA_KERNELS_VARIANT names another (``base`` = the first
+verified path, ``forward.chunk_gated_delta_rule_fwd``).
 """
-import os as _os
-
-from flashqla_kernels.gated_delta_rule.hopper.forward import chunk_gated_delta_rule_fwd, unsupported_reason
-
-if _os.environ.get("FLASHQLA_KERNELS_VARIANT", "default") not in ("", "default"):
-    from flashqla_kernels.gated_delta_rule.hopper.variants import chunk_gated_delta_rule_fwd  # noqa: F811
+from flashqla_kernels.gated_delta_rule.hopper.forward import unsupported_reason
+from flashqla_kernels.gated_delta_rule.hopper.variants import chunk_gated_delta_rule_fwd
 
 __all__ = ["chunk_gated_delta_rule_fwd", "unsupported_reason"]

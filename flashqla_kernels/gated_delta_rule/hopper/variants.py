@@ -1,18 +1,22 @@
-"""Kernel variants of the Hopper forward, selectable beside the verified default (for A/B runs on the GPU).
+"""Kernel variants of the Hopper forward: which stage kernels the launcher wires (``forward.launch``).
 
-A variant name joins parts with ``+``; ``default`` (or "") is the verified path of ``forward`` itself, the very same
-function. Parts:
+A variant name joins parts with ``+``. ``base`` is the first verified path (``forward.chunk_gated_delta_rule_fwd``:
+``prep`` + ``fused_fwd``); ``default`` (or "") is ``DEFAULT_VARIANT``, what runs when nothing is chosen. Parts:
 
     ws      fused stage warp-specialised (``fused_fwd_ws``: state / values / output warpgroups + TMA producer)
     ws16    as ws, with the W, Ag, Vd, Pg operands in fp16 when the inputs are bf16 (finer rounding, same speed)
     prep2   prep stage with K K^T shared across a GVA group and 2G warps per CTA (``prep_v2``)
-    bv32, bv64, bv128   force the V slice per CTA (the plan's rules were tuned on the default fused stage; the
+    bv32, bv64, bv128   force the V slice per CTA (the plan's rules were tuned on the base fused stage; the
             warp-specialised one holds one 512-thread CTA per SM, so wider slices and more segments may pay)
 
-e.g. ``ws+prep2`` or ``ws16+prep2+bv128``. Select per call (``variant=``) or process-wide with the environment variable
-FLASHQLA_KERNELS_VARIANT, read by :func:`chunk_gated_delta_rule_fwd` on every call with ``variant=None`` and by the
-package ``__init__`` at import (then the public op runs the variant too). The context-parallel stages
-(``segment_states``, ``state_scan``) are the default ones in every variant.
+``DEFAULT_VARIANT = "ws16+prep2"``: on the H200 (2026-11-30, benchmarks/results/gdn_forward.md) it passed the whole GPU
+suite (rel-L2 vs float64 2.0e-3 o / 1.7e-3 state where base has 3.7e-3 / 2.9e-3) and each of its stages was faster
+than base's on every measured config (prep 1.4-1.5x, fused 1.07-1.19x). ``bv128`` was faster still on the
+context-parallel rows measured, not yet measured on the rest, so it stays opt-in.
+
+Select per call (``variant=``) or process-wide with the environment variable FLASHQLA_KERNELS_VARIANT (read on every
+call with ``variant=None``; ``base`` restores the first path). The context-parallel stages (``segment_states``,
+``state_scan``) are the same in every variant.
 """
 from __future__ import annotations
 
@@ -25,44 +29,49 @@ from flashqla_kernels.gated_delta_rule.hopper import forward
 
 ENV_VAR = "FLASHQLA_KERNELS_VARIANT"
 PARTS = ("ws", "ws16", "prep2", "bv32", "bv64", "bv128")
-# what benchmarks/gdn_forward.py --variants all runs
-ALL_VARIANTS = ("default", "ws", "ws16", "prep2", "ws+prep2", "ws16+prep2", "ws16+prep2+bv128")
+DEFAULT_VARIANT = "ws16+prep2"
+# what benchmarks/gdn_forward.py --variants all runs beside the default
+ALL_VARIANTS = ("base", "ws", "ws16", "prep2", "ws+prep2", "ws16+prep2", "ws16+prep2+bv128")
 
 
 @dataclass(frozen=True)
 class Variant:
-    """Parsed variant: which fused stage (``"default"``, ``"ws"``, ``"ws16"``), whether prep is ``prep_v2``, and a
+    """Parsed variant: which fused stage (``"base"``, ``"ws"``, ``"ws16"``), whether prep is ``prep_v2``, and a
     forced V slice per CTA (0: the plan's rule)."""
 
-    fused: str = "default"
+    fused: str = "base"
     prep2: bool = False
     block_v: int = 0
 
     @property
-    def is_default(self) -> bool:
-        return self.fused == "default" and not self.prep2 and not self.block_v
+    def is_base(self) -> bool:
+        """The first verified path: ``forward.chunk_gated_delta_rule_fwd`` itself."""
+        return self.fused == "base" and not self.prep2 and not self.block_v
 
 
 def parse_variant(name: str | None) -> Variant:
-    """Parse ``"ws+prep2"``-style names; ``None`` reads FLASHQLA_KERNELS_VARIANT (unset: default).
+    """Parse ``"ws+prep2"``-style names; ``None`` reads FLASHQLA_KERNELS_VARIANT; unset, ``""`` and ``"default"``
+    mean ``DEFAULT_VARIANT``; ``"base"`` the first verified path.
 
     Raises:
         ValueError: an unknown part, or both ws and ws16.
     """
     if name is None:
         name = os.environ.get(ENV_VAR, "")
-    parts = [p.strip() for p in name.split("+") if p.strip() and p.strip() != "default"]
+    if name.strip() in ("", "default"):
+        name = DEFAULT_VARIANT
+    parts = [p.strip() for p in name.split("+") if p.strip() and p.strip() != "base"]
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         raise ValueError(f"unknown Hopper kernel variant part(s) {unknown} in {name!r} (from variant= or {ENV_VAR}); "
-                         f"expected 'default' or parts of {PARTS} joined by '+', e.g. 'ws+prep2'")
+                         f"expected 'default', 'base' or parts of {PARTS} joined by '+', e.g. 'ws+prep2'")
     fused = [p for p in parts if p in ("ws", "ws16")]
     if len(fused) > 1:
         raise ValueError(f"variant {name!r} names two fused stages {fused}; pick one of 'ws', 'ws16'")
     widths = [int(p[2:]) for p in parts if p.startswith("bv")]
     if len(widths) > 1:
         raise ValueError(f"variant {name!r} names two V slices {widths}; pick one")
-    return Variant(fused=fused[0] if fused else "default", prep2="prep2" in parts, block_v=widths[0] if widths else 0)
+    return Variant(fused=fused[0] if fused else "base", prep2="prep2" in parts, block_v=widths[0] if widths else 0)
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -83,7 +92,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
                   segment_chunks=segment_chunks)
     Tn = k.shape[1]
-    if var.is_default or Tn == 0:
+    if var.is_base or Tn == 0:
         return forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kwargs)
     reason = forward.unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens)
     if reason is not None:
@@ -110,7 +119,7 @@ def prep_fn(var: Variant):
 
 def fused_fn(var: Variant, dtype: torch.dtype):
     """The fused stage launcher of a variant for inputs of ``dtype`` (same contract as ``fused_fwd.fused_fwd``)."""
-    if var.fused == "default":
+    if var.fused == "base":
         from flashqla_kernels.gated_delta_rule.hopper.fused_fwd import fused_fwd
 
         return fused_fwd
