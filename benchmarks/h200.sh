@@ -16,6 +16,7 @@
 #   collect      benchmarks/collect_throughput.py (bare forward / capture / SAE codes; ours vs FLA vs torch GDN)
 #   layer-tests  benchmarks/gdn_layer.py --gpu-tests (the fused GDN layer against transformers' layer)
 #   layer        benchmarks/gdn_layer.py, every arm (ours, qla_op, fla, torch, compile, ours+compile)
+#   ws-trace     benchmarks/gdn_ws_trace.py: clock64 timeline of the default fused stage's chunk step
 set -o pipefail
 export PYTHONUNBUFFERED=1 FLA_FLASH_QLA=0 TILELANG_CACHE_DIR=/tmp/tlcache PYTHONPATH=/tmp/site:/tmp/pyt:$PWD
 OUT=${OUT:-/tmp/h200-out}
@@ -67,6 +68,7 @@ for p in "$@"; do
         collect) phase collect "${COLLECT_S:-300}" python3 benchmarks/collect_throughput.py --out "$OUT" --steps 3 \
                      --budget-s "$(( ${COLLECT_S:-300} - 60 ))" ;;
         layer-tests) phase layer-tests "${LAYER_TESTS_S:-200}" python3 benchmarks/gdn_layer.py --gpu-tests --out "$OUT" ;;
+        ws-trace) phase ws-trace "${TRACE_S:-120}" python3 benchmarks/gdn_ws_trace.py --out "$OUT" ;;
         layer) phase layer "${LAYER_S:-400}" python3 benchmarks/gdn_layer.py --arms "${LAYER_ARMS:-ours,qla_op,fla,torch,compile,ours+compile}" \
                    --out "$OUT" ;;
         *) echo "unknown phase $p" | tee -a "$OUT/phases.log" ;;

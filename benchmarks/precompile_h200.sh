@@ -23,6 +23,7 @@ $py benchmarks/gdn_forward.py --variants all --precompile "$jobs" --precompile-o
 $py benchmarks/topk_encode.py --precompile "$jobs" --precompile-only 2>&1 | quiet
 $py benchmarks/collect_throughput.py --precompile 2>&1 | quiet
 $py benchmarks/gdn_layer.py --precompile --jobs "$jobs" 2>&1 | quiet
+$py benchmarks/gdn_ws_trace.py --precompile 2>&1 | quiet
 rm -rf "$TILELANG_CACHE_DIR"/*/*/.staging
 tar cf - -C "$TILELANG_CACHE_DIR" . | xz -T0 -6 > .tlc_dev/cache.tar.xz.tmp && mv .tlc_dev/cache.tar.xz.tmp .tlc_dev/cache.tar.xz
 echo "packed $(find "$TILELANG_CACHE_DIR" -name executable.so | wc -l) kernels: $(du -h .tlc_dev/cache.tar.xz | cut -f1)"

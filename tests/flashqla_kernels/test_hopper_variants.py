@@ -12,11 +12,14 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from flashqla_kernels.gated_delta_rule.hopper import variants
+
+REPO = Path(__file__).resolve().parents[2]
 
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc to compile for sm_90a")
@@ -390,3 +393,52 @@ def test_default_launcher_wiring_equals_reference_with_torch_stages(monkeypatch)
     ro, rht = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                          use_qk_l2norm_in_kernel=True)
     assert ((o - ro).norm() / ro.norm()).item() < 1e-6 and ((ht - rht).norm() / rht.norm()).item() < 1e-6
+
+
+@needs_nvcc
+def test_traced_ws_kernel_stamps_every_hand_off_and_the_plain_one_none():
+    from flashqla_kernels.gated_delta_rule.hopper import fused_fwd_ws as ws
+
+    args = (2, 4, 64, 64, 64, "bfloat16", 0.125, False, "float16")
+    traced = _common_source(ws.build_fused_fwd_ws, *args, True)
+    assert traced.count("clock64()") == sum(len(n) for n in ws.TRACE_NAMES)
+    assert "clock64" not in _common_source(ws.build_fused_fwd_ws, *args)
+    with pytest.raises(ValueError, match="store_final=False"):
+        ws.build_fused_fwd_ws(2, 4, 64, 64, 64, "bfloat16", 0.125, True, "", True)
+
+
+def _common_source(builder, *args):
+    from flashqla_kernels.gated_delta_rule.hopper import _common
+
+    return _common.compile_kernel(builder, *args).get_kernel_source()
+
+
+def test_trace_stamps_unwrap_across_the_counter_period_and_analyse_per_warpgroup():
+    import importlib.util
+
+    from flashqla_kernels.gated_delta_rule.hopper import fused_fwd_ws as ws
+
+    period = 1 << 24
+    true = torch.arange(12, dtype=torch.float64) * 1000 + 5  # cycles since the first stamp
+    for origin in (0, period - 4500, period - 1):  # no wrap, a wrap in the middle, a wrap right after the first
+        raw = torch.remainder(true + origin, period)
+        raw = torch.cat([raw, torch.tensor([float("nan")])])
+        got = ws.unwrap_stamps(raw)
+        assert torch.equal(got[:-1], true - 5) and got[-1].isnan()
+    # synthetic stamps: every warpgroup's event e at step s = 1000 s + 10 e (state), + 3 for the others
+    E, S = ws.TRACE_EVENTS, ws.TRACE_STEPS
+    stamps = torch.full((4, E, S), float("nan"), dtype=torch.float64)
+    for wg, names in enumerate(ws.TRACE_NAMES):
+        for e in range(len(names)):
+            stamps[wg, e] = torch.arange(S) * 1000.0 + 10 * e + (3 if wg else 0)
+    spec = importlib.util.spec_from_file_location("gdn_ws_trace", REPO / "benchmarks" / "gdn_ws_trace.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    a = bench.analyse(stamps, 40, 2.0)
+    assert a["per_step_cycles"] == 1000 and a["gaps"]["state"]["ready -> start"] == 10
+    assert a["gaps"]["values"]["Vn->smem -> next ready"] == 1000 - 90
+    assert a["timeline"]["output"]["store O"] == 93 and a["timeline"]["state"]["ready"] == 0
+    assert "| producer | free -> issued | 10 |" in bench.markdown(
+        {"gpu": "H200", "date": "d", "commit": "c", "clock_ghz": 2.0, "variant": "v",
+         "rows": [{"Hk": 1, "Hv": 2, "seqlen": 64, "nseq": 1, "bDV": 64, "steps": 40, "stage_ms": 1.0,
+                   "traced_ms": 1.1, "analysis": a}]})

@@ -13,6 +13,11 @@ Unlike FlashQLA, WG0 waits only for Vn (``bar_vn``), not for the output GEMM, be
 O from registers (no o staging buffer, no store warp).
 
 Grid (V / bDV, Hv, segments), 512 threads; ``segs`` as in ``fused_fwd``.
+
+``trace=True`` builds a diagnostic twin (``trace_step``): the same schedule, no final state, and thread 0 of each
+warpgroup of CTA (0, 0, 0) writes ``clock64`` stamps at the hand-off points of every chunk step into ``ht[0, 0]``
+(``TRACE_EVENTS`` events x ``TRACE_STEPS`` steps per warpgroup, cycles since that warpgroup started, as fp32): where
+a step's time goes, measured on the device without a profiler. The untraced kernel's code is unchanged by it.
 """
 import tilelang.language as T
 import torch
@@ -25,15 +30,37 @@ THREADS = 512
 # dtypes: no spills. The producer's masked tail loads need the 88 (FlashQLA's 32 spills ~100 B there); without
 # setmaxnreg the 128-register cap of 512 threads spills S (1.5 KB).
 NREG_STATE, NREG_VALUES, NREG_OUTPUT, NREG_PRODUCER = 160, 128, 128, 88
+# trace=True: stamps per warpgroup (state, values, output, producer warp 0) and chunk steps recorded
+TRACE_EVENTS, TRACE_STEPS = 10, 64
+TRACE_NAMES = (
+    ("ready", "start", "S->smem", "state", "S*decay", "Vn", "K^T Vn"),
+    ("ready", "start", "exp gates", "state", "K S", "W", "Ag", "Ag W", "Vd->smem", "Vn->smem"),
+    ("ready", "start", "Q K^T", "Ag->smem", "Pg->smem", "state", "Q S", "Vd", "Pg Vd", "store O"),
+    ("free", "issued"),
+)
 
 
 def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool,
-                       inner: str = ""):
+                       inner: str = "", trace: bool = False):
     """``inner``: dtype of the W, Ag, Vd and Pg operands (the Ag W and Pg Vd GEMMs); "" = the input dtype. "float16"
     with bf16 inputs keeps those four in fp16 (8x finer rounding; the values are bounded like A0, which the default
-    already stores in fp16) while q, k, S and Vn stay bf16 (variant ``ws16``)."""
+    already stores in fp16) while q, k, S and Vn stay bf16 (variant ``ws16``). ``trace``: see the module doc (then
+    ``store_final`` must be False: ``ht`` holds the stamps)."""
+    if trace and (store_final or K * V < 4 * TRACE_EVENTS * TRACE_STEPS):
+        raise ValueError(f"trace=True needs store_final=False and K*V >= {4 * TRACE_EVENTS * TRACE_STEPS}")
     group = Hv // Hk
     idt = inner or dtype
+
+    @T.macro
+    def stamp(ht, tx, bv, bh, bs, wg, event, it):
+        # trace builds: thread 0 of the warpgroup of CTA (0, 0, 0) stores clock64 mod 2^24 (exact in fp32; the
+        # reader unwraps the differences); other builds emit nothing
+        if trace:
+            if bv == 0 and bh == 0 and bs == 0 and tx % 128 == 0 and it < TRACE_STEPS:
+                ht[0, 0, ((wg * TRACE_EVENTS + event) * TRACE_STEPS + it) // V,
+                   ((wg * TRACE_EVENTS + event) * TRACE_STEPS + it) % V] = T.cast(
+                    T.call_extern("int64", "clock64") % 16777216, "float32")
+
     separate_w = idt != dtype
     num_tokens = T.dynamic("num_tokens")
     num_segs = T.dynamic("num_segs")
@@ -106,16 +133,23 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                     T.clear(s_f)
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
+                    stamp(ht, tx, bv, bh, bs, 0, 0, it)
                     T.barrier_arrive(bar_start)
                     T.barrier_wait(bar_start, it % 2)
+                    stamp(ht, tx, bv, bh, bs, 0, 1, it)
                     T.copy(s_f, h_sh)
                     T.fence_proxy_async()
+                    stamp(ht, tx, bv, bh, bs, 0, 2, it)
                     T.barrier_arrive(bar_state)
                     T.barrier_wait(bar_state, it % 2)
+                    stamp(ht, tx, bv, bh, bs, 0, 3, it)
                     for i, j in T.Parallel(K, bDV):
                         s_f[i, j] = s_f[i, j] * eg_sh[C - 1]
+                    stamp(ht, tx, bv, bh, bs, 0, 4, it)
                     T.barrier_wait(bar_vn, it % 2)
+                    stamp(ht, tx, bv, bh, bs, 0, 5, it)
                     T.gemm(k_sh[it % 2, :, :], vn_sh, s_f, transpose_A=True)
+                    stamp(ht, tx, bv, bh, bs, 0, 6, it)
                     T.barrier_arrive(free[it % 2])
                 if store_final:
                     if fin >= 0:
@@ -125,33 +159,45 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                 T.set_max_nreg(NREG_VALUES, 1)
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
+                    stamp(ht, tx, bv, bh, bs, 1, 0, it)
                     T.barrier_arrive(bar_start)
                     T.barrier_wait(bar_start, it % 2)
+                    stamp(ht, tx, bv, bh, bs, 1, 1, it)
                     for i in T.Parallel(C):
                         eg_sh[i] = T.exp2(g_sh[it % 2, i] * LOG2E)
                         er_sh[i] = T.exp2((g_sh[it % 2, C - 1] - g_sh[it % 2, i]) * LOG2E)
+                    stamp(ht, tx, bv, bh, bs, 1, 2, it)
                     T.barrier_arrive(bar_state)
                     T.barrier_wait(bar_state, it % 2)
+                    stamp(ht, tx, bv, bh, bs, 1, 3, it)
                     T.gemm(k_sh[it % 2, :, :], h_sh, u_f, clear_accum=True)
+                    stamp(ht, tx, bv, bh, bs, 1, 4, it)
                     if separate_w:
                         for i, j in T.Parallel(C, bDV):
                             w_sh[i, j] = v_sh[it % 2, i, j] - eg_sh[i] * u_f[i, j]
                         T.fence_proxy_async()
+                        stamp(ht, tx, bv, bh, bs, 1, 5, it)
                         T.barrier_wait(bar_ag, it % 2)
+                        stamp(ht, tx, bv, bh, bs, 1, 6, it)
                         T.gemm(ag_sh, w_sh, vd_f, clear_accum=True)
                     else:
                         # W = V - exp(gamma) U, written over this chunk's V tile
                         for i, j in T.Parallel(C, bDV):
                             v_sh[it % 2, i, j] = v_sh[it % 2, i, j] - eg_sh[i] * u_f[i, j]
                         T.fence_proxy_async()
+                        stamp(ht, tx, bv, bh, bs, 1, 5, it)
                         T.barrier_wait(bar_ag, it % 2)
+                        stamp(ht, tx, bv, bh, bs, 1, 6, it)
                         T.gemm(ag_sh, v_sh[it % 2, :, :], vd_f, clear_accum=True)
+                    stamp(ht, tx, bv, bh, bs, 1, 7, it)
                     T.copy(vd_f, vd_sh)
                     T.fence_proxy_async()
+                    stamp(ht, tx, bv, bh, bs, 1, 8, it)
                     T.barrier_arrive(bar_vd)
                     for i, j in T.Parallel(C, bDV):
                         vn_sh[i, j] = vd_f[i, j] * er_sh[i]
                     T.fence_proxy_async()
+                    stamp(ht, tx, bv, bh, bs, 1, 9, it)
                     T.barrier_arrive(bar_vn)
                     T.barrier_arrive(free[it % 2])
 
@@ -159,26 +205,35 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                 T.set_max_nreg(NREG_OUTPUT, 1)
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
+                    stamp(ht, tx, bv, bh, bs, 2, 0, it)
                     T.barrier_arrive(bar_start)
                     T.barrier_wait(bar_start, it % 2)
+                    stamp(ht, tx, bv, bh, bs, 2, 1, it)
                     T.gemm(q_sh[it % 2, :, :], k_sh[it % 2, :, :], p_f, transpose_B=True, clear_accum=True)
+                    stamp(ht, tx, bv, bh, bs, 2, 2, it)
                     for i, j in T.Parallel(C, C):
                         ag_sh[i, j] = T.if_then_else(
                             j <= i,
                             a_sh[it % 2, i, j] * T.exp2((g_sh[it % 2, i] - g_sh[it % 2, j]) * LOG2E)
                             * b_sh[it % 2, j], 0.0)
                     T.fence_proxy_async()
+                    stamp(ht, tx, bv, bh, bs, 2, 3, it)
                     T.barrier_arrive(bar_ag)
                     for i, j in T.Parallel(C, C):
                         pg_sh[i, j] = T.if_then_else(
                             j <= i, p_f[i, j] * T.exp2((g_sh[it % 2, i] - g_sh[it % 2, j]) * LOG2E) * scale, 0.0)
                     T.fence_proxy_async()
+                    stamp(ht, tx, bv, bh, bs, 2, 4, it)
                     T.barrier_wait(bar_state, it % 2)
+                    stamp(ht, tx, bv, bh, bs, 2, 5, it)
                     T.gemm(q_sh[it % 2, :, :], h_sh, o_f, clear_accum=True)
+                    stamp(ht, tx, bv, bh, bs, 2, 6, it)
                     for i, j in T.Parallel(C, bDV):
                         o_f[i, j] = o_f[i, j] * eg_sh[i] * scale
                     T.barrier_wait(bar_vd, it % 2)
+                    stamp(ht, tx, bv, bh, bs, 2, 7, it)
                     T.gemm(pg_sh, vd_sh, o_f)
+                    stamp(ht, tx, bv, bh, bs, 2, 8, it)
                     cs = s0 + it * C
                     if cs + C <= s1:
                         T.copy(o_f, o[cs:cs + C, bh, v0:v0 + bDV])
@@ -186,6 +241,7 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                         for i, j in T.Parallel(C, bDV):
                             if cs + i < s1:
                                 o[cs + i, bh, v0 + j] = o_f[i, j]
+                    stamp(ht, tx, bv, bh, bs, 2, 9, it)
                     T.barrier_arrive(free[it % 2])
 
             else:
@@ -193,6 +249,7 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                 if tx < 384 + 32:
                     for it in T.serial(n_it):
                         T.barrier_wait(free[it % 2], (it // 2 + 1) % 2)
+                        stamp(ht, tx, bv, bh, bs, 3, 0, it)
                         cs = s0 + it * C
                         if cs + C <= s1:
                             T.tma_copy(q[cs:cs + C, hk, :], q_sh[it % 2, :, :], barrier=ready[it % 2])
@@ -204,6 +261,7 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                                 k_sh[it % 2, i, j] = T.if_then_else(cs + i < s1, k[T.min(cs + i, s1 - 1), hk, j],
                                                                     T.cast(0, dtype))
                             T.fence_proxy_async()
+                        stamp(ht, tx, bv, bh, bs, 3, 1, it)
                         T.barrier_arrive(ready[it % 2])
                 elif tx < 384 + 64:
                     for it in T.serial(n_it):
@@ -253,3 +311,31 @@ def fused_fwd_ws(q, k, v, a0, gamma, beta, h_init, segs, o, ht, *, scale: float,
     if ht is None:
         ht = torch.empty((1, Hv, K, V), dtype=torch.float32, device=q.device)
     kernel(q, k, v, a0, gamma, beta, h_init, segs, o, ht)
+
+
+def trace_step(q, k, v, a0, gamma, beta, h_init, segs, o, *, scale: float, bDV: int, inner: str = ""):
+    """Run the traced twin (o written as by ``fused_fwd_ws``, no final state) and return its stamps.
+
+    Returns:
+        ``[4, TRACE_EVENTS, TRACE_STEPS]`` float64 cycles of CTA (0, 0, 0) since its first stamp, per warpgroup and
+        event of ``TRACE_NAMES`` (unused slots and steps beyond the segment's are NaN).
+    """
+    Tn, Hk, K = k.shape
+    Hv, V = v.shape[1], v.shape[2]
+    kernel = compile_kernel(build_fused_fwd_ws, Hk, Hv, K, V, bDV, tl_dtype(q.dtype), float(scale), False, inner,
+                            True)
+    ht = torch.full((1, Hv, K, V), float("nan"), dtype=torch.float32, device=q.device)
+    kernel(q, k, v, a0, gamma, beta, h_init, segs, o, ht)
+    raw = ht[0, 0].flatten()[:4 * TRACE_EVENTS * TRACE_STEPS].double().cpu()
+    return unwrap_stamps(raw).view(4, TRACE_EVENTS, TRACE_STEPS)
+
+
+def unwrap_stamps(raw: torch.Tensor, period: int = 1 << 24) -> torch.Tensor:
+    """clock64-mod-``period`` stamps -> cycles since the earliest one (NaN stays NaN). The stamps of one traced run
+    span less than a period (8 ms at 2 GHz), so they lie on an arc of the circle: it begins after the widest gap."""
+    values = raw[~raw.isnan()].sort().values
+    if values.numel() == 0:
+        return raw
+    gaps = torch.diff(torch.cat([values, values[:1] + period]))  # the gap after each value; the last one wraps
+    start = values[(int(gaps.argmax()) + 1) % values.numel()]
+    return torch.remainder(raw - start, period)
