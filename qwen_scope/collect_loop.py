@@ -43,6 +43,7 @@ class Batch:
     doc_index: torch.Tensor
     n_tokens: int
     full: bool
+    keep_index: torch.Tensor  # flat positions of the real tokens (gathered without a device-side mask and its sync)
 
 
 def batches(rows: Iterator, budget: int, batch_size: int, context_len: int, pad_id: int,
@@ -65,8 +66,10 @@ def batches(rows: Iterator, budget: int, batch_size: int, context_len: int, pad_
         for i, row in enumerate(batch):
             ids[i, :len(row.tokens)] = torch.tensor(row.tokens)
         keep = torch.arange(context_len)[None] < torch.tensor([len(r.tokens) for r in batch])[:, None]
-        yield Batch(batch, ids.pin_memory() if pin else ids, keep.pin_memory() if pin else keep,
-                    torch.tensor([d for r in batch for d in r.doc_index]), n, bool(keep.all()))
+        index = keep.flatten().nonzero().squeeze(1)
+        docs = torch.tensor([d for r in batch for d in r.doc_index])
+        yield Batch(batch, ids.pin_memory() if pin else ids, keep, docs, n, bool(keep.all()),
+                    index.pin_memory() if pin else index)
         budget -= n
 
 
@@ -143,11 +146,12 @@ def launch(adapter, batch: Batch, device: torch.device, dense: list[str], encode
     B, L = batch.ids.shape
     ids = batch.ids.to(device, non_blocking=True)
     cap = forward_collect(adapter.model, dense + list(encoders), input_ids=ids)
-    keep_dev = None if batch.full else batch.keep.to(device, non_blocking=True)
+    index = None if batch.full else batch.keep_index.to(device, non_blocking=True)
     step = Step(batch, {"token_ids": batch.ids[batch.keep].int(), "doc_index": batch.doc_index,
                         "positions": torch.arange(L).expand(B, -1)[batch.keep].int()}, None)
     with torch.no_grad():
-        acts = {name: (cap[name].reshape(-1, adapter.d_model) if keep_dev is None else cap[name][keep_dev])
+        acts = {name: cap[name].reshape(-1, adapter.d_model) if index is None else
+                cap[name].reshape(-1, adapter.d_model).index_select(0, index)
                 for name in dict.fromkeys(dense + list(encoders))}
         for name in dense:
             step.out[f"dense.{name}"] = to_host(acts[name].to(store_dtype))

@@ -105,3 +105,19 @@ def test_gdn_layers_run_fused_for_the_call_only(setup, tmp_path):  # noqa: F811
     assert mine.gdn == "as patched by the caller (flashqla_kernels)"
     with pytest.raises(ValueError, match="'qwen3' models have no Gated DeltaNet layers"):
         collect(tiny_model("qwen3"), setup["corpus"], out_dir=tmp_path / "q3", gdn_kernels=True, **kw)
+
+
+def test_padded_batches_store_exactly_the_real_tokens(setup, tmp_path):  # noqa: F811
+    """Document packing pads every row: the real tokens are gathered by a host-built index (no device-side mask)."""
+    from hooks import capture
+
+    collect(setup["model"], setup["corpus"], points=["resid_post.2"], token_budget=200, out_dir=tmp_path,
+            packing="document", store_dtype=torch.float32, tokenizer=setup["tok"], context_len=16, batch_size=3,
+            progress=False)
+    store = ActivationStore(tmp_path)
+    starts = torch.nonzero(store.positions() == 0).flatten().tolist() + [store.n_tokens]
+    assert len(starts) > 6 and store.n_tokens == 200
+    for a, b in zip(starts[:-1], starts[1:]):
+        with capture(setup["model"], ["resid_post.2"]) as cap:
+            setup["model"](input_ids=store.token_ids()[a:b][None], use_cache=False)
+        torch.testing.assert_close(store.dense("resid_post.2", a, b), cap["resid_post.2"][0], rtol=1e-5, atol=1e-5)
