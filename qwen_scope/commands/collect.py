@@ -52,6 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--overwrite", action="store_true", help="discard a store of another config in --out")
     p.add_argument("--no-progress", action="store_true")
+    kernels = p.add_mutually_exclusive_group()
+    kernels.add_argument("--gdn-kernels", dest="gdn_kernels", action="store_const", const=True, default=None,
+                         help="run Qwen3.5 / Qwen3-Next GDN layers on the fused layer of flashqla_kernels even off "
+                              "Hopper (default: on a Hopper GPU with tilelang installed)")
+    kernels.add_argument("--no-gdn-kernels", dest="gdn_kernels", action="store_const", const=False,
+                         help="keep the model's GDN layers as transformers runs them")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         store_dtype=dtype(args.store_dtype), text_column=args.text_column, packing=args.packing,
         separator_id=None if args.no_separator else "eos", prepend_bos_id=args.bos_id,
         shard_tokens=args.shard_tokens, device=args.device, overwrite=args.overwrite,
-        progress=not args.no_progress, corpus_id=f"{args.corpus}:{args.name}:{args.split}" if args.streaming else None)
+        progress=not args.no_progress, corpus_id=f"{args.corpus}:{args.name}:{args.split}" if args.streaming else None,
+        gdn_kernels=args.gdn_kernels)
     # With a progress bar, collect() already printed the summary (rank 0).
     if args.no_progress and int(os.environ.get("RANK", "0")) == 0:
         print(summary)

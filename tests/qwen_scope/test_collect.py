@@ -192,11 +192,19 @@ def test_cli_collect_writes_a_store(setup, tmp_path):
     setup["tok"].save_pretrained(model_dir)
     rc = main(["collect", str(model_dir), str(setup["root"] / "corpus.jsonl"), "--out", str(tmp_path / "acts"),
                "--points", "resid_post.0,resid_post.2", "--sae-layers", "1", "--release", str(setup["release"]),
-               "--tokens", "200", "--context-len", "32", "--batch-size", "2", "--dtype", "float32", "--no-progress"])
+               "--tokens", "200", "--context-len", "32", "--batch-size", "2", "--dtype", "float32", "--no-progress",
+               "--gdn-kernels"])
     assert rc == 0
     store = ActivationStore(tmp_path / "acts")
     assert store.n_tokens == 200 and store.points == ["resid_post.0", "resid_post.2", "resid_post.1"]
     assert store.manifest["config"]["dtype"] == "float32"
+    plain = tmp_path / "plain"
+    assert main(["collect", str(model_dir), str(setup["root"] / "corpus.jsonl"), "--out", str(plain), "--points",
+                 "resid_post.2", "--tokens", "200", "--context-len", "32", "--batch-size", "2", "--dtype", "float32",
+                 "--no-progress", "--no-gdn-kernels"]) == 0
+    # the fused layer's torch formulation (--gdn-kernels off Hopper) stores what transformers' layer computes
+    torch.testing.assert_close(store.dense("resid_post.2"), ActivationStore(plain).dense("resid_post.2"),
+                               rtol=1e-5, atol=2e-5)
 
 
 def test_load_corpus_reads_local_jsonl_parquet_text_and_directories(tmp_path):
