@@ -249,7 +249,8 @@ def kernel_specs(variant_names, configs, sms):
 
     def add(var, Hk, Hv, Kd, dt, bdv, sc, final):
         tail = (Hk, Hv, Kd, Kd, bdv, dt)
-        specs.add(("prep2" if var.prep2 else "prep", (Hk, Hv, Kd, dt)))
+        prep_args = (Hk, Hv, Kd, dt) + ((var.inverse,) if var.inverse != "substitution" else ())
+        specs.add(("prep2" if var.prep2 else "prep", prep_args))
         if var.fused == "base":
             specs.add(("fused", (*tail, sc, final)))
         else:

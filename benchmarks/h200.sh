@@ -42,7 +42,7 @@ gdn_tests() {
     python3 benchmarks/gdn_forward.py --variants all --precompile 14 --precompile-only
     python3 -m pytest -q --timeout 300 -p no:cacheprovider tests/flashqla_kernels/test_hopper_gpu.py \
         tests/flashqla_kernels/test_dispatch_gpu.py
-    for v in base ws ws16 prep2 ws+prep2 ws16+prep2+bv128; do  # the default (ws16+prep2) ran above
+    for v in base ws ws16 prep2 ws+prep2 ws16+prep2+bv128 ws16+prep3 ws16+prep3+bv128; do  # default ran above
         echo "== variant $v"
         FLASHQLA_TEST_VARIANTS=$v timeout "${VARIANT_TEST_S:-120}" python3 -m pytest -q --timeout 60 --timeout-method thread \
             -p no:cacheprovider -m gpu tests/flashqla_kernels/test_hopper_variants.py 2>&1 | tail -15

@@ -52,6 +52,9 @@ def test_variant_names_parse():
     assert variants.parse_variant("prep2") == variants.Variant(fused="base", prep2=True)
     assert variants.parse_variant("ws16+prep2+bv128") == variants.Variant(fused="ws16", prep2=True, block_v=128)
     assert not variants.parse_variant("bv64").is_base
+    assert variants.parse_variant("ws16+prep3") == variants.Variant(fused="ws16", prep2=True, inverse="blocks")
+    with pytest.raises(ValueError, match="two prep stages"):
+        variants.parse_variant("prep2+prep3")
     for name in variants.ALL_VARIANTS:
         variants.parse_variant(name)
     with pytest.raises(ValueError, match="unknown Hopper kernel variant part"):
@@ -207,6 +210,71 @@ def test_grouped_prep_schedule_inverts_each_heads_matrix(n):
     for h in range(4):
         want = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + (beta[h, :, None] * (k @ k.T)).tril(-1))
         assert torch.allclose(a0[h], want, rtol=0, atol=1e-12)
+
+
+def _block_inverse(S: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """prep_v2's ``inverse="blocks"`` kernel, thread by thread: the same index arithmetic, the same phases between
+    barriers, shared buffers that start as NaN (a read of an unwritten entry poisons the result). S [64, 64]
+    strictly lower, beta [G, 64]; returns X [G, 64, 64] (what the kernel stores as A0, upper part zero)."""
+    G, nan = beta.shape[0], float("nan")
+    x_sh = torch.full((G, 64, 65), nan, dtype=S.dtype)
+    t_sh = torch.full((G, 32, 33), nan, dtype=S.dtype)
+    s_sh = torch.full((64, 65), nan, dtype=S.dtype)
+    s_sh[:, :64] = S
+    threads = [(hl, col) for hl in range(G) for col in range(64)]
+    for hl, col in threads:  # 1
+        db, c, x = col // 16, col % 16, [0.0] * 16
+        for r in range(16):
+            acc = sum(s_sh[db * 16 + r, db * 16 + m] * x[m] for m in range(r))
+            x[r] = 1.0 if r == c else -beta[hl, db * 16 + r] * acc
+        for r in range(16):
+            x_sh[hl, db * 16 + r, db * 16 + c] = x[r]
+        if db % 2 == 0:
+            x_sh[hl, db * 16:db * 16 + 16, (db + 1) * 16 + c] = 0.0
+    for phase in ("t1", "x10", "t2", "xba"):  # 2 and 3: each loop is the code between two barriers
+        for hl, col in threads:
+            if phase in ("t1", "x10"):
+                p, r, c0, width, inner = col // 32, (col % 32) // 2, (col % 2) * 8, 8, 16
+                bi, bj, trow = (2 * p + 1) * 16, 2 * p * 16, p * 16
+            else:
+                r, c0, width, inner = col // 2, (col % 2) * 16, 16, 32
+                bi, bj, trow = 32, 0, 0
+            for j in range(width):
+                if phase in ("t1", "t2"):
+                    acc = sum(s_sh[bi + r, bj + m] * x_sh[hl, bj + m, bj + c0 + j] for m in range(inner))
+                    t_sh[hl, trow + r, c0 + j] = beta[hl, bi + r] * acc
+                else:
+                    acc = sum(x_sh[hl, bi + r, bi + m] * t_sh[hl, trow + m, c0 + j] for m in range(inner))
+                    x_sh[hl, bi + r, bj + c0 + j] = -acc
+    rows, cols = torch.meshgrid(torch.arange(64), torch.arange(64), indexing="ij")
+    return torch.where(cols <= rows, x_sh[:, :, :64], torch.zeros((), dtype=S.dtype))
+
+
+@pytest.mark.parametrize("n", [64, 47, 1])
+def test_block_inverse_schedule_inverts_each_heads_matrix(n):
+    gen = torch.Generator().manual_seed(n)
+    k = torch.nn.functional.normalize(torch.randn(64, 32, generator=gen, dtype=torch.float64), dim=-1)
+    k[n:] = 0
+    beta = torch.rand(2, 64, generator=gen, dtype=torch.float64) * 2  # beta up to 2: stronger off-diagonal terms
+    beta[:, n:] = 0
+    x = _block_inverse((k @ k.T).tril(-1), beta)
+    assert not x.isnan().any(), "read an entry no phase wrote"
+    for h in range(2):
+        want = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + (beta[h, :, None] * (k @ k.T)).tril(-1))
+        assert torch.allclose(x[h], want, rtol=0, atol=1e-11)
+
+
+@needs_nvcc
+def test_block_inverse_prep_compiles_and_keeps_the_substitution_kernel():
+    from flashqla_kernels.gated_delta_rule.hopper import _common, prep_v2
+
+    for args in ((16, 32, 128, "bfloat16"), (2, 8, 64, "float16"), (16, 16, 256, "bfloat16")):
+        blocks = _common.compile_kernel(prep_v2.build_prep_v2, *args, "blocks").get_kernel_source()
+        assert blocks.count("__syncthreads()") >= 5  # K K^T, diagonal blocks, T1, X10, T2, XBA
+        plain = prep_v2.build_prep_v2(*args).script(show_meta=True)
+        assert plain == prep_v2.build_prep_v2(*args, "substitution").script(show_meta=True)
+    with pytest.raises(ValueError, match="inverse must be one of"):
+        prep_v2.build_prep_v2(16, 32, 128, "bfloat16", "lu")
 
 
 def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -442,3 +510,13 @@ def test_trace_stamps_unwrap_across_the_counter_period_and_analyse_per_warpgroup
         {"gpu": "H200", "date": "d", "commit": "c", "clock_ghz": 2.0, "variant": "v",
          "rows": [{"Hk": 1, "Hv": 2, "seqlen": 64, "nseq": 1, "bDV": 64, "steps": 40, "stage_ms": 1.0,
                    "traced_ms": 1.1, "analysis": a}]})
+
+
+def test_prep3_runs_the_grouped_prep_with_the_block_inverse(monkeypatch):
+    from flashqla_kernels.gated_delta_rule.hopper import prep_v2
+
+    seen = []
+    monkeypatch.setattr(prep_v2, "prep_v2", lambda *a, **kw: seen.append(kw) or ("gamma", "a0"))
+    for name in ("ws16+prep3", "prep2"):
+        assert variants.prep_fn(variants.parse_variant(name))("k", "g", "b", "chunks", 4) == ("gamma", "a0")
+    assert seen == [{"inverse": "blocks"}, {}]

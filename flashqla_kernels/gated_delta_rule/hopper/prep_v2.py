@@ -11,6 +11,16 @@ shared memory) and runs 64 * G threads, one column of one head's inverse each, w
 so no per-head L matrix is stored (one 16 KB S serves G heads) and the CTA carries 2G warps (8 for G = 4).
 Warps whose columns all lie right of a 16-row panel skip it (x = 0 there): warp-uniform, no divergence.
 Grid (chunks, Hk, group / G) with G = min(group, MAX_HEADS_PER_CTA).
+
+``inverse="blocks"`` (variant ``prep3``) replaces the 64-row substitution chain by the hierarchical inverse FLA's
+``solve_tril`` and FlashQLA's ``kkt_solve`` use, on CUDA cores in fp32. With L = diag(beta) S and X = (I + L)^-1:
+
+    1. the four 16 x 16 diagonal blocks by substitution (one column of one block a thread: a 16-row chain);
+    2. X[i, j] = -X[i, i] (L[i, j] X[j, j]) for the blocks (1, 0) and (3, 2);
+    3. X[B, A] = -X[B, B] (L[B, A] X[A, A]) for the 32 x 32 halves A = rows/columns 0-31, B = 32-63;
+
+steps 2 and 3 as two small products each (a scratch tile between them), every thread a row and 8 or 16 columns.
+S and X live in shared memory with rows padded to 65 floats, so the 16 rows a warp reads sit in distinct banks.
 """
 import tilelang.language as T
 import torch
@@ -26,8 +36,14 @@ def heads_per_cta(group: int) -> int:
     return max(d for d in range(1, MAX_HEADS_PER_CTA + 1) if group % d == 0)
 
 
-def build_prep_v2(Hk: int, Hv: int, K: int, dtype: str):
-    """The grouped prep kernel: grid (chunks, Hk, group / G), 64 * G threads."""
+INVERSES = ("substitution", "blocks")
+
+
+def build_prep_v2(Hk: int, Hv: int, K: int, dtype: str, inverse: str = "substitution"):
+    """The grouped prep kernel: grid (chunks, Hk, group / G), 64 * G threads; ``inverse`` as in the module doc."""
+    if inverse not in INVERSES:
+        raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
+    blocks = inverse == "blocks"
     C = CHUNK
     group = Hv // Hk
     G = heads_per_cta(group)
@@ -60,7 +76,7 @@ def build_prep_v2(Hk: int, Hv: int, K: int, dtype: str):
             n = s1 - s0
 
             k_sh = T.alloc_shared((C, K), dtype)
-            s_sh = T.alloc_shared((C, C), "float32")
+            s_sh = T.alloc_shared((C, C + 1) if blocks else (C, C), "float32")
             g_sh = T.alloc_shared((G, C), "float32")
             b_sh = T.alloc_shared((G, C), "float32")
             kk = T.alloc_fragment((C, C), "float32")
@@ -89,37 +105,116 @@ def build_prep_v2(Hk: int, Hv: int, K: int, dtype: str):
             if col < n:
                 gamma[s0 + col, bh] = acc[0] + acc[1] + acc[2] + acc[3]
 
-            for r in T.unroll(C):
-                x[r] = 0.0
-            for rb in T.unroll(C // PANEL):
-                if (rb + 1) * PANEL > wcol:
-                    for rr in T.unroll(PANEL):
-                        for a in T.unroll(4):
-                            acc[a] = 0.0
-                        for m in T.unroll(PANEL * (rb + 1)):
-                            acc[m % 4] += s_sh[rb * PANEL + rr, m] * x[m]
-                        x[rb * PANEL + rr] = T.if_then_else(
-                            rb * PANEL + rr == col, 1.0,
-                            -b_sh[hl, rb * PANEL + rr] * (acc[0] + acc[1] + acc[2] + acc[3]))
-            for r in T.unroll(C):
-                if r < n:
-                    a0[s0 + r, bh, col] = x[r]
+            if blocks:
+                x_sh = T.alloc_shared((G, C, C + 1), "float32")
+                t_sh = T.alloc_shared((G, 32, 33), "float32")
+                row = T.alloc_local((32,), "float32")
+                out = T.alloc_local((16,), "float32")
+                T.sync_threads()
+                # 1. diagonal block db, its column c: x_r = [r == c] - beta_r sum_{m < r} S[r, m] x_m (16 rows)
+                db = col // PANEL
+                c = col % PANEL
+                for r in T.unroll(PANEL):
+                    x[r] = 0.0
+                for r in T.unroll(PANEL):
+                    for a in T.unroll(4):
+                        acc[a] = 0.0
+                    for m in T.unroll(r):
+                        acc[m % 4] += s_sh[db * PANEL + r, db * PANEL + m] * x[m]
+                    x[r] = T.if_then_else(r == c, 1.0, -b_sh[hl, db * PANEL + r] * (acc[0] + acc[1] + acc[2] + acc[3]))
+                for r in T.unroll(PANEL):
+                    x_sh[hl, db * PANEL + r, db * PANEL + c] = x[r]
+                if db % 2 == 0:  # the upper blocks (0, 1) and (2, 3): zero, read by the products of step 3
+                    for r in T.unroll(PANEL):
+                        x_sh[hl, db * PANEL + r, (db + 1) * PANEL + c] = 0.0
+                T.sync_threads()
+                # 2. blocks (1, 0) and (3, 2): thread -> pair p, row r of the block, 8 columns from c8
+                p = col // 32
+                r16 = (col % 32) // 2
+                c8 = (col % 2) * 8
+                bi = (2 * p + 1) * PANEL
+                bj = 2 * p * PANEL
+                for m in T.unroll(PANEL):
+                    row[m] = s_sh[bi + r16, bj + m]
+                for j in T.unroll(8):  # T1 = L[i, j] X[j, j] (X[j, j] lower: m >= column)
+                    for a in T.unroll(4):
+                        acc[a] = 0.0
+                    for m in T.unroll(PANEL):
+                        acc[m % 4] += row[m] * x_sh[hl, bj + m, bj + c8 + j]
+                    out[j] = b_sh[hl, bi + r16] * (acc[0] + acc[1] + acc[2] + acc[3])
+                for j in T.unroll(8):
+                    t_sh[hl, p * PANEL + r16, c8 + j] = out[j]
+                T.sync_threads()
+                for m in T.unroll(PANEL):
+                    row[m] = x_sh[hl, bi + r16, bi + m]
+                for j in T.unroll(8):  # X[i, j] = -X[i, i] T1 (X[i, i] lower: m <= r16)
+                    for a in T.unroll(4):
+                        acc[a] = 0.0
+                    for m in T.unroll(PANEL):
+                        acc[m % 4] += row[m] * t_sh[hl, p * PANEL + m, c8 + j]
+                    x_sh[hl, bi + r16, bj + c8 + j] = -(acc[0] + acc[1] + acc[2] + acc[3])
+                T.sync_threads()
+                # 3. the lower-left 32 x 32 half: thread -> row r32 of B, 16 columns from c16
+                r32 = col // 2
+                c16 = (col % 2) * 16
+                for m in T.unroll(32):
+                    row[m] = s_sh[32 + r32, m]
+                for j in T.unroll(16):  # T2 = L[B, A] X[A, A]
+                    for a in T.unroll(4):
+                        acc[a] = 0.0
+                    for m in T.unroll(32):
+                        acc[m % 4] += row[m] * x_sh[hl, m, c16 + j]
+                    out[j] = b_sh[hl, 32 + r32] * (acc[0] + acc[1] + acc[2] + acc[3])
+                for j in T.unroll(16):
+                    t_sh[hl, r32, c16 + j] = out[j]
+                T.sync_threads()
+                for m in T.unroll(32):
+                    row[m] = x_sh[hl, 32 + r32, 32 + m]
+                for j in T.unroll(16):  # X[B, A] = -X[B, B] T2
+                    for a in T.unroll(4):
+                        acc[a] = 0.0
+                    for m in T.unroll(32):
+                        acc[m % 4] += row[m] * t_sh[hl, m, c16 + j]
+                    x_sh[hl, 32 + r32, c16 + j] = -(acc[0] + acc[1] + acc[2] + acc[3])
+                T.sync_threads()
+                # A0 rows: thread = column, consecutive threads write consecutive fp16 of a row
+                for r in T.unroll(C):
+                    if r < n:
+                        a0[s0 + r, bh, col] = T.if_then_else(col <= r, x_sh[hl, r, col], 0.0)
+            else:
+                for r in T.unroll(C):
+                    x[r] = 0.0
+                for rb in T.unroll(C // PANEL):
+                    if (rb + 1) * PANEL > wcol:
+                        for rr in T.unroll(PANEL):
+                            for a in T.unroll(4):
+                                acc[a] = 0.0
+                            for m in T.unroll(PANEL * (rb + 1)):
+                                acc[m % 4] += s_sh[rb * PANEL + rr, m] * x[m]
+                            x[rb * PANEL + rr] = T.if_then_else(
+                                rb * PANEL + rr == col, 1.0,
+                                -b_sh[hl, rb * PANEL + rr] * (acc[0] + acc[1] + acc[2] + acc[3]))
+                for r in T.unroll(C):
+                    if r < n:
+                        a0[s0 + r, bh, col] = x[r]
 
     return gdn_prep_v2
 
 
-def prep_v2(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: torch.Tensor, Hv: int):
+def prep_v2(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: torch.Tensor, Hv: int,
+            inverse: str = "substitution"):
     """Run the grouped prep stage; same contract as ``prep.prep``.
 
     Args:
         k: [T, Hk, K] bf16/fp16 contiguous. g, beta: [T, Hv] fp32 contiguous. chunks: [NC, 2] int32 (start, end).
-        Hv: value heads.
+        Hv: value heads. inverse: "substitution" (``prep2``) or "blocks" (``prep3``), see the module doc.
 
     Returns:
         gamma [T, Hv] fp32 (chunk-local cumsum of g) and A0 [T, Hv, 64] fp16.
     """
     Tn, Hk, K = k.shape
-    kernel = compile_kernel(build_prep_v2, Hk, Hv, K, tl_dtype(k.dtype))
+    args = (Hk, Hv, K, tl_dtype(k.dtype)) + ((inverse,) if inverse != "substitution" else ())
+    kernel = compile_kernel(build_prep_v2, *args)
     gamma = torch.empty((Tn, Hv), dtype=torch.float32, device=k.device)
     a0 = torch.empty((Tn, Hv, CHUNK), dtype=torch.float16, device=k.device)
     if chunks.shape[0] > 0:

@@ -6,6 +6,8 @@ A variant name joins parts with ``+``. ``base`` is the first verified path (``fo
     ws      fused stage warp-specialised (``fused_fwd_ws``: state / values / output warpgroups + TMA producer)
     ws16    as ws, with the W, Ag, Vd, Pg operands in fp16 when the inputs are bf16 (finer rounding, same speed)
     prep2   prep stage with K K^T shared across a GVA group and 2G warps per CTA (``prep_v2``)
+    prep3   as prep2, with the hierarchical (16 x 16 blocks, then block merges) inverse instead of the 64-row
+            substitution chain (``prep_v2`` with ``inverse="blocks"``; FLA's and FlashQLA's scheme)
     bv32, bv64, bv128   force the V slice per CTA (the plan's rules were tuned on the base fused stage; the
             warp-specialised one holds one 512-thread CTA per SM, so wider slices and more segments may pay)
 
@@ -28,10 +30,11 @@ import torch
 from flashqla_kernels.gated_delta_rule.hopper import forward
 
 ENV_VAR = "FLASHQLA_KERNELS_VARIANT"
-PARTS = ("ws", "ws16", "prep2", "bv32", "bv64", "bv128")
+PARTS = ("ws", "ws16", "prep2", "prep3", "bv32", "bv64", "bv128")
 DEFAULT_VARIANT = "ws16+prep2"
 # what benchmarks/gdn_forward.py --variants all runs beside the default
-ALL_VARIANTS = ("base", "ws", "ws16", "prep2", "ws+prep2", "ws16+prep2", "ws16+prep2+bv128")
+ALL_VARIANTS = ("base", "ws", "ws16", "prep2", "ws+prep2", "ws16+prep2", "ws16+prep2+bv128", "ws16+prep3",
+                "ws16+prep3+bv128")
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class Variant:
     fused: str = "base"
     prep2: bool = False
     block_v: int = 0
+    inverse: str = "substitution"  # the grouped prep's inverse: "blocks" for prep3
 
     @property
     def is_base(self) -> bool:
@@ -71,7 +75,10 @@ def parse_variant(name: str | None) -> Variant:
     widths = [int(p[2:]) for p in parts if p.startswith("bv")]
     if len(widths) > 1:
         raise ValueError(f"variant {name!r} names two V slices {widths}; pick one")
-    return Variant(fused=fused[0] if fused else "base", prep2="prep2" in parts, block_v=widths[0] if widths else 0)
+    if "prep2" in parts and "prep3" in parts:
+        raise ValueError(f"variant {name!r} names two prep stages; pick one of 'prep2', 'prep3'")
+    return Variant(fused=fused[0] if fused else "base", prep2="prep2" in parts or "prep3" in parts,
+                   block_v=widths[0] if widths else 0, inverse="blocks" if "prep3" in parts else "substitution")
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -111,6 +118,8 @@ def prep_fn(var: Variant):
     if var.prep2:
         from flashqla_kernels.gated_delta_rule.hopper.prep_v2 import prep_v2
 
+        if var.inverse != "substitution":
+            return lambda *args: prep_v2(*args, inverse=var.inverse)
         return prep_v2
     from flashqla_kernels.gated_delta_rule.hopper.prep import prep
 
