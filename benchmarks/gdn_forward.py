@@ -254,7 +254,8 @@ def kernel_specs(variant_names, configs, sms):
         if var.fused == "base":
             specs.add(("fused", (*tail, sc, final)))
         else:
-            specs.add(("ws", (*tail, sc, final, "float16" if var.fused == "ws16" and dt == "bfloat16" else "")))
+            inner = "float16" if var.fused == "ws16" and dt == "bfloat16" else ""
+            specs.add(("ws", (*tail, sc, final, inner) + ((False, True) if var.w_in_registers else ())))
         specs.add(("segment", tail))
 
     for Hk, Hv, Kd, dt, N in layouts:

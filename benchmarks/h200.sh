@@ -9,7 +9,8 @@
 # (pytest and its needs for CPython 3.12: /work/.library/device/README.md), .tlc_dev/cache.tar.xz (TileLang's disk
 # cache filled on a CPU box by `benchmarks/precompile_h200.sh`; the kernels then load instead of compiling, 10-15 s
 # each). Phases:
-#   gdn-tests    the Gated DeltaNet GPU suite: default launcher, then each kernel variant in its own pytest process
+#   gdn-tests    the Gated DeltaNet GPU suite: default launcher (ws16+prep2), then each other variant of
+#                variants.ALL_VARIANTS in its own pytest process
 #   gdn-bench    benchmarks/gdn_forward.py, every variant, stages timed alone too (narrow with GDN_VARIANTS=ws16,...
 #                and GDN_CONFIGS=0,7,8,9; GDN_TESTS_S / GDN_BENCH_S override the phase limits)
 #   encode       benchmarks/topk_encode.py (fused TopK SAE encode vs torch)
@@ -42,7 +43,7 @@ gdn_tests() {
     python3 benchmarks/gdn_forward.py --variants all --precompile 14 --precompile-only
     python3 -m pytest -q --timeout 300 -p no:cacheprovider tests/flashqla_kernels/test_hopper_gpu.py \
         tests/flashqla_kernels/test_dispatch_gpu.py
-    for v in base ws ws16 prep2 ws+prep2 ws16+prep2+bv128 ws16+prep3 ws16+prep3+bv128; do  # default ran above
+    for v in base ws16+prep2+bv128 ws16+prep3 ws16+prep2+wreg ws16+prep3+wreg ws16+prep3+wreg+bv128; do
         echo "== variant $v"
         FLASHQLA_TEST_VARIANTS=$v timeout "${VARIANT_TEST_S:-120}" python3 -m pytest -q --timeout 60 --timeout-method thread \
             -p no:cacheprovider -m gpu tests/flashqla_kernels/test_hopper_variants.py 2>&1 | tail -15

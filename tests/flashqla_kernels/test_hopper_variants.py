@@ -55,6 +55,9 @@ def test_variant_names_parse():
     assert variants.parse_variant("ws16+prep3") == variants.Variant(fused="ws16", prep2=True, inverse="blocks")
     with pytest.raises(ValueError, match="two prep stages"):
         variants.parse_variant("prep2+prep3")
+    assert variants.parse_variant("ws16+prep3+wreg").w_in_registers
+    with pytest.raises(ValueError, match="wreg changes the warp-specialised fused stage"):
+        variants.parse_variant("prep2+wreg")
     for name in variants.ALL_VARIANTS:
         variants.parse_variant(name)
     with pytest.raises(ValueError, match="unknown Hopper kernel variant part"):
@@ -420,7 +423,7 @@ def test_variant_wiring_equals_reference_with_torch_stages(monkeypatch):
     monkeypatch.setattr(plan, "num_sms", lambda device: 132)
     monkeypatch.setattr(prep_v2, "prep_v2", lambda *a: calls.append("prep2") or _torch_prep(*a))
     monkeypatch.setattr(fused_fwd_ws, "fused_fwd_ws",
-                        lambda *a, **kw: calls.append(kw["inner"]) or _torch_fused(*a, **kw))
+                        lambda *a, w_in_registers=False, **kw: calls.append(kw["inner"]) or _torch_fused(*a, **kw))
     gen = torch.Generator().manual_seed(3)
     lens = [1, 47, 130, 64]
     cu = torch.tensor([0, *__import__("itertools").accumulate(lens)])
@@ -520,3 +523,25 @@ def test_prep3_runs_the_grouped_prep_with_the_block_inverse(monkeypatch):
     for name in ("ws16+prep3", "prep2"):
         assert variants.prep_fn(variants.parse_variant(name))("k", "g", "b", "chunks", 4) == ("gamma", "a0")
     assert seen == [{"inverse": "blocks"}, {}]
+
+
+@needs_nvcc
+def test_wreg_forms_w_in_registers_without_a_barrier_per_element():
+    """The values warpgroup's W loop: the default ws16 kernel has a named barrier inside the unrolled element loop
+    (TileLang's sync planner); wreg computes W in the accumulator and stores it with stmatrix after one barrier."""
+    import re
+
+    from flashqla_kernels.gated_delta_rule.hopper import _common, fused_fwd_ws as ws
+
+    def w_loop_barriers(src):
+        # the first unrolled 32-step element loop after the K S wgmma of the values warpgroup
+        body = src[src.index("warpgroup_reg_alloc<128>"):]
+        loop = re.search(r"for \(int (i_\d+) = 0; \1 < 32; \+\+\1\) \{(.*?)\n        \}", body, re.S)
+        return loop.group(2).count("__sync_thread_partial")
+
+    args = (16, 32, 128, 128, 128, "bfloat16", 128 ** -0.5, False, "float16")
+    default = _common.compile_kernel(ws.build_fused_fwd_ws, *args).get_kernel_source()
+    wreg = _common.compile_kernel(ws.build_fused_fwd_ws, *args, False, True).get_kernel_source()
+    assert w_loop_barriers(default) == 1 and w_loop_barriers(wreg) == 0
+    assert "stmatrix" in wreg[wreg.index("warpgroup_reg_alloc<128>"):wreg.index("bar_ag[0].wait")]
+

@@ -41,11 +41,14 @@ TRACE_NAMES = (
 
 
 def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool,
-                       inner: str = "", trace: bool = False):
+                       inner: str = "", trace: bool = False, w_in_registers: bool = False):
     """``inner``: dtype of the W, Ag, Vd and Pg operands (the Ag W and Pg Vd GEMMs); "" = the input dtype. "float16"
     with bf16 inputs keeps those four in fp16 (8x finer rounding; the values are bounded like A0, which the default
     already stores in fp16) while q, k, S and Vn stay bf16 (variant ``ws16``). ``trace``: see the module doc (then
-    ``store_final`` must be False: ``ht`` holds the stamps)."""
+    ``store_final`` must be False: ``ht`` holds the stamps). ``w_in_registers`` (variant part ``wreg``): W is formed in
+    the K S accumulator's registers and stored with one fragment copy (stmatrix), instead of an element loop over
+    shared memory into which TileLang's sync planner puts a warpgroup barrier per element pair (32 per chunk step
+    on the values warpgroup's critical chain; seen in the generated CUDA)."""
     if trace and (store_final or K * V < 4 * TRACE_EVENTS * TRACE_STEPS):
         raise ValueError(f"trace=True needs store_final=False and K*V >= {4 * TRACE_EVENTS * TRACE_STEPS}")
     group = Hv // Hk
@@ -172,7 +175,23 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                     stamp(ht, tx, bv, bh, bs, 1, 3, it)
                     T.gemm(k_sh[it % 2, :, :], h_sh, u_f, clear_accum=True)
                     stamp(ht, tx, bv, bh, bs, 1, 4, it)
-                    if separate_w:
+                    if w_in_registers:
+                        # W = V - exp(gamma) U in registers, then one fragment store (over V's tile unless ws16)
+                        for i, j in T.Parallel(C, bDV):
+                            u_f[i, j] = v_sh[it % 2, i, j] - eg_sh[i] * u_f[i, j]
+                        if separate_w:
+                            T.copy(u_f, w_sh)
+                        else:
+                            T.copy(u_f, v_sh[it % 2, :, :])
+                        T.fence_proxy_async()
+                        stamp(ht, tx, bv, bh, bs, 1, 5, it)
+                        T.barrier_wait(bar_ag, it % 2)
+                        stamp(ht, tx, bv, bh, bs, 1, 6, it)
+                        if separate_w:
+                            T.gemm(ag_sh, w_sh, vd_f, clear_accum=True)
+                        else:
+                            T.gemm(ag_sh, v_sh[it % 2, :, :], vd_f, clear_accum=True)
+                    elif separate_w:
                         for i, j in T.Parallel(C, bDV):
                             w_sh[i, j] = v_sh[it % 2, i, j] - eg_sh[i] * u_f[i, j]
                         T.fence_proxy_async()
@@ -295,25 +314,28 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
     return gdn_fused_fwd_ws
 
 
-def fused_fwd_ws(q, k, v, a0, gamma, beta, h_init, segs, o, ht, *, scale: float, bDV: int, inner: str = ""):
+def fused_fwd_ws(q, k, v, a0, gamma, beta, h_init, segs, o, ht, *, scale: float, bDV: int, inner: str = "",
+                 w_in_registers: bool = False):
     """Run the warp-specialised fused output stage in place; same contract as ``fused_fwd.fused_fwd``.
 
     Args:
         q, k: [T, Hk, K]; v, o: [T, Hv, V] (o is written); a0: [T, Hv, 64] fp16; gamma, beta: [T, Hv] fp32;
         h_init: [R, Hv, K, V] fp32 start states (R >= 1); segs: [S, 4] int32; ht: [N, Hv, K, V] fp32 or None.
-        scale: output scale. bDV: V slice per CTA (32, 64 or 128). inner: see ``build_fused_fwd_ws``.
+        scale: output scale. bDV: V slice per CTA (32, 64 or 128). inner, w_in_registers: see ``build_fused_fwd_ws``.
     """
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     store_final = ht is not None
+    extra = (False, True) if w_in_registers else ()  # the default kernel keeps its cache key
     kernel = compile_kernel(build_fused_fwd_ws, Hk, Hv, K, V, bDV, tl_dtype(q.dtype), float(scale), store_final,
-                            inner)
+                            inner, *extra)
     if ht is None:
         ht = torch.empty((1, Hv, K, V), dtype=torch.float32, device=q.device)
     kernel(q, k, v, a0, gamma, beta, h_init, segs, o, ht)
 
 
-def trace_step(q, k, v, a0, gamma, beta, h_init, segs, o, *, scale: float, bDV: int, inner: str = ""):
+def trace_step(q, k, v, a0, gamma, beta, h_init, segs, o, *, scale: float, bDV: int, inner: str = "",
+               w_in_registers: bool = False):
     """Run the traced twin (o written as by ``fused_fwd_ws``, no final state) and return its stamps.
 
     Returns:
@@ -323,7 +345,7 @@ def trace_step(q, k, v, a0, gamma, beta, h_init, segs, o, *, scale: float, bDV: 
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     kernel = compile_kernel(build_fused_fwd_ws, Hk, Hv, K, V, bDV, tl_dtype(q.dtype), float(scale), False, inner,
-                            True)
+                            True, w_in_registers)
     ht = torch.full((1, Hv, K, V), float("nan"), dtype=torch.float32, device=q.device)
     kernel(q, k, v, a0, gamma, beta, h_init, segs, o, ht)
     raw = ht[0, 0].flatten()[:4 * TRACE_EVENTS * TRACE_STEPS].double().cpu()

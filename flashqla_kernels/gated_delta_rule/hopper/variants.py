@@ -8,6 +8,8 @@ A variant name joins parts with ``+``. ``base`` is the first verified path (``fo
     prep2   prep stage with K K^T shared across a GVA group and 2G warps per CTA (``prep_v2``)
     prep3   as prep2, with the hierarchical (16 x 16 blocks, then block merges) inverse instead of the 64-row
             substitution chain (``prep_v2`` with ``inverse="blocks"``; FLA's and FlashQLA's scheme)
+    wreg    with ws / ws16: W formed in registers and stored by one fragment copy (``fused_fwd_ws``'s
+            ``w_in_registers``: no warpgroup barrier per element pair on the values warpgroup's chain)
     bv32, bv64, bv128   force the V slice per CTA (the plan's rules were tuned on the base fused stage; the
             warp-specialised one holds one 512-thread CTA per SM, so wider slices and more segments may pay)
 
@@ -30,11 +32,12 @@ import torch
 from flashqla_kernels.gated_delta_rule.hopper import forward
 
 ENV_VAR = "FLASHQLA_KERNELS_VARIANT"
-PARTS = ("ws", "ws16", "prep2", "prep3", "bv32", "bv64", "bv128")
+PARTS = ("ws", "ws16", "prep2", "prep3", "wreg", "bv32", "bv64", "bv128")
 DEFAULT_VARIANT = "ws16+prep2"
 # what benchmarks/gdn_forward.py --variants all runs beside the default
-ALL_VARIANTS = ("base", "ws", "ws16", "prep2", "ws+prep2", "ws16+prep2", "ws16+prep2+bv128", "ws16+prep3",
-                "ws16+prep3+bv128")
+# (ws, ws16, prep2 and ws+prep2 alone were measured on 2026-11-30: benchmarks/README.md)
+ALL_VARIANTS = ("base", "ws16+prep2", "ws16+prep2+bv128", "ws16+prep3", "ws16+prep2+wreg", "ws16+prep3+wreg",
+                "ws16+prep3+wreg+bv128")
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class Variant:
     prep2: bool = False
     block_v: int = 0
     inverse: str = "substitution"  # the grouped prep's inverse: "blocks" for prep3
+    w_in_registers: bool = False  # wreg
 
     @property
     def is_base(self) -> bool:
@@ -77,8 +81,11 @@ def parse_variant(name: str | None) -> Variant:
         raise ValueError(f"variant {name!r} names two V slices {widths}; pick one")
     if "prep2" in parts and "prep3" in parts:
         raise ValueError(f"variant {name!r} names two prep stages; pick one of 'prep2', 'prep3'")
+    if "wreg" in parts and not fused:
+        raise ValueError(f"variant {name!r}: wreg changes the warp-specialised fused stage; add 'ws' or 'ws16'")
     return Variant(fused=fused[0] if fused else "base", prep2="prep2" in parts or "prep3" in parts,
-                   block_v=widths[0] if widths else 0, inverse="blocks" if "prep3" in parts else "substitution")
+                   block_v=widths[0] if widths else 0, inverse="blocks" if "prep3" in parts else "substitution",
+                   w_in_registers="wreg" in parts)
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -135,4 +142,4 @@ def fused_fn(var: Variant, dtype: torch.dtype):
     from flashqla_kernels.gated_delta_rule.hopper.fused_fwd_ws import fused_fwd_ws
 
     inner = "float16" if var.fused == "ws16" and dtype == torch.bfloat16 else ""
-    return lambda *a, **kw: fused_fwd_ws(*a, **kw, inner=inner)
+    return lambda *a, **kw: fused_fwd_ws(*a, **kw, inner=inner, w_in_registers=var.w_in_registers)
