@@ -1,9 +1,9 @@
 """Where a chunk step of the warp-specialised fused stage spends its time, on the H200, from clock64 stamps.
 
 Runs ``fused_fwd_ws.trace_step`` (the traced twin of the default fused kernel: same schedule, stamps at every
-hand-off) on benchmark-shaped inputs and prints, per warpgroup, the median cycles between consecutive events over the
-steady-state steps, plus one step's timeline of all four warpgroups against the state warpgroup's ``ready``.
-Also times the untraced stage on the same inputs, to show what the stamps cost.
+hand-off; and of its ``wreg`` form) on benchmark-shaped inputs and prints, per warpgroup, the median cycles between
+consecutive events over the steady-state steps, plus one step's timeline of all four warpgroups against the state
+warpgroup's ``ready``. Also times the untraced stage on the same inputs, to show what the stamps cost.
 
 Usage (on the GPU machine): ``python benchmarks/gdn_ws_trace.py [--configs 16,32,8192,4;16,32,32768,1] [--out DIR]``
 -> ``gdn_ws_trace.{json,md}``. Precompile the traced kernels on a CPU box with ``--precompile`` (no GPU needed).
@@ -78,7 +78,7 @@ def markdown(result: dict) -> str:
     for row in result["rows"]:
         a = row["analysis"]
         lines += [f"## Hk/Hv {row['Hk']}/{row['Hv']}, {row['seqlen']}x{row['nseq']} (bDV {row['bDV']}, "
-                  f"{row['steps']} steps for CTA 0)", "",
+                  f"{row['steps']} steps for CTA 0){' with wreg' if row.get('wreg') else ''}", "",
                   f"Stage alone: {row['stage_ms']:.3f} ms untraced, {row['traced_ms']:.3f} ms traced. Median step "
                   f"{a['per_step_cycles']:.0f} cycles = {a['per_step_cycles'] * a['ns_per_cycle'] / 1e3:.2f} us.", "",
                   "| warpgroup | gap | cycles |", "|---|---|---|"]
@@ -97,9 +97,13 @@ def precompile(cfgs) -> None:
 
     for Hk, Hv, _, nseq in cfgs:
         bdv = plan.choose_block_v(nseq, Hv, K, V, 132)
-        _common.compile_kernel(fused_fwd_ws.build_fused_fwd_ws, Hk, Hv, K, V, bdv, "bfloat16", K ** -0.5, False,
-                               "float16", True)
-    print(f"precompiled {len(cfgs)} traced kernels")
+        for wreg in (False, True):
+            _common.compile_kernel(fused_fwd_ws.build_fused_fwd_ws, Hk, Hv, K, V, bdv, "bfloat16", K ** -0.5, False,
+                                   "float16", True, wreg)
+            if wreg:  # the untraced wreg kernel, timed beside its trace
+                _common.compile_kernel(fused_fwd_ws.build_fused_fwd_ws, Hk, Hv, K, V, bdv, "bfloat16", K ** -0.5,
+                                       False, "float16", False, True)
+    print(f"precompiled {2 * len(cfgs)} traced kernels")
 
 
 def main() -> None:
@@ -120,10 +124,10 @@ def main() -> None:
     clock_ghz = float(os.environ.get("SM_CLOCK_GHZ", "1.98"))  # H200 max SM clock (nvidia-smi clocks.max.sm)
     rows = []
     with torch.no_grad():
-        for Hk, Hv, seqlen, nseq in cfgs:
+        for (Hk, Hv, seqlen, nseq), wreg in ((c, w) for c in cfgs for w in (False, True)):
             (q3, k3, v3, a0, gamma, b3, h_init, segs), bdv, pl = stage_inputs(Hk, Hv, seqlen, nseq, args.bdv or None)
             o = torch.empty_like(v3)
-            kw = dict(scale=K ** -0.5, bDV=bdv, inner="float16")
+            kw = dict(scale=K ** -0.5, bDV=bdv, inner="float16", w_in_registers=wreg)
             stage = triton.testing.do_bench(lambda: fused_fwd_ws.fused_fwd_ws(
                 q3, k3, v3, a0, gamma, b3, h_init, segs, o, None, **kw), return_mode="median")
             traced = triton.testing.do_bench(lambda: fused_fwd_ws.trace_step(
@@ -131,14 +135,14 @@ def main() -> None:
             stamps = fused_fwd_ws.trace_step(q3, k3, v3, a0, gamma, b3, h_init, segs, o, **kw)
             first = [int(x) for x in segs[0].tolist()]
             n_steps = -(-(first[1] - first[0]) // 64)
-            row = {"Hk": Hk, "Hv": Hv, "seqlen": seqlen, "nseq": nseq, "bDV": bdv, "steps": n_steps,
+            row = {"Hk": Hk, "Hv": Hv, "seqlen": seqlen, "nseq": nseq, "bDV": bdv, "steps": n_steps, "wreg": wreg,
                    "stage_ms": stage, "traced_ms": traced, "analysis": analyse(stamps, n_steps, clock_ghz),
                    "stamps": stamps[:, :, :min(n_steps, stamps.shape[2])].tolist()}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "stamps"}), flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": os.environ.get("QWEN_SCOPE_COMMIT", ""), "clock_ghz": clock_ghz,
-        "variant": "ws16+prep2 fused stage", "rows": rows}
+        "variant": "ws16 fused stage (default), and with wreg", "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gdn_ws_trace.json").write_text(json.dumps(result, indent=1))
     (args.out / "gdn_ws_trace.md").write_text(markdown(result))
