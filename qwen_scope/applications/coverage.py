@@ -11,6 +11,7 @@ it, a document's score being the feature's largest activation over positions 1..
 the attention sink, left out).
 
     math, gsm8k = (FeatureFootprint.from_texts(scope, texts) for texts in (math_texts, gsm8k_texts))
+    train = FeatureFootprint.from_store(ActivationStore("acts/"), "resid_post.12", min_docs=5)   # a collected corpus
     math.coverage_of(gsm8k)                      # share of GSM8K's features MATH also activates
     gaps = train.missing(target)                 # {layer: feature ids} the training set never activates
     picks = greedy_cover(document_scores(scope, candidates), target_features=gaps, budget=100)
@@ -72,6 +73,53 @@ class FeatureFootprint:
             raise ValueError("texts must be a non-empty list of strings")
         return cls.from_scores(document_scores(scope, list(texts), layers, template=template), threshold=threshold,
                                min_docs=min_docs)
+
+    @classmethod
+    def from_store(cls, store, point: str, *, threshold: float = 0.0, min_docs: int = 1,
+                   chunk_tokens: int = 1 << 16) -> FeatureFootprint:
+        """From the SAE codes of a collected ``ActivationStore`` (millions of tokens, streamed): a document is a
+        corpus document (``doc_index``), its score on a feature the largest stored code over its tokens at context
+        positions > 0 (top-k codes: a feature outside a token's k counts as 0 there).
+
+        Args:
+            store: an ``ActivationStore`` with SAE codes at ``point``. point: e.g. ``"resid_post.12"``.
+            threshold, min_docs: as ``from_scores``. chunk_tokens: tokens read at a time.
+        Returns:
+            the footprint, keyed by the point's layer.
+
+        Example:
+            >>> train = FeatureFootprint.from_store(ActivationStore("acts/"), "resid_post.12", min_docs=5)
+        """
+        info = store.point_info(point)
+        if not info["sae"]:
+            raise ValueError(f"point {point!r} of {store.root} holds no SAE codes; collect with sae_layers=[...]")
+        if threshold < 0 or min_docs < 1:
+            raise ValueError(f"need threshold >= 0 and min_docs >= 1, got threshold={threshold}, min_docs={min_docs}")
+        d_sae = int(info["sae"]["d_sae"])
+        docs_all, pos_all = store.doc_index(), store.positions()
+        counts = torch.zeros(d_sae, dtype=torch.long)
+        last_doc = torch.full((d_sae,), -1, dtype=torch.long)  # the document each feature was last counted in
+        for start, codes in store.iter_chunks(point, "sae", chunk_tokens):
+            n = codes.values.shape[0]
+            docs, keep = docs_all[start:start + n], pos_all[start:start + n] > 0
+            fire = (codes.values.float() > threshold) & keep[:, None]
+            feats, doc = codes.indices[fire], docs[:, None].expand_as(codes.indices)[fire]
+            if feats.numel() == 0:
+                continue
+            # distinct (feature, document) pairs, sorted by feature then document; a chunk lies in one shard (one
+            # rank's stream, documents contiguous and increasing), so only a feature's first document here can be
+            # the one it was last counted in
+            pairs = torch.unique(feats * (int(docs_all.max()) + 1) + doc)
+            f, d = pairs // (int(docs_all.max()) + 1), pairs % (int(docs_all.max()) + 1)
+            first = torch.ones_like(f, dtype=torch.bool)
+            first[1:] = f[1:] != f[:-1]
+            repeat = first & (last_doc[f] == d)
+            counts += torch.bincount(f[~repeat], minlength=d_sae)
+            last = torch.ones_like(f, dtype=torch.bool)
+            last[:-1] = f[1:] != f[:-1]
+            last_doc[f[last]] = d[last]
+        layer = int(point.split(".")[-1])
+        return cls({layer: counts}, int(torch.unique(docs_all).numel()), float(threshold), int(min_docs))
 
     @property
     def layers(self) -> list[int]:

@@ -97,3 +97,32 @@ def test_on_nano_code_covers_what_prose_misses_and_the_cover_picks_code(nano):
     candidates = prose[16:] + code[16:]  # 8 unseen prose chunks, then 8 unseen code chunks
     picks = greedy_cover(document_scores(scope, candidates, [3, 4]), target_features=gap, budget=4)
     assert picks and picks[0].covered >= 3 and all(p.index >= 8 for p in picks), [p.index for p in picks]
+
+
+def test_from_store_counts_each_document_once_across_chunks_and_skips_row_starts(tmp_path):
+    from qwen_scope.collect import collect, load_corpus
+    from qwen_scope.store import ActivationStore
+    from tests.factories import tiny_model, tiny_tokenizer, write_sae_release
+    from tests.qwen_scope.test_collect import write_corpus
+
+    corpus = load_corpus(write_corpus(tmp_path / "corpus.jsonl"))
+    collect(tiny_model("qwen3_5"), corpus, sae_layers=[1], release=str(write_sae_release(tmp_path / "rel")),
+            token_budget=400, context_len=32, out_dir=tmp_path / "store", tokenizer=tiny_tokenizer(),
+            shard_tokens=128, progress=False)
+    store = ActivationStore(tmp_path / "store")
+    acts = store.feature_acts("resid_post.1").float()
+    docs, pos = store.doc_index(), store.positions()
+    for threshold, min_docs in ((0.0, 1), (0.5, 2)):
+        # brute force: each document's largest activation per feature over tokens at positions > 0
+        scores = torch.stack([acts[(docs == d) & (pos > 0)].amax(0) if ((docs == d) & (pos > 0)).any()
+                              else torch.zeros(acts.shape[1]) for d in docs.unique()])
+        want = FeatureFootprint.from_scores({1: scores}, threshold=threshold, min_docs=min_docs)
+        for chunk in (7, 50, 1 << 16):  # documents cut by chunks and by shards
+            got = FeatureFootprint.from_store(store, "resid_post.1", threshold=threshold, min_docs=min_docs,
+                                              chunk_tokens=chunk)
+            assert torch.equal(got.counts[1], want.counts[1]) and got.n_docs == want.n_docs == 8
+        assert want.size() > 0 or min_docs > 1
+    collect(tiny_model("qwen3_5"), corpus, points=["resid_post.0"], token_budget=64, context_len=32,
+            out_dir=tmp_path / "dense", tokenizer=tiny_tokenizer(), progress=False)
+    with pytest.raises(ValueError, match="holds no SAE codes"):
+        FeatureFootprint.from_store(ActivationStore(tmp_path / "dense"), "resid_post.0")
