@@ -97,6 +97,7 @@ class FeatureFootprint:
             raise ValueError(f"need threshold >= 0 and min_docs >= 1, got threshold={threshold}, min_docs={min_docs}")
         d_sae = int(info["sae"]["d_sae"])
         docs_all, pos_all = store.doc_index(), store.positions()
+        span = int(docs_all.max()) + 1 if docs_all.numel() else 1  # (feature, document) -> feature * span + doc
         counts = torch.zeros(d_sae, dtype=torch.long)
         last_doc = torch.full((d_sae,), -1, dtype=torch.long)  # the document each feature was last counted in
         for start, codes in store.iter_chunks(point, "sae", chunk_tokens):
@@ -109,8 +110,8 @@ class FeatureFootprint:
             # distinct (feature, document) pairs, sorted by feature then document; a chunk lies in one shard (one
             # rank's stream, documents contiguous and increasing), so only a feature's first document here can be
             # the one it was last counted in
-            pairs = torch.unique(feats * (int(docs_all.max()) + 1) + doc)
-            f, d = pairs // (int(docs_all.max()) + 1), pairs % (int(docs_all.max()) + 1)
+            pairs = torch.unique(feats * span + doc)
+            f, d = pairs // span, pairs % span
             first = torch.ones_like(f, dtype=torch.bool)
             first[1:] = f[1:] != f[:-1]
             repeat = first & (last_doc[f] == d)
