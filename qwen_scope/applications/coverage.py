@@ -18,14 +18,19 @@ the attention sink, left out).
 """
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from qwen_scope.applications.classify import document_scores
 
 __all__ = ["FeatureFootprint", "redundancy_matrix", "greedy_cover", "CoverPick"]
+
+_FORMAT_KEY = "qwen_scope_feature_footprint"
 
 
 @dataclass(frozen=True)
@@ -168,6 +173,38 @@ class FeatureFootprint:
     def missing(self, target: FeatureFootprint) -> dict[int, torch.Tensor]:
         """``{layer: feature ids}`` in ``target``'s footprint that this one lacks: the long tail to synthesise for."""
         return {n: torch.nonzero(target.mask(n) & ~self.mask(n)).flatten() for n in self._shared_layers(target)}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write to one safetensors file (counts per layer; n_docs, threshold and min_docs in its metadata), via a
+        temporary name and a rename. Returns the path."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        meta = {_FORMAT_KEY: json.dumps({"n_docs": self.n_docs, "threshold": self.threshold,
+                                         "min_docs": self.min_docs})}
+        save_file({f"layer{n}": c.contiguous() for n, c in self.counts.items()}, str(tmp), metadata=meta)
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> FeatureFootprint:
+        """Read a footprint written by :meth:`save`.
+
+        Raises:
+            ValueError: the file is not a saved footprint.
+        """
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = (f.metadata() or {}).get(_FORMAT_KEY)
+            if meta is None:
+                raise ValueError(f"{path} is not a feature footprint (no {_FORMAT_KEY!r} metadata); write one with "
+                                 "FeatureFootprint.save()")
+            counts = {int(key.removeprefix("layer")): f.get_tensor(key) for key in f.keys()}
+        info = json.loads(meta)
+        return cls(counts, int(info["n_docs"]), float(info["threshold"]), int(info["min_docs"]))
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{n}: {self.size(n)}" for n in self.layers)

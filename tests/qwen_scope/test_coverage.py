@@ -126,3 +126,15 @@ def test_from_store_counts_each_document_once_across_chunks_and_skips_row_starts
             out_dir=tmp_path / "dense", tokenizer=tiny_tokenizer(), progress=False)
     with pytest.raises(ValueError, match="holds no SAE codes"):
         FeatureFootprint.from_store(ActivationStore(tmp_path / "dense"), "resid_post.0")
+
+
+def test_footprint_save_and_load_round_trip(tmp_path):
+    fp = FeatureFootprint.from_scores({1: torch.rand(5, 16), 4: torch.rand(5, 16)}, threshold=0.3, min_docs=2)
+    back = FeatureFootprint.load(fp.save(tmp_path / "fp" / "train.safetensors"))
+    assert back.layers == [1, 4] and (back.n_docs, back.threshold, back.min_docs) == (5, 0.3, 2)
+    assert all(torch.equal(back.counts[n], fp.counts[n]) for n in fp.layers) and back.coverage_of(fp) == 1.0
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="is not a feature footprint"):
+        FeatureFootprint.load(tmp_path / "other.safetensors")
