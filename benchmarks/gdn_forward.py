@@ -317,6 +317,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--skip-torch", action="store_true", help="do not time transformers' torch path")
+    ap.add_argument("--skip-fla", action="store_true",
+                    help="do not time FLA (its autotune costs ~40 s a shape); x FLA anchor still compares")
     ap.add_argument("--render", metavar="JSON", help="only re-render the markdown table of a results JSON")
     ap.add_argument("--variants", default="default",
                     help="comma-separated kernel variants to check and time beside FLA/FlashQLA ('all' = every one)")
@@ -377,7 +379,9 @@ def main():
         (out / "gdn_forward.md").write_text(markdown(result))
         return result
 
-    result = save(run_suite(idx, active, args.skip_torch, args.stages, on_row=save))
+    skip = {"torch"} if args.skip_torch else set()
+    skip |= {"fla"} if args.skip_fla else set()
+    result = save(run_suite(idx, active, skip, args.stages, on_row=save))
     print(markdown(result))
 
 
@@ -416,9 +420,9 @@ def stage_ms(variant, q, k, v, g, beta, h0, cu):
     return out
 
 
-def run_suite(idx, active, skip_torch, stages=False, on_row=None):
-    """Check every active variant against the float64 reference, then time them, FLA, FlashQLA and torch;
-    ``on_row(rows)`` after each config."""
+def run_suite(idx, active, skip=(), stages=False, on_row=None):
+    """Check every active variant against the float64 reference, then time them, FLA, FlashQLA and torch (but the
+    baselines named in ``skip``); ``on_row(rows)`` after each config."""
     import triton
 
     rows = []
@@ -430,8 +434,8 @@ def run_suite(idx, active, skip_torch, stages=False, on_row=None):
             t_check = time.time() - t0
             inputs = make_inputs(Hk, Hv, seqlen, nseq)
             fns = runners(*inputs, Hk, Hv, nseq, active)
-            if skip_torch:
-                fns.pop("torch", None)
+            for name in skip:
+                fns.pop(name, None)
             first = {}
             outs = {}
             for name, fn in fns.items():  # first calls: JIT / autotune of the baselines happen here

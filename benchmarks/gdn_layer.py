@@ -5,10 +5,11 @@ with Hk = Hv = 16, K = V = 128, and 6 full attention, vocab 248320), forward of 
 ``use_cache=False`` and forward hooks keeping all 24 decoder-layer outputs (the anchors' method), 8 x 4096 tokens.
 Arms (one run, one process):
   ours           ``patch_transformers(backend="tilelang", fused_layer=True)``: the fused GDN layer (token-major conv +
-                 gates + l2norm kernel, our chunk kernels, gated-RMSNorm kernel) and the one-pass zero-centred
-                 RMSNorm kernel for every decoder / final / q-k norm;
+                 gates + l2norm kernel, our chunk kernels, gated-RMSNorm kernel), the one-pass zero-centred
+                 RMSNorm kernel for every decoder / final / q-k norm and the one-pass ``silu(gate) * up`` kernel in
+                 every MLP (``patch_gdn_layers``' defaults ``rms_norms=True, mlp=True``);
   ours+compile   the fused GDN layer left eager (graph breaks there), ``torch.compile`` of the rest of ``model.model``:
-                 inductor fuses the MLP / attention-layer / RMSNorm glue (our RMSNorm kernel not used);
+                 inductor fuses the MLP / attention-layer / RMSNorm glue (our RMSNorm and silu_mul kernels not used);
   qla_op         transformers' layer with our FlashQLA-style chunk op patched in
                  (``patch_transformers(backend="tilelang")``);
   fla            transformers' layer as imported: FLA's Triton op when flash-linear-attention is importable;
@@ -117,9 +118,9 @@ class Arms:
         if name == "ours":
             patch_transformers(backend=self.backend, fused_layer=True)
         elif name == "ours+compile":
-            # the norms are left to inductor here: compilation against hand fusion
+            # the norms and the MLP are left to inductor here: compilation against hand fusion
             patch_transformers(backend=self.backend)
-            layer_patch.patch_gdn_layers(self.backend, rms_norms=False)
+            layer_patch.patch_gdn_layers(self.backend, rms_norms=False, mlp=False)
         elif base in ("qla_op", "compile"):
             patch_transformers(backend=self.backend)
         elif base == "torch":
@@ -293,6 +294,9 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
         specs.append((glue + "gated_norm", "build_gated_rms_norm", (V, dtype, 1e-6)))
     for D, dtype in ((2048, bf16), (256, bf16), (2048, "float16"), (64, bf16)):
         specs.append((glue + "rms_norm", "build_rms_norm", (D, dtype, 1e-6)))
+    specs.append((glue + "silu_mul", "build_silu_mul", (6144, bf16)))  # the 2B model's MLP (intermediate 6144)
+    for shape, dtype in gpu_tests.SILU_CASES.values():
+        specs.append((glue + "silu_mul", "build_silu_mul", (shape[-1], names[dtype])))
     return list(dict.fromkeys(specs))
 
 

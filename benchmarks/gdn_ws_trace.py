@@ -1,8 +1,8 @@
 """Where a chunk step of the warp-specialised fused stage spends its time, on the H200, from clock64 stamps.
 
 Runs ``fused_fwd_ws.trace_step`` (the traced twin of the default fused kernel: same schedule, stamps at every
-hand-off; and of its ``wreg`` form) on benchmark-shaped inputs and prints, per warpgroup, the median cycles between
-consecutive events over the steady-state steps, plus one step's timeline of all four warpgroups against the state
+hand-off; and of its forms with the variant parts of ``KERNELS``) on benchmark-shaped inputs and prints, per
+warpgroup, the median cycles between consecutive events over the steady-state steps, plus one step's timeline of all four warpgroups against the state
 warpgroup's ``ready``. Also times the untraced stage on the same inputs, to show what the stamps cost.
 
 Usage (on the GPU machine): ``python benchmarks/gdn_ws_trace.py [--configs 16,32,8192,4;16,32,32768,1] [--out DIR]``
@@ -21,13 +21,19 @@ import torch
 
 DEFAULT_CONFIGS = "16,32,8192,4;16,32,32768,1;16,16,4096,8"
 K = V = 128
+# traced forms of the ws16 fused stage: label -> fused_fwd_ws flags (agp also needs prep's gated output)
+KERNELS = {
+    "default": {},
+    "wreg": {"w_in_registers": True},
+    "wreg+agp+prs": {"w_in_registers": True, "a_gated": True, "p_in_registers": True},
+}
 
 
 def configs(text: str) -> list[tuple[int, int, int, int]]:
     return [tuple(int(x) for x in part.split(",")) for part in text.split(";") if part.strip()]
 
 
-def stage_inputs(Hk: int, Hv: int, seqlen: int, nseq: int, bdv: int | None):
+def stage_inputs(Hk: int, Hv: int, seqlen: int, nseq: int, bdv: int | None, gated: bool = False):
     """The fused stage's inputs for one benchmark config (prep run, segments planned as the launcher does)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from gdn_forward import make_inputs  # noqa: E402 - the benchmark's input distributions
@@ -41,10 +47,10 @@ def stage_inputs(Hk: int, Hv: int, seqlen: int, nseq: int, bdv: int | None):
     offsets = plan.host_offsets(cu)
     bdv = bdv or forward.block_dv(len(offsets) - 1, Hv, K, V, q.device)
     pl = plan.make_plan(offsets, Hv, V // bdv, True, q.device)
-    gamma, a0 = prep_v2.prep_v2(k3, g3, b3, pl.chunks, Hv)
+    gamma, a0 = prep_v2.prep_v2(k3, g3, b3, pl.chunks, Hv, gated=gated)
     h_init = h0
     if pl.segment_chunks:
-        hs, ms = segment_states.segment_states(k3, v3, a0, gamma, b3, pl, bDV=bdv)
+        hs, ms = segment_states.segment_states(k3, v3, a0, gamma, b3, pl, bDV=bdv, a_gated=gated)
         h_init = state_scan.state_scan(h0, hs, ms, pl.seqs, pl.segs.shape[0])
     return (q3, k3, v3, a0, gamma, b3, h_init, pl.segs), bdv, pl
 
@@ -78,7 +84,7 @@ def markdown(result: dict) -> str:
     for row in result["rows"]:
         a = row["analysis"]
         lines += [f"## Hk/Hv {row['Hk']}/{row['Hv']}, {row['seqlen']}x{row['nseq']} (bDV {row['bDV']}, "
-                  f"{row['steps']} steps for CTA 0){' with wreg' if row.get('wreg') else ''}", "",
+                  f"{row['steps']} steps for CTA 0), kernel {row.get('kernel', 'default')}", "",
                   f"Stage alone: {row['stage_ms']:.3f} ms untraced, {row['traced_ms']:.3f} ms traced. Median step "
                   f"{a['per_step_cycles']:.0f} cycles = {a['per_step_cycles'] * a['ns_per_cycle'] / 1e3:.2f} us.", "",
                   "| warpgroup | gap | cycles |", "|---|---|---|"]
@@ -97,13 +103,12 @@ def precompile(cfgs) -> None:
 
     for Hk, Hv, _, nseq in cfgs:
         bdv = plan.choose_block_v(nseq, Hv, K, V, 132)
-        for wreg in (False, True):
-            _common.compile_kernel(fused_fwd_ws.build_fused_fwd_ws, Hk, Hv, K, V, bdv, "bfloat16", K ** -0.5, False,
-                                   "float16", True, wreg)
-            if wreg:  # the untraced wreg kernel, timed beside its trace
+        for flags in KERNELS.values():
+            on = [flags.get(f, False) for f in ("w_in_registers", "a_gated", "p_in_registers")]
+            for trace in (True, False):  # the traced twin and the kernel timed beside it
                 _common.compile_kernel(fused_fwd_ws.build_fused_fwd_ws, Hk, Hv, K, V, bdv, "bfloat16", K ** -0.5,
-                                       False, "float16", False, True)
-    print(f"precompiled {2 * len(cfgs)} traced kernels")
+                                       False, "float16", *fused_fwd_ws._flags(trace, *on))
+    print(f"precompiled {2 * len(KERNELS) * len(cfgs)} kernels")
 
 
 def main() -> None:
@@ -124,10 +129,12 @@ def main() -> None:
     clock_ghz = float(os.environ.get("SM_CLOCK_GHZ", "1.98"))  # H200 max SM clock (nvidia-smi clocks.max.sm)
     rows = []
     with torch.no_grad():
-        for (Hk, Hv, seqlen, nseq), wreg in ((c, w) for c in cfgs for w in (False, True)):
-            (q3, k3, v3, a0, gamma, b3, h_init, segs), bdv, pl = stage_inputs(Hk, Hv, seqlen, nseq, args.bdv or None)
+        for (Hk, Hv, seqlen, nseq), label in ((c, w) for c in cfgs for w in KERNELS):
+            flags = KERNELS[label]
+            (q3, k3, v3, a0, gamma, b3, h_init, segs), bdv, pl = stage_inputs(
+                Hk, Hv, seqlen, nseq, args.bdv or None, gated=flags.get("a_gated", False))
             o = torch.empty_like(v3)
-            kw = dict(scale=K ** -0.5, bDV=bdv, inner="float16", w_in_registers=wreg)
+            kw = dict(scale=K ** -0.5, bDV=bdv, inner="float16", **flags)
             stage = triton.testing.do_bench(lambda: fused_fwd_ws.fused_fwd_ws(
                 q3, k3, v3, a0, gamma, b3, h_init, segs, o, None, **kw), return_mode="median")
             traced = triton.testing.do_bench(lambda: fused_fwd_ws.trace_step(
@@ -135,14 +142,14 @@ def main() -> None:
             stamps = fused_fwd_ws.trace_step(q3, k3, v3, a0, gamma, b3, h_init, segs, o, **kw)
             first = [int(x) for x in segs[0].tolist()]
             n_steps = -(-(first[1] - first[0]) // 64)
-            row = {"Hk": Hk, "Hv": Hv, "seqlen": seqlen, "nseq": nseq, "bDV": bdv, "steps": n_steps, "wreg": wreg,
+            row = {"Hk": Hk, "Hv": Hv, "seqlen": seqlen, "nseq": nseq, "bDV": bdv, "steps": n_steps, "kernel": label,
                    "stage_ms": stage, "traced_ms": traced, "analysis": analyse(stamps, n_steps, clock_ghz),
                    "stamps": stamps[:, :, :min(n_steps, stamps.shape[2])].tolist()}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "stamps"}), flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": os.environ.get("QWEN_SCOPE_COMMIT", ""), "clock_ghz": clock_ghz,
-        "variant": "ws16 fused stage (default), and with wreg", "rows": rows}
+        "variant": "ws16 fused stage: " + ", ".join(KERNELS), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gdn_ws_trace.json").write_text(json.dumps(result, indent=1))
     (args.out / "gdn_ws_trace.md").write_text(markdown(result))

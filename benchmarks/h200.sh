@@ -14,7 +14,8 @@
 #   gdn-tests    the Gated DeltaNet GPU suite: default launcher (ws16+prep2), then each other variant of
 #                variants.ALL_VARIANTS in its own pytest process
 #   gdn-bench    benchmarks/gdn_forward.py, every variant, stages timed alone too (narrow with GDN_VARIANTS=ws16,...
-#                and GDN_CONFIGS=0,7,8,9; GDN_TESTS_S / GDN_BENCH_S override the phase limits)
+#                and GDN_CONFIGS=0,7,8,9; GDN_BENCH_ARGS="--skip-fla --skip-torch" times ours and FlashQLA only;
+#                GDN_TESTS_S / GDN_BENCH_S override the phase limits; GDN_TEST_VARIANTS narrows gdn-tests)
 #   encode       benchmarks/topk_encode.py (fused TopK SAE encode vs torch)
 #   collect      benchmarks/collect_throughput.py (bare forward / capture / SAE codes; ours vs FLA vs torch GDN)
 #   layer-tests  benchmarks/gdn_layer.py --gpu-tests (the fused GDN layer against transformers' layer)
@@ -56,7 +57,10 @@ gdn_tests() {
     python3 benchmarks/gdn_forward.py --variants all --precompile 14 --precompile-only
     python3 -m pytest -q --timeout 300 -p no:cacheprovider tests/flashqla_kernels/test_hopper_gpu.py \
         tests/flashqla_kernels/test_dispatch_gpu.py
-    for v in base ws16+prep2+bv128 ws16+prep3 ws16+prep2+wreg ws16+prep3+wreg ws16+prep3+wreg+bv128; do
+    # every other variant of variants.ALL_VARIANTS, or the comma-separated GDN_TEST_VARIANTS
+    local names=${GDN_TEST_VARIANTS:-$(python3 -c "from flashqla_kernels.gated_delta_rule.hopper import variants as v
+print(','.join(x for x in v.ALL_VARIANTS if x != v.DEFAULT_VARIANT))")}
+    for v in ${names//,/ }; do
         echo "== variant $v"
         FLASHQLA_TEST_VARIANTS=$v timeout "${VARIANT_TEST_S:-120}" python3 -m pytest -q --timeout 60 --timeout-method thread \
             -p no:cacheprovider -m gpu tests/flashqla_kernels/test_hopper_variants.py 2>&1 | tail -15
@@ -78,7 +82,7 @@ for p in "$@"; do
     case $p in
         gdn-tests) phase gdn-tests "${GDN_TESTS_S:-330}" gdn_tests ;;
         gdn-bench) phase gdn-bench "${GDN_BENCH_S:-420}" python3 benchmarks/gdn_forward.py --variants "${GDN_VARIANTS:-all}" \
-                       --configs "${GDN_CONFIGS:-}" --stages --precompile 14 --out "$OUT" ;;
+                       --configs "${GDN_CONFIGS:-}" --stages --precompile 14 --out "$OUT" ${GDN_BENCH_ARGS:-} ;;
         encode) phase encode "${ENCODE_S:-240}" python3 benchmarks/topk_encode.py --precompile 14 --out "$OUT" ;;
         collect) phase collect "${COLLECT_S:-300}" python3 benchmarks/collect_throughput.py --out "$OUT" --steps 3 \
                      --budget-s "$(( ${COLLECT_S:-300} - 60 ))" ;;

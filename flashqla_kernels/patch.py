@@ -90,8 +90,9 @@ def patch_transformers(backend: str | None = None, model: torch.nn.Module | None
         backend: passed to our op on every call: None (automatic: TileLang kernels on sm_90 CUDA tensors without
             grad, else torch), "torch" or "tilelang".
         model: optional model whose GDN layers hold the functions as instance attributes (transformers < 5.15).
-        fused_layer: also run the GDN layers' whole forward on the fused layer path (``patch_gdn_layers``);
-            False leaves a fused-layer patch made earlier in place (``unpatch_transformers`` removes both).
+        fused_layer: also run the GDN layers' whole forward on the fused layer path (``patch_gdn_layers``, with its
+            RMSNorm and MLP patches); False leaves a fused-layer patch made earlier in place
+            (``unpatch_transformers`` removes both).
 
     Returns:
         The patched targets, e.g. ``["transformers.models.qwen3_5.modeling_qwen3_5.torch_chunk_gated_delta_rule",
@@ -183,7 +184,7 @@ def patched_transformers(backend: str | None = None, model: torch.nn.Module | No
     """
     ops_were_patched, previous = bool(_saved_globals or _saved_attrs), _current_backend()
     layer_was_patched, previous_layer = _layer_patch.gdn_layers_patched(), _layer_patch._current_backend()
-    previous_norms = _layer_patch._norms_patched()
+    previous_norms, previous_mlps = _layer_patch._norms_patched(), _layer_patch._mlps_patched()
     try:
         yield patch_transformers(backend, model, fused_layer)
     finally:
@@ -191,4 +192,4 @@ def patched_transformers(backend: str | None = None, model: torch.nn.Module | No
         if ops_were_patched:
             patch_transformers(previous, model)
         if layer_was_patched:
-            _layer_patch.patch_gdn_layers(previous_layer, previous_norms)
+            _layer_patch.patch_gdn_layers(previous_layer, previous_norms, previous_mlps)

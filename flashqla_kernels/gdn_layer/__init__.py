@@ -1,5 +1,6 @@
 """The whole Gated DeltaNet layer on fused stages: token-major conv + SiLU + split + l2norm + gates, our chunk op,
-gated RMSNorm; a restorable patch of transformers' Qwen3-Next / Qwen3.5 / Qwen3.5-MoE GDN layer forward.
+gated RMSNorm; a restorable patch of transformers' Qwen3-Next / Qwen3.5 / Qwen3.5-MoE GDN layer forward (and of
+their zero-centred RMSNorms and dense SiLU MLPs).
 
 Importing this package touches neither CUDA nor tilelang, and patches nothing.
 
@@ -9,13 +10,13 @@ Example:
     ...     logits = model(ids, use_cache=False).logits
 """
 from flashqla_kernels.gdn_layer.layer import explain_gdn_layer, gdn_layer_forward, layer_unsupported_reason
-from flashqla_kernels.gdn_layer.ops import conv_qkv_gates, gated_norm, glue_kernel_reason, rms_norm
+from flashqla_kernels.gdn_layer.ops import conv_qkv_gates, gated_norm, glue_kernel_reason, rms_norm, silu_mul
 from flashqla_kernels.gdn_layer.patch import (
     gdn_layers_patched, patch_gdn_layers, patched_gdn_layers, unpatch_gdn_layers,
 )
 
 __all__ = [
     "gdn_layer_forward", "layer_unsupported_reason", "explain_gdn_layer",
-    "conv_qkv_gates", "gated_norm", "rms_norm", "glue_kernel_reason",
+    "conv_qkv_gates", "gated_norm", "rms_norm", "silu_mul", "glue_kernel_reason",
     "patch_gdn_layers", "unpatch_gdn_layers", "patched_gdn_layers", "gdn_layers_patched",
 ]

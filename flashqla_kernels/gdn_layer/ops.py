@@ -1,10 +1,11 @@
 """The GDN layer's glue stages with backend dispatch: TileLang kernels for CUDA sm_90 tensors, torch elsewhere.
 
-``conv_qkv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates), ``gated_norm`` (gated RMSNorm) and
-``rms_norm`` (Qwen's zero-centred RMSNorm: the decoder / final / q-k norms around the layers) have one signature
-each across the torch formulation (``torch_path``) and the kernels (``hopper``). ``backend=None`` picks the kernels
-when ``glue_kernel_reason`` (and the stage's shape check) returns None, else torch; ``"torch"`` forces torch;
-``"tilelang"`` forces the kernels or raises the reason. Importing this module touches neither CUDA nor tilelang.
+``conv_qkv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates), ``gated_norm`` (gated RMSNorm),
+``rms_norm`` (Qwen's zero-centred RMSNorm: the decoder / final / q-k norms around the layers) and ``silu_mul`` (the
+dense MLP's ``silu(gate) * up``) have one signature each across the torch formulation (``torch_path``) and the
+kernels (``hopper``). ``backend=None`` picks the kernels when ``glue_kernel_reason`` (and the stage's shape check)
+returns None, else torch; ``"torch"`` forces torch; ``"tilelang"`` forces the kernels or raises the reason.
+Importing this module touches neither CUDA nor tilelang.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from flashqla_kernels.gdn_layer import torch_path
 
-__all__ = ["conv_qkv_gates", "gated_norm", "rms_norm", "glue_kernel_reason", "KERNEL_DTYPES"]
+__all__ = ["conv_qkv_gates", "gated_norm", "rms_norm", "silu_mul", "glue_kernel_reason", "KERNEL_DTYPES"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _HOPPER = "flashqla_kernels.gdn_layer.hopper"
@@ -106,3 +107,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str 
         hopper = importlib.import_module(_HOPPER)
         return hopper.rms_norm_fwd(x, weight, eps)
     return torch_path.rms_norm_zero_centred(x, weight, eps)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """The dense MLP's gated activation ``silu(gate) * up`` with fp32 math, rounded once.
+
+    Args:
+        gate: [..., D] (D a multiple of 64 for the kernel). up: same shape and dtype. backend: see module doc.
+
+    Returns:
+        gate's shape and dtype.
+
+    Example:
+        >>> out = mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+    """
+    if _use_kernels(backend, "silu_mul", gate, up, shape_reason=lambda: None if gate.shape[-1] % 64 == 0
+                    else f"row width D={gate.shape[-1]} is not a multiple of 64"):
+        hopper = importlib.import_module(_HOPPER)
+        return hopper.silu_mul_fwd(gate, up)
+    return torch_path.silu_mul(gate, up)

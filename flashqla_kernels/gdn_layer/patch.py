@@ -7,6 +7,10 @@ transformers' own forward whenever ``layer_unsupported_reason`` names a reason (
 the op patch of ``flashqla_kernels.patch``: the fallback runs whatever chunk / recurrent functions are patched in.
 With ``rms_norms=True`` (default) it also replaces ``forward`` of the families' zero-centred RMSNorm classes (decoder,
 final and q/k norms): the one-pass kernel on CUDA sm_90 bf16/fp16 tensors, transformers' own forward otherwise.
+With ``mlp=True`` (default) it replaces ``forward`` of the families' dense gate/up/down MLP classes (the decoder MLP,
+and the MoE blocks' shared expert; the routed experts are another module, left alone):
+``down_proj(silu_mul(gate_proj(x), up_proj(x)))`` with the one-pass ``silu(gate) * up`` kernel on CUDA sm_90
+bf16/fp16 tensors when ``act_fn`` is SiLU, transformers' own forward otherwise.
 
 Explicit, idempotent and restorable: importing this module changes nothing.
 """
@@ -22,7 +26,7 @@ from flashqla_kernels.gdn_layer import ops
 from flashqla_kernels.gdn_layer.layer import gdn_layer_forward, layer_unsupported_reason
 
 __all__ = ["patch_gdn_layers", "unpatch_gdn_layers", "patched_gdn_layers", "gdn_layers_patched", "GDN_CLASSES",
-           "NORM_CLASSES"]
+           "NORM_CLASSES", "MLP_CLASSES"]
 
 GDN_CLASSES = (
     ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),
@@ -34,6 +38,14 @@ NORM_CLASSES = (
     ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5RMSNorm"),
     ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeRMSNorm"),
 )
+# ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Qwen3-Next's dense layers and shared expert, Qwen3.5's decoder MLP,
+# Qwen3.5-MoE's shared expert (the vision towers' MLPs are fc1/fc2 GELU, another layout)
+MLP_CLASSES = (
+    ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextMLP"),
+    ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5MLP"),
+    ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeMLP"),
+)
+_SILU_TYPES = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers' ACT2FN["silu"]
 _MARK = "_flashqla_fused_backend"
 _saved: dict[tuple[str, str], Any] = {}
 
@@ -70,6 +82,34 @@ def _make_norm_forward(original, backend: str | None):
     return forward
 
 
+def _mlp_kernel_reason(mlp, x) -> str | None:
+    """Why the MLP takes transformers' forward before any projection runs, or None."""
+    act = mlp.act_fn
+    if type(act).__name__ not in _SILU_TYPES:
+        return f"act_fn {type(act).__name__} is not SiLU"
+    if act._forward_hooks or act._forward_pre_hooks:
+        return "act_fn has hooks, which the fused activation would skip"
+    if mlp.gate_proj.out_features % 64:
+        return f"intermediate size {mlp.gate_proj.out_features} is not a multiple of 64"
+    return ops.glue_kernel_reason(x)
+
+
+def _make_mlp_forward(original, backend: str | None):
+    def forward(self, x):
+        if backend == "torch" or _mlp_kernel_reason(self, x) is not None:
+            return original(self, x)
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        # the projections' outputs decide too (autocast dtype, trainable weights): transformers' expression then
+        if ops.glue_kernel_reason(gate, up) is not None:
+            return self.down_proj(self.act_fn(gate) * up)
+        return self.down_proj(ops.silu_mul(gate, up, backend=backend))
+
+    forward.__doc__ = f"flashqla_kernels MLP (backend={backend!r}): fused silu(gate) * up on sm_90, else transformers'."
+    forward.__wrapped__ = original
+    setattr(forward, _MARK, backend)
+    return forward
+
+
 def _load(module_name: str, class_name: str):
     try:
         return getattr(importlib.import_module(module_name), class_name, None)
@@ -77,13 +117,15 @@ def _load(module_name: str, class_name: str):
         return None
 
 
-def patch_gdn_layers(backend: str | None = None, rms_norms: bool = True) -> list[str]:
+def patch_gdn_layers(backend: str | None = None, rms_norms: bool = True, mlp: bool = True) -> list[str]:
     """Run the GDN layers of Qwen3-Next / Qwen3.5 / Qwen3.5-MoE on the fused layer path.
 
     Args:
         backend: None (TileLang kernels for CUDA sm_90 tensors, torch elsewhere), "torch" or "tilelang";
             used for the glue stages and the chunk op.
         rms_norms: also put the zero-centred RMSNorm classes on the RMSNorm kernel (a no-op off Hopper).
+        mlp: also put the dense SiLU MLP classes (``MLP_CLASSES``) on the fused ``silu(gate) * up`` kernel (a no-op
+            off Hopper).
 
     Returns:
         The patched targets, e.g. ``["transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet.forward"]``.
@@ -98,7 +140,8 @@ def patch_gdn_layers(backend: str | None = None, rms_norms: bool = True) -> list
         raise ValueError(f"backend must be one of None, 'torch', 'tilelang'; got {backend!r}")
     unpatch_gdn_layers()
     patched = []
-    targets = [(c, _make_forward) for c in GDN_CLASSES] + [(c, _make_norm_forward) for c in NORM_CLASSES if rms_norms]
+    targets = ([(c, _make_forward) for c in GDN_CLASSES] + [(c, _make_norm_forward) for c in NORM_CLASSES if rms_norms]
+               + [(c, _make_mlp_forward) for c in MLP_CLASSES if mlp])
     for (module_name, class_name), make in targets:
         cls = _load(module_name, class_name)
         if cls is None:
@@ -141,18 +184,22 @@ def _norms_patched() -> bool:
     return any(key in _saved for key in NORM_CLASSES)
 
 
+def _mlps_patched() -> bool:
+    return any(key in _saved for key in MLP_CLASSES)
+
+
 @contextlib.contextmanager
-def patched_gdn_layers(backend: str | None = None, rms_norms: bool = True) -> Iterator[list[str]]:
+def patched_gdn_layers(backend: str | None = None, rms_norms: bool = True, mlp: bool = True) -> Iterator[list[str]]:
     """Context manager form of ``patch_gdn_layers``; on exit restores the state found on entry.
 
     Example:
         >>> with patched_gdn_layers(backend="torch"):
         ...     out = model.generate(ids, max_new_tokens=8)
     """
-    was, previous, norms = gdn_layers_patched(), _current_backend(), _norms_patched()
+    was, previous, norms, mlps = gdn_layers_patched(), _current_backend(), _norms_patched(), _mlps_patched()
     try:
-        yield patch_gdn_layers(backend, rms_norms)
+        yield patch_gdn_layers(backend, rms_norms, mlp)
     finally:
         unpatch_gdn_layers()
         if was:
-            patch_gdn_layers(previous, norms)
+            patch_gdn_layers(previous, norms, mlps)

@@ -8,6 +8,7 @@ channels-first and no whole tensor makes an fp32 round trip through memory beyon
             v    = y[..., 2*Hk*K:]                    -> [B, T, Hv, V]
     gates:  g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)               (fp32, [B, T, Hv])
     norm:   out = o * rsqrt(mean(o^2) + eps) * weight * silu(z)                      (fp32 math, o's dtype out)
+    mlp:    out = silu(gate) * up                  (the MLP's gated activation; fp32 math, gate's dtype out)
 
 Compute: fp32 (fp64 for fp64 inputs); outputs in the input dtype except the gates (fp32, as the op wants them).
 """
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["causal_conv1d_silu", "conv_split_l2norm_gates", "gdn_gates", "gated_rms_norm", "l2norm_fp32",
-           "rms_norm_zero_centred"]
+           "rms_norm_zero_centred", "silu_mul"]
 
 
 def _math_dtype(x: torch.Tensor) -> torch.dtype:
@@ -128,3 +129,17 @@ def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
     xf = x.to(dt)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * (1.0 + weight.to(dt))).to(x.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The MLP's gated activation ``silu(gate) * up`` in fp32 (fp64 for fp64), rounded once to gate's dtype; for fp32
+    inputs the same operations as transformers' ``act_fn(gate_proj(x)) * up_proj(x)``.
+
+    Args:
+        gate: [..., D] (``gate_proj``'s output). up: same shape.
+
+    Returns:
+        gate's shape and dtype.
+    """
+    dt = _math_dtype(gate)
+    return (F.silu(gate.to(dt)) * up.to(dt)).to(gate.dtype)

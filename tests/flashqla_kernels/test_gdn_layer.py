@@ -255,6 +255,84 @@ def test_rms_norm_patch_is_opt_out_restorable_and_exact_off_hopper(family, cls_n
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def _mlp(model):
+    """The model's first dense gate/up/down MLP: the decoder MLP, else the MoE block's shared expert."""
+    mlp = _text_model(model).layers[0].mlp
+    return getattr(mlp, "shared_expert", mlp)
+
+
+@pytest.mark.parametrize("family,cls_name", [("qwen3_5", "Qwen3_5MLP"), ("qwen3_next", "Qwen3NextMLP"),
+                                             ("qwen3_5_moe", "Qwen3_5MoeMLP")])
+def test_mlp_patch_is_opt_out_restorable_and_exact_off_hopper(family, cls_name):
+    import importlib
+
+    cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), cls_name)
+    original = cls.__dict__["forward"]
+    model = tiny_model(family)
+    mlp = _mlp(model)
+    assert type(mlp) is cls
+    x = torch.randn(2, 9, mlp.hidden_size)
+    ids = torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        want, want_logits = mlp(x), model(ids, use_cache=False).logits
+        with patched_gdn_layers(backend="torch", mlp=False) as targets:
+            assert cls.__dict__["forward"] is original and not any(t.endswith("MLP.forward") for t in targets)
+        for backend in (None, "tilelang"):  # off Hopper even the forced kernels hand the MLP to transformers
+            with patched_gdn_layers(backend=backend, rms_norms=False) as targets:
+                assert f"{cls.__module__}.{cls_name}.forward" in targets
+                patched = cls.__dict__["forward"]
+                assert patched is not original and patched.__wrapped__ is original
+                assert torch.equal(mlp(x), want)
+        with patched_gdn_layers(backend="torch"):
+            got_logits = model(ids, use_cache=False).logits
+    assert cls.__dict__["forward"] is original
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_mlp_patch_restores_the_state_found_on_entry():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet, Qwen3_5MLP, Qwen3_5RMSNorm
+
+    originals = [c.__dict__["forward"] for c in (Qwen3_5GatedDeltaNet, Qwen3_5MLP, Qwen3_5RMSNorm)]
+    gdn_patch.patch_gdn_layers(backend="torch", mlp=False)
+    outer = Qwen3_5GatedDeltaNet.__dict__["forward"]
+    with patched_gdn_layers():
+        assert Qwen3_5MLP.__dict__["forward"] is not originals[1]
+    assert Qwen3_5MLP.__dict__["forward"] is originals[1], "mlp=False state not restored"
+    assert getattr(Qwen3_5GatedDeltaNet.forward, "_flashqla_fused_backend") == "torch" and outer is not originals[0]
+    assert Qwen3_5RMSNorm.__dict__["forward"] is not originals[2]
+    gdn_patch.patch_gdn_layers()  # idempotent: the originals saved first stay saved
+    gdn_patch.patch_gdn_layers()
+    restored = gdn_patch.unpatch_gdn_layers()
+    assert "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5MLP.forward" in restored
+    assert [c.__dict__["forward"] for c in (Qwen3_5GatedDeltaNet, Qwen3_5MLP, Qwen3_5RMSNorm)] == originals
+
+
+def test_silu_mul_formulation_is_transformers_bit_for_bit_in_fp32_and_rounds_once_in_bf16():
+    mlp = _mlp(tiny_model("qwen3_5"))
+    x = torch.randn(2, 9, mlp.hidden_size)
+    with torch.no_grad():
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        assert torch.equal(torch_path.silu_mul(gate, up), mlp.act_fn(gate) * up)
+        assert torch.equal(mlp.down_proj(torch_path.silu_mul(gate, up)), mlp(x))
+        got = torch_path.silu_mul(gate.bfloat16(), up.bfloat16())
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, (torch.nn.functional.silu(gate.bfloat16().float()) * up.bfloat16().float()).bfloat16())
+
+
+def test_mlp_kernel_reasons_name_what_sends_the_mlp_to_transformers():
+    mlp = _mlp(tiny_model("qwen3_5"))
+    x = torch.randn(1, 3, mlp.hidden_size, dtype=torch.bfloat16)
+    assert "tensors are on cpu" in gdn_patch._mlp_kernel_reason(mlp, x)
+    handle = mlp.act_fn.register_forward_hook(lambda *a: None)
+    assert "act_fn has hooks" in gdn_patch._mlp_kernel_reason(mlp, x)
+    handle.remove()
+    mlp.act_fn = torch.nn.GELU()
+    assert "act_fn GELU is not SiLU" in gdn_patch._mlp_kernel_reason(mlp, x)
+    mlp.act_fn = torch.nn.SiLU()
+    mlp.gate_proj = torch.nn.Linear(mlp.hidden_size, 96, bias=False)
+    assert "intermediate size 96 is not a multiple of 64" in gdn_patch._mlp_kernel_reason(mlp, x)
+
+
 def test_explain_gdn_layer_names_each_stage_and_the_reason():
     from flashqla_kernels.gdn_layer import explain_gdn_layer
 

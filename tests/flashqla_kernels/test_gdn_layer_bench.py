@@ -42,6 +42,7 @@ def test_kernel_names_fall_in_the_issue_buckets(bench):
         "void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>": "copies",
         "void at::native::vectorized_elementwise_kernel<4, silu_kernel>": "elementwise",
         "triton_poi_fused_add_mul_silu_0": "elementwise",
+        "mlp_silu_mul_kernel": "elementwise",
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3": "attention",
     }
     assert {n: bench.categorize(n) for n in names} == names
@@ -75,9 +76,12 @@ def test_gpu_test_runner_expands_every_parametrized_case(bench):
 
     cases = bench.test_cases(gpu_tests)
     ids = [case_id for case_id, _, _ in cases]
-    assert len(ids) == len(set(ids)) == 6 + 3 + 4 + 2 + 1
+    assert len(ids) == len(set(ids)) == 6 + 3 + 4 + 6 + 1 + 2 + 1
     conv = [kw for case_id, _, kw in cases if case_id.startswith("test_conv_gates")]
     assert sorted(kw["name"] for kw in conv) == sorted(gpu_tests.CONV_CASES)
+    silu = [kw for case_id, _, kw in cases if case_id.startswith("test_silu_mul")]
+    assert sorted(kw["name"] for kw in silu) == sorted(gpu_tests.SILU_CASES)
+    assert "test_patched_mlp_runs_the_kernel_and_matches_transformers_within_bf16" in ids
     layer = [kw for case_id, _, kw in cases if case_id.startswith("test_fused_layer")]
     assert layer == [{"Hk": 16, "Hv": 16}, {"Hk": 16, "Hv": 32}]
 
@@ -106,10 +110,14 @@ def test_precompile_covers_the_benchmark_and_gpu_test_kernels(bench):
     specs = bench.kernel_specs()
     builders = {(m.rsplit(".", 1)[1], b) for m, b, _ in specs}
     assert {("conv_gates", "build_conv_qkv_gates"), ("gated_norm", "build_gated_rms_norm"),
-            ("rms_norm", "build_rms_norm"), ("prep", "build_prep"), ("fused_fwd", "build_fused_fwd")} <= builders
+            ("rms_norm", "build_rms_norm"), ("silu_mul", "build_silu_mul"), ("prep", "build_prep"),
+            ("fused_fwd", "build_fused_fwd")} <= builders
     # the 2B model's layout: conv (Hk = Hv = 16, K = 128, width 4, bf16), gated norm V = 128, RMSNorm 2048 and 256
     assert ("flashqla_kernels.gdn_layer.hopper.conv_gates", "build_conv_qkv_gates",
             (16, 16, 128, 4, "bfloat16", False, False)) in specs
     rms = {args for _, b, args in specs if b == "build_rms_norm"}
     assert rms >= {(2048, "bfloat16", 1e-6), (256, "bfloat16", 1e-6)}
+    # the MLP's silu(gate) * up at the 2B intermediate size 6144, and every GPU-test specialisation
+    silu = {args for _, b, args in specs if b == "build_silu_mul"}
+    assert silu == {(6144, "bfloat16"), (6144, "float16"), (64, "bfloat16"), (64, "float16")}
     assert len(specs) == len(set(specs))

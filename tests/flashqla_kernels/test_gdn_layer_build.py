@@ -1,13 +1,14 @@
 """CPU CI for the GDN layer's glue kernels: they lower and compile for sm_90a with the local nvcc (no GPU needed),
 the package imports without tilelang, and dispatch picks the torch formulation off Hopper with a reason.
 
-The default run builds the Qwen3.5-2B layout (Hk = Hv = 16, K = V = 128, conv width 4, d_model 2048, bf16);
+The default run builds the Qwen3.5-2B layout (Hk = Hv = 16, K = V = 128, conv width 4, d_model 2048, MLP 6144, bf16);
 ``-m slow`` adds the prefix/bias, GVA, fp16 and other head-dim specialisations. The compile cache is the chunk
 kernels' (TileLang's disk cache, ~/.tilelang/cache), so re-runs are fast.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,11 +21,13 @@ from flashqla_kernels.gdn_layer import ops
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
                                 reason="needs nvcc to compile for sm_90a")
 
-# conv: (Hk, Hv, D, Kc, dtype, has_prefix, has_bias); norm (gated): (V, dtype, eps); rms: (D, dtype, eps)
+# conv: (Hk, Hv, D, Kc, dtype, has_prefix, has_bias); norm (gated): (V, dtype, eps); rms: (D, dtype, eps);
+# silu (the MLP's silu(gate) * up): (D, dtype)
 CORE = [
     ("conv", (16, 16, 128, 4, "bfloat16", False, False)),
     ("norm", (128, "bfloat16", 1e-6)),
     ("rms", (2048, "bfloat16", 1e-6)),
+    ("silu", (6144, "bfloat16")),
 ]
 EXTRA = [
     ("conv", (16, 16, 128, 4, "bfloat16", True, False)),
@@ -35,18 +38,20 @@ EXTRA = [
     ("norm", (256, "bfloat16", 1e-6)),
     ("rms", (256, "bfloat16", 1e-6)),
     ("rms", (64, "float16", 1e-5)),
+    ("silu", (64, "float16")),
+    ("silu", (1472, "bfloat16")),
 ]
 
 
 def _compile(stage, args):
     pytest.importorskip("tilelang")
     from flashqla_kernels.gated_delta_rule.hopper import _common
-    from flashqla_kernels.gdn_layer.hopper import conv_gates, gated_norm, rms_norm
+    from flashqla_kernels.gdn_layer.hopper import conv_gates, gated_norm, rms_norm, silu_mul
 
     builder = {"conv": conv_gates.build_conv_qkv_gates, "norm": gated_norm.build_gated_rms_norm,
-               "rms": rms_norm.build_rms_norm}[stage]
+               "rms": rms_norm.build_rms_norm, "silu": silu_mul.build_silu_mul}[stage]
     src = _common.compile_kernel(builder, *args).get_kernel_source()
-    assert "__global__" in src and "rsqrtf" in src, f"{stage}{args}: unexpected generated CUDA"
+    assert "__global__" in src and ("rsqrtf" in src or stage == "silu"), f"{stage}{args}: unexpected generated CUDA"
     if stage == "conv":
         # the gates (softplus, exp) and the q/k/v stores are in the same kernel as the conv
         assert "log1pf" in src and "beta[" in src and "(q + " in src and "(v + " in src
@@ -66,12 +71,29 @@ def test_other_glue_specialisations_compile_for_sm90a(stage, args):
     _compile(stage, args)
 
 
+@needs_nvcc
+@pytest.mark.parametrize("D,dtype", [(6144, "bfloat16"), (64, "float16")])
+def test_silu_mul_kernel_moves_16_byte_vectors(D, dtype):
+    """Memory-bound: every global access of gate, up and out is one uint4 (8 bf16/fp16 values), and the sigmoid
+    is in the same kernel."""
+    src = _compile("silu", (D, dtype))
+    body = src[src.index("__launch_bounds__"):]
+    for name in ("gate", "up"):
+        loads = re.findall(rf"= \*\((\w+)\*\)\({name} \+", body)
+        assert loads and set(loads) == {"uint4"}, f"{name} loads: {loads}"
+    stores = re.findall(r"\*\((\w+)\*\)\(out \+", body)
+    assert stores and set(stores) == {"uint4"}, f"out stores: {stores}"
+    assert not re.search(r"\b(gate|up|out)\[", body), "scalar global access left in the kernel"
+    assert "expf" in body
+
+
 def test_importing_the_glue_hopper_package_does_not_import_tilelang():
     code = ("import sys, flashqla_kernels.gdn_layer.hopper as h, flashqla_kernels.gdn_layer; "
             "assert 'tilelang' not in sys.modules, 'tilelang imported'; print(h.__all__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "conv_qkv_gates_fwd" in out.stdout and "gated_rms_norm_fwd" in out.stdout and "rms_norm_fwd" in out.stdout
+    assert all(name in out.stdout for name in ("conv_qkv_gates_fwd", "gated_rms_norm_fwd", "rms_norm_fwd",
+                                               "silu_mul_fwd"))
 
 
 def test_dispatch_uses_torch_off_hopper_and_forced_kernels_raise_the_reason():
@@ -92,6 +114,9 @@ def test_dispatch_uses_torch_off_hopper_and_forced_kernels_raise_the_reason():
         ops.rms_norm(v, torch.zeros(D), 1e-6, backend="tilelang")
     torch.testing.assert_close(ops.rms_norm(v.float(), torch.zeros(D), 1e-6).pow(2).mean(-1),
                                torch.ones(v.shape[:-1]), atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="cannot run the silu_mul kernel: tensors are on cpu"):
+        ops.silu_mul(v, v, backend="tilelang")
+    assert torch.equal(ops.silu_mul(v, v), (torch.nn.functional.silu(v.float()) * v.float()).bfloat16())
     with pytest.raises(ValueError, match="backend must be one of"):
         ops.gated_norm(v, v, torch.ones(D), 1e-6, backend="triton")
 

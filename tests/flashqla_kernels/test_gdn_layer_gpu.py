@@ -1,9 +1,10 @@
 """The GDN layer's glue kernels and the whole fused layer on an sm_90 GPU (skipped elsewhere).
 
 Kernels against the torch formulation run in fp32 on the same bf16 inputs (outputs poisoned with NaN first, so an
-unwritten element fails); the fused layer (kernels + our chunk op) against transformers' layer forward, both in
-bf16, each measured against transformers' layer in fp32 (relative L2 printed per case); greedy generation of a
-random model with Qwen3.5's GDN head shape identical with and without the patch.
+unwritten element fails; the MLP's silu_mul within one rounding of fp32, element by element); the patched MLP module
+against transformers' MLP (the kernel called once); the fused layer (kernels + our chunk op) against transformers'
+layer forward, both in bf16, each measured against transformers' layer in fp32 (relative L2 printed per case); greedy
+generation of a random model with Qwen3.5's GDN head shape identical with and without the patch.
 """
 from __future__ import annotations
 
@@ -102,6 +103,67 @@ def test_rms_norm_kernel_matches_transformers_formulation(rows, D, dtype, monkey
     theirs = torch_path.rms_norm_zero_centred(x, w, 1e-6)  # transformers' ops in the model dtype
     assert not got.isnan().any()
     assert _rel(got, ref) <= max(1.5 * _rel(theirs, ref), 4e-3), (_rel(got, ref), _rel(theirs, ref))
+
+
+SILU_CASES = {
+    # name: (shape of gate and up, dtype); D = 6144 is Qwen3.5-2B's intermediate size
+    "qwen35_2b_8x4096": ((8, 4096, 6144), torch.bfloat16),
+    "rows4097_tail": ((4097, 6144), torch.bfloat16),
+    "3x7_fp16": ((3, 7, 6144), torch.float16),
+    "rows77_D64": ((77, 64), torch.bfloat16),
+    "rows1_D64_fp16": ((1, 64), torch.float16),
+    "rows1025_D64": ((1025, 64), torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SILU_CASES))
+def test_silu_mul_kernel_is_fp32_silu_mul_rounded_once(name, monkeypatch):
+    from flashqla_kernels.gdn_layer import hopper
+    from flashqla_kernels.gdn_layer.hopper import silu_mul
+
+    shape, dtype = SILU_CASES[name]
+    g = torch.Generator(device=DEV).manual_seed(3)
+    gate = (3 * torch.randn(shape, generator=g, device=DEV)).to(dtype)
+    up = (2 * torch.randn(shape, generator=g, device=DEV)).to(dtype)
+    monkeypatch.setattr(silu_mul, "POISON_OUTPUTS", True)
+    got = hopper.silu_mul_fwd(gate, up)
+    ref = torch_path.silu_mul(gate.float(), up.float())
+    theirs = torch.nn.functional.silu(gate) * up  # transformers' two passes, rounded twice
+    assert got.shape == gate.shape and got.dtype == dtype
+    assert not got.isnan().any(), f"{name}: unwritten (NaN) elements"
+    # one rounding of the fp32 result: within half an ulp (relative 2^-8 bf16, 2^-11 fp16; fp16 subnormals absolute)
+    rel, atol = (2.0 ** -8, 0.0) if dtype == torch.bfloat16 else (2.0 ** -11, 2.0 ** -25)
+    err = (got.float() - ref).abs() - ((rel + 1e-5) * ref.abs() + atol)
+    assert err.max().item() <= 0, f"{name}: {int((err > 0).sum())} elements off by more than one rounding"
+    assert _rel(got, ref) <= 1.001 * _rel(theirs, ref), (_rel(got, ref), _rel(theirs, ref))
+    print(f"silu_mul {name}: rel-L2 vs fp32 ours {_rel(got, ref):.2e}, torch bf16/fp16 {_rel(theirs, ref):.2e}")
+
+
+def test_patched_mlp_runs_the_kernel_and_matches_transformers_within_bf16(monkeypatch):
+    import transformers as tf
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5MLP
+
+    from flashqla_kernels.gdn_layer.hopper import silu_mul
+
+    config = tf.Qwen3_5TextConfig(hidden_size=2048, intermediate_size=6144)
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        mlp32 = Qwen3_5MLP(config, config.intermediate_size).eval().requires_grad_(False)
+    mlp = Qwen3_5MLP(config, config.intermediate_size).to(DEV, torch.bfloat16).eval().requires_grad_(False)
+    mlp.load_state_dict(mlp32.state_dict())
+    calls = []
+    kernel = silu_mul.silu_mul
+    monkeypatch.setattr(silu_mul, "silu_mul", lambda gate, up: calls.append(gate.shape) or kernel(gate, up))
+    x = torch.randn(2, 777, 2048, device=DEV)
+    with torch.no_grad():
+        truth = mlp32(x)
+        theirs = mlp(x.bfloat16())
+        with patched_gdn_layers():
+            ours = mlp(x.bfloat16())
+    assert calls == [torch.Size([2, 777, 6144])], calls
+    e_ours, e_theirs = _rel(ours, truth), _rel(theirs, truth)
+    print(f"MLP 2048 -> 6144: rel-L2 vs fp32 ours {e_ours:.2e}, transformers bf16 {e_theirs:.2e}")
+    assert ours.dtype == torch.bfloat16 and e_ours <= 1.05 * e_theirs
 
 
 def _qwen35_layer(Hk=16, Hv=16, layers=("linear_attention",), vocab=1024, n=None):

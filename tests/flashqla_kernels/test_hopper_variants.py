@@ -24,10 +24,14 @@ REPO = Path(__file__).resolve().parents[2]
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc to compile for sm_90a")
 
-# builders: ws(Hk, Hv, K, V, bDV, dtype, scale, store_final, inner), prep2(Hk, Hv, K, dtype)
+# builders: ws(Hk, Hv, K, V, bDV, dtype, scale, store_final, inner[, trace, wreg, agp, prs]),
+# prep2(Hk, Hv, K, dtype[, inverse, gated])
 CORE = [
     ("ws", (16, 32, 128, 128, 128, "bfloat16", 128 ** -0.5, True, "")),
+    ("ws", (16, 32, 128, 128, 128, "bfloat16", 128 ** -0.5, True, "float16", False, True, True, True)),
     ("prep2", (16, 32, 128, "bfloat16")),
+    ("prep2", (16, 32, 128, "bfloat16", "blocks", True)),
+    ("maps", (16, 32, 128, 128, 64, "bfloat16", True)),
 ]
 EXTRA = [
     ("ws", (16, 32, 128, 128, 128, "bfloat16", 128 ** -0.5, True, "float16")),
@@ -110,7 +114,10 @@ def test_unset_runs_the_default_variant_and_base_the_first_path(monkeypatch):
 def _build(stage, args):
     from flashqla_kernels.gated_delta_rule.hopper import _common, fused_fwd_ws, prep_v2
 
-    builder = {"ws": fused_fwd_ws.build_fused_fwd_ws, "prep2": prep_v2.build_prep_v2}[stage]
+    from flashqla_kernels.gated_delta_rule.hopper import segment_states
+
+    builder = {"ws": fused_fwd_ws.build_fused_fwd_ws, "prep2": prep_v2.build_prep_v2,
+               "maps": segment_states.build_segment_states}[stage]
     return _common.compile_kernel(builder, *args).get_kernel_source()
 
 
@@ -124,10 +131,16 @@ def _check_structure(stage, args, src):
         assert src.count("warpgroup_reg_alloc<") == 3 and src.count("warpgroup_reg_dealloc<") == 1
         assert "tma_load(" in src and "expect_transaction" in src
         assert ".wait(" in src and ".arrive()" in src
-        # K S, Q K^T, Ag W, Q S, Pg Vd, K^T Vn
-        assert src.count("tl::wgmma_ss<") >= 6, "expected the six chunk GEMMs as wgmma"
+        # K S, Q K^T, Ag W, Q S, Pg Vd, K^T Vn (prs: Pg Vd with Pg in registers)
+        agp, prs = (args[11:13] + (False, False))[:2]
+        assert src.count("tl::wgmma_ss<") + src.count("tl::wgmma_rs<") >= 6, "expected the six chunk GEMMs as wgmma"
+        assert ("tl::wgmma_rs<" in src) == bool(prs)
+        assert ("bar_ag" in src) != bool(agp), "agp: no Ag loop, so no Ag hand-off barrier"
         if args[-1] == "float16" and args[5] == "bfloat16":
             assert "wgmma_ss<tl::DataType::kFloat16" in src and "wgmma_ss<tl::DataType::kBFloat16" in src
+    elif stage == "maps":
+        # agp: Ag W multiplies the loaded fp16 tile (an fp16 wgmma), no Ag tile is formed
+        assert "wgmma_ss<tl::DataType::kFloat16" in src and "ag_sh" not in src
     else:
         assert "mma" in src, "prep2: K K^T should run on tensor cores"
         G = variants_heads_per_cta(args[1] // args[0])
@@ -394,8 +407,20 @@ def _torch_prep(k, g, beta, chunks, Hv):
     return gamma, a0
 
 
-def _torch_fused(q, k, v, a0, gamma, beta, h_init, segs, o, ht, *, scale, bDV, inner=""):
-    """fused_fwd's contract in float64 torch (segments from h_init rows, o and ht written in place)."""
+def _gate(a0, gamma, beta, chunks):
+    """Ag = Gamma * A0 * beta_col per chunk: what prep_v2(..., gated=True) writes in place of A0."""
+    ag = torch.zeros_like(a0)
+    for s, e in chunks.tolist():
+        gm = gamma[s:e].double()  # [n, Hv]
+        dec = torch.exp(gm[:, None, :] - gm[None, :, :]).permute(0, 2, 1)  # [row, Hv, col]
+        mask = torch.ones(e - s, e - s, dtype=torch.bool).tril()[:, None, :]
+        ag[s:e, :, :e - s] = torch.where(mask, a0[s:e, :, :e - s] * dec * beta[s:e].double().T[None], 0.0)
+    return ag
+
+
+def _torch_fused(q, k, v, a0, gamma, beta, h_init, segs, o, ht, *, scale, bDV, inner="", a_gated=False):
+    """fused_fwd's contract in float64 torch (segments from h_init rows, o and ht written in place); ``a_gated``:
+    a0 holds Ag already."""
     group = v.shape[1] // k.shape[1]
     for s0, s1, init, fin in segs.tolist():
         for h in range(v.shape[1]):
@@ -404,7 +429,7 @@ def _torch_fused(q, k, v, a0, gamma, beta, h_init, segs, o, ht, *, scale, bDV, i
                 ce = min(cs + 64, s1)
                 gm, kc, qc = gamma[cs:ce, h], k[cs:ce, h // group], q[cs:ce, h // group]
                 dec = torch.exp(gm[:, None] - gm[None, :]).tril()
-                ag = dec * a0[cs:ce, h, :ce - cs] * beta[cs:ce, h][None, :]
+                ag = a0[cs:ce, h, :ce - cs] if a_gated else dec * a0[cs:ce, h, :ce - cs] * beta[cs:ce, h][None, :]
                 vd = ag @ (v[cs:ce, h] - gm.exp()[:, None] * (kc @ S))
                 o[cs:ce, h] = scale * (gm.exp()[:, None] * (qc @ S) + (dec * (qc @ kc.T)) @ vd)
                 S = gm[-1].exp() * S + kc.T @ (torch.exp(gm[-1] - gm)[:, None] * vd)
@@ -423,7 +448,8 @@ def test_variant_wiring_equals_reference_with_torch_stages(monkeypatch):
     monkeypatch.setattr(plan, "num_sms", lambda device: 132)
     monkeypatch.setattr(prep_v2, "prep_v2", lambda *a: calls.append("prep2") or _torch_prep(*a))
     monkeypatch.setattr(fused_fwd_ws, "fused_fwd_ws",
-                        lambda *a, w_in_registers=False, **kw: calls.append(kw["inner"]) or _torch_fused(*a, **kw))
+                        lambda *a, w_in_registers=False, p_in_registers=False, **kw:
+                        calls.append(kw["inner"]) or _torch_fused(*a, **kw))
     gen = torch.Generator().manual_seed(3)
     lens = [1, 47, 130, 64]
     cu = torch.tensor([0, *__import__("itertools").accumulate(lens)])
@@ -440,6 +466,88 @@ def test_variant_wiring_equals_reference_with_torch_stages(monkeypatch):
     assert calls == ["prep2", ""]  # float64 inputs: ws16 keeps the input dtype (fp16 only replaces bf16)
     # g, beta and h0 travel as fp32 (the kernels' contract): agreement to fp32 rounding, not 1e-10
     assert ((o - ro).norm() / ro.norm()).item() < 1e-6 and ((ht - rht).norm() / rht.norm()).item() < 1e-6
+
+
+def _torch_state_scan(h0, hs, ms, seqs, num_segs):
+    """state_scan's contract in float64 torch: S_0 = h0 (or 0), S_{i+1} = M_i S_i + H_i over each sequence's maps."""
+    h_init = torch.zeros((num_segs,) + hs.shape[1:], dtype=torch.float64)
+    for n, (first, count, first_map) in enumerate(seqs.tolist()):
+        S = h0[n].double() if h0 is not None else torch.zeros_like(h_init[0])
+        for i in range(count):
+            h_init[first + i] = S
+            if i < count - 1:
+                S = ms[first_map + i].double() @ S + hs[first_map + i].double()
+    return h_init
+
+
+def test_agp_prs_wiring_hands_the_gated_tile_to_every_consumer(monkeypatch):
+    """agp: prep writes Ag (here: the float64 twin of prep, gated as the kernel does), and both consumers of the tile
+    (the fused stage and the context-parallel segment maps) are told so; with the torch stages of those contracts
+    the variant equals the reference, segments and all. prs reaches the fused stage."""
+    from flashqla_kernels.gated_delta_rule.hopper import (forward, fused_fwd_ws, plan, prep_v2, segment_states,
+                                                          state_scan)
+    from flashqla_kernels.gated_delta_rule.reference import chunk_gated_delta_rule_ref
+
+    calls = []
+
+    def prep(k, g, beta, chunks, Hv, inverse="substitution", gated=False):
+        calls.append(("prep", inverse, gated))
+        gamma, a0 = _torch_prep(k, g, beta, chunks, Hv)
+        return gamma, _gate(a0, gamma, beta, chunks) if gated else a0
+
+    def fused(*a, w_in_registers=False, a_gated=False, p_in_registers=False, **kw):
+        calls.append(("fused", w_in_registers, a_gated, p_in_registers))
+        return _torch_fused(*a, **kw, a_gated=a_gated)
+
+    def maps(k, v, a0, gamma, beta, pl, *, bDV, a_gated=False):
+        # the segment maps from zero / identity starts, by the torch fused stage on each map's token range
+        calls.append(("maps", a_gated))
+        R, Hv, K, V = pl.maps.shape[0], v.shape[1], k.shape[2], v.shape[2]
+        hs, ms = torch.zeros(R, Hv, K, V, dtype=torch.float64), torch.zeros(R, Hv, K, K, dtype=torch.float64)
+        for r, (s0, s1) in enumerate(pl.maps.tolist()):
+            zero = torch.zeros(1, Hv, K, V, dtype=torch.float64)
+            _torch_fused(k, k, v, a0, gamma, beta, zero, torch.tensor([[s0, s1, 0, 0]]), torch.empty_like(v),
+                         hs[r:r + 1], scale=1.0, bDV=bDV, a_gated=a_gated)
+            eye = torch.eye(K, dtype=torch.float64).expand(1, Hv, K, K).contiguous()
+            _torch_fused(k, k, torch.zeros(v.shape[0], Hv, K, dtype=torch.float64), a0, gamma, beta, eye,
+                         torch.tensor([[s0, s1, 0, 0]]), torch.empty(v.shape[0], Hv, K, dtype=torch.float64),
+                         ms[r:r + 1], scale=1.0, bDV=bDV, a_gated=a_gated)
+        return hs, ms
+
+    monkeypatch.setattr(forward, "unsupported_reason", lambda *a, **kw: None)
+    monkeypatch.setattr(plan, "num_sms", lambda device: 132)
+    monkeypatch.setattr(prep_v2, "prep_v2", prep)
+    monkeypatch.setattr(fused_fwd_ws, "fused_fwd_ws", fused)
+    monkeypatch.setattr(segment_states, "segment_states", maps)
+    monkeypatch.setattr(state_scan, "state_scan", _torch_state_scan)
+    gen = torch.Generator().manual_seed(7)
+    lens = [300, 47]
+    cu = torch.tensor([0, *__import__("itertools").accumulate(lens)])
+    Tn, Hk, Hv, K, V = cu[-1].item(), 1, 2, 16, 8
+    q, k = (torch.nn.functional.normalize(torch.randn(1, Tn, Hk, K, generator=gen, dtype=torch.float64), dim=-1)
+            for _ in range(2))
+    v = torch.randn(1, Tn, Hv, V, generator=gen, dtype=torch.float64)
+    g = -0.1 * torch.rand(1, Tn, Hv, generator=gen, dtype=torch.float64)
+    beta = torch.rand(1, Tn, Hv, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(len(lens), Hv, K, V, generator=gen, dtype=torch.float64)
+    o, ht = variants.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                cu_seqlens=cu, segment_chunks=2, variant="ws16+prep3+agp+prs")
+    ro, rht = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert calls[0] == ("prep", "blocks", True) and ("maps", True) in calls
+    assert calls[-1] == ("fused", False, True, True)
+    assert ((o - ro).norm() / ro.norm()).item() < 1e-6 and ((ht - rht).norm() / rht.norm()).item() < 1e-6
+
+
+def test_agp_needs_the_grouped_prep_and_fp16_operands():
+    assert variants.parse_variant("ws16+prep2+agp").a_gated
+    for bad in ("ws+prep3+agp", "ws16+agp", "prep3+agp", "prep3+prs"):
+        with pytest.raises(ValueError):
+            variants.parse_variant(bad)
+    pytest.importorskip("tilelang")
+    from flashqla_kernels.gated_delta_rule.hopper import fused_fwd_ws
+
+    with pytest.raises(ValueError, match="fp16 inner operands"):
+        fused_fwd_ws.build_fused_fwd_ws(2, 2, 64, 64, 64, "bfloat16", 0.125, False, "", False, False, True)
 
 
 def test_default_launcher_wiring_equals_reference_with_torch_stages(monkeypatch):
@@ -520,9 +628,9 @@ def test_prep3_runs_the_grouped_prep_with_the_block_inverse(monkeypatch):
 
     seen = []
     monkeypatch.setattr(prep_v2, "prep_v2", lambda *a, **kw: seen.append(kw) or ("gamma", "a0"))
-    for name in ("ws16+prep3", "prep2"):
+    for name in ("ws16+prep3", "prep2", "ws16+prep2+agp"):
         assert variants.prep_fn(variants.parse_variant(name))("k", "g", "b", "chunks", 4) == ("gamma", "a0")
-    assert seen == [{"inverse": "blocks"}, {}]
+    assert seen == [{"inverse": "blocks", "gated": False}, {}, {"inverse": "substitution", "gated": True}]
 
 
 @needs_nvcc

@@ -107,11 +107,12 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
 
 
 def launch(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-           segment_chunks, prep_fn, fused_fn, block_v: int | None = None):
+           segment_chunks, prep_fn, fused_fn, segment_fn=None, block_v: int | None = None):
     """The stage wiring shared by the default launcher and the kernel variants (``variants.py``).
 
-    Inputs are checked by the caller and T > 0. ``prep_fn`` / ``fused_fn`` follow the contracts of ``prep.prep`` and
-    ``fused_fwd.fused_fwd``; ``block_v`` forces the V slice per CTA (K <= 128 only).
+    Inputs are checked by the caller and T > 0. ``prep_fn`` / ``fused_fn`` / ``segment_fn`` follow the contracts of
+    ``prep.prep``, ``fused_fwd.fused_fwd`` and ``segment_states.segment_states`` (None: that one); ``block_v`` forces
+    the V slice per CTA (K <= 128 only).
     """
     from flashqla_kernels.gated_delta_rule.hopper import plan, segment_states, state_scan
 
@@ -135,7 +136,7 @@ def launch(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk
     pl = plan.make_plan(cu, Hv, V // bDV, h0 is not None, q.device, segment_chunks)
     gamma, a0 = prep_fn(k3, g3, b3, pl.chunks, Hv)
     if pl.segment_chunks:
-        hs, ms = segment_states.segment_states(k3, v3, a0, gamma, b3, pl, bDV=bDV)
+        hs, ms = (segment_fn or segment_states.segment_states)(k3, v3, a0, gamma, b3, pl, bDV=bDV)
         h_init = state_scan.state_scan(h0, hs, ms, pl.seqs, pl.segs.shape[0])
     else:
         h_init = h0 if h0 is not None else torch.zeros((1, Hv, K, V), dtype=torch.float32, device=q.device)

@@ -14,6 +14,16 @@ O from registers (no o staging buffer, no store warp).
 
 Grid (V / bDV, Hv, segments), 512 threads; ``segs`` as in ``fused_fwd``.
 
+Two variant parts take element loops off the output warpgroup, which the trace showed to be the step's critical
+path (H200, 16/32 8192x4, bDV 128: 10900 cycles a step, 4300 of them in its Ag loop and 2900 in its Pg loop, both
+issue-bound on per-element swizzled shared-memory addressing while the values warpgroup's W loop competed for the
+same schedulers):
+
+- ``a_gated`` (``agp``): the ``a0`` input already holds Ag (``prep_v2(..., gated=True)``); the values warpgroup
+  multiplies the TMA tile directly (fp16: needs ``inner="float16"`` or fp16 inputs), no Ag loop, no ``bar_ag``;
+- ``p_in_registers`` (``prs``): Pg = scale * Gamma * P is formed in the Q K^T accumulator's registers, cast there, and
+  the output GEMM reads it from registers (wgmma with A in registers), no Pg tile in shared memory.
+
 ``trace=True`` builds a diagnostic twin (``trace_step``): the same schedule, no final state, and thread 0 of each
 warpgroup of CTA (0, 0, 0) writes ``clock64`` stamps at the hand-off points of every chunk step into ``ht[0, 0]``
 (``TRACE_EVENTS`` events x ``TRACE_STEPS`` steps per warpgroup, cycles since that warpgroup started, as fp32): where
@@ -30,6 +40,9 @@ THREADS = 512
 # dtypes: no spills. The producer's masked tail loads need the 88 (FlashQLA's 32 spills ~100 B there); without
 # setmaxnreg the 128-register cap of 512 threads spills S (1.5 KB).
 NREG_STATE, NREG_VALUES, NREG_OUTPUT, NREG_PRODUCER = 160, 128, 128, 88
+# prs keeps the fp16 Pg operand (16 registers) beside the output accumulator: 8 registers move from the values
+# warpgroup to the output one (ptxas -v: 20-44 bytes of spills at 128 / 128, none at 120 / 136)
+NREG_VALUES_PRS, NREG_OUTPUT_PRS = 120, 136
 # trace=True: stamps per warpgroup (state, values, output, producer warp 0) and chunk steps recorded
 TRACE_EVENTS, TRACE_STEPS = 10, 64
 TRACE_NAMES = (
@@ -41,14 +54,19 @@ TRACE_NAMES = (
 
 
 def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool,
-                       inner: str = "", trace: bool = False, w_in_registers: bool = False):
+                       inner: str = "", trace: bool = False, w_in_registers: bool = False, a_gated: bool = False,
+                       p_in_registers: bool = False):
     """``inner``: dtype of the W, Ag, Vd and Pg operands (the Ag W and Pg Vd GEMMs); "" = the input dtype. "float16"
     with bf16 inputs keeps those four in fp16 (8x finer rounding; the values are bounded like A0, which the default
     already stores in fp16) while q, k, S and Vn stay bf16 (variant ``ws16``). ``trace``: see the module doc (then
     ``store_final`` must be False: ``ht`` holds the stamps). ``w_in_registers`` (variant part ``wreg``): W is formed in
     the K S accumulator's registers and stored with one fragment copy (stmatrix), instead of an element loop over
     shared memory into which TileLang's sync planner puts a warpgroup barrier per element pair (32 per chunk step
-    on the values warpgroup's critical chain; seen in the generated CUDA)."""
+    on the values warpgroup's critical chain; seen in the generated CUDA). ``a_gated``, ``p_in_registers``: see the
+    module doc."""
+    if a_gated and (inner or dtype) != "float16":
+        raise ValueError(f"a_gated needs the fp16 inner operands (inner='float16' or fp16 inputs), got "
+                         f"dtype={dtype!r}, inner={inner!r}: Ag arrives in fp16 and W must match it")
     if trace and (store_final or K * V < 4 * TRACE_EVENTS * TRACE_STEPS):
         raise ValueError(f"trace=True needs store_final=False and K*V >= {4 * TRACE_EVENTS * TRACE_STEPS}")
     group = Hv // Hk
@@ -108,8 +126,8 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
             vd_sh = T.alloc_shared((C, bDV), idt)
             w_sh = T.alloc_shared((C, bDV), idt) if separate_w else None
             vn_sh = T.alloc_shared((C, bDV), dtype)
-            ag_sh = T.alloc_shared((C, C), idt)
-            pg_sh = T.alloc_shared((C, C), idt)
+            ag_sh = None if a_gated else T.alloc_shared((C, C), idt)
+            pg_sh = None if p_in_registers else T.alloc_shared((C, C), idt)
             eg_sh = T.alloc_shared((C,), "float32", scope="shared")
             er_sh = T.alloc_shared((C,), "float32", scope="shared")
 
@@ -118,13 +136,14 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
             vd_f = T.alloc_fragment((C, bDV), "float32")
             p_f = T.alloc_fragment((C, C), "float32")
             o_f = T.alloc_fragment((C, bDV), "float32")
+            pg_f = T.alloc_fragment((C, C), idt) if p_in_registers else None
 
             # ready: the 3 loader warps arrive (TMA bytes on top); free: the 3 consumer warpgroups
             ready = T.alloc_barrier(arrive_count=[96] * 2)
             free = T.alloc_barrier(arrive_count=[384] * 2)
             bar_start = T.alloc_barrier(arrive_count=384)
             bar_state = T.alloc_barrier(arrive_count=256)
-            bar_ag = T.alloc_barrier(arrive_count=128)
+            bar_ag = None if a_gated else T.alloc_barrier(arrive_count=128)
             bar_vd = T.alloc_barrier(arrive_count=128)
             bar_vn = T.alloc_barrier(arrive_count=128)
 
@@ -159,7 +178,7 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                         T.copy(s_f, ht[fin, bh, :, v0:v0 + bDV])
 
             elif tx < 256:
-                T.set_max_nreg(NREG_VALUES, 1)
+                T.set_max_nreg(NREG_VALUES_PRS if p_in_registers else NREG_VALUES, 1)
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
                     stamp(ht, tx, bv, bh, bs, 1, 0, it)
@@ -185,29 +204,44 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                             T.copy(u_f, v_sh[it % 2, :, :])
                         T.fence_proxy_async()
                         stamp(ht, tx, bv, bh, bs, 1, 5, it)
-                        T.barrier_wait(bar_ag, it % 2)
-                        stamp(ht, tx, bv, bh, bs, 1, 6, it)
-                        if separate_w:
-                            T.gemm(ag_sh, w_sh, vd_f, clear_accum=True)
+                        if a_gated:
+                            stamp(ht, tx, bv, bh, bs, 1, 6, it)
+                            if separate_w:
+                                T.gemm(a_sh[it % 2, :, :], w_sh, vd_f, clear_accum=True)
+                            else:
+                                T.gemm(a_sh[it % 2, :, :], v_sh[it % 2, :, :], vd_f, clear_accum=True)
                         else:
-                            T.gemm(ag_sh, v_sh[it % 2, :, :], vd_f, clear_accum=True)
+                            T.barrier_wait(bar_ag, it % 2)
+                            stamp(ht, tx, bv, bh, bs, 1, 6, it)
+                            if separate_w:
+                                T.gemm(ag_sh, w_sh, vd_f, clear_accum=True)
+                            else:
+                                T.gemm(ag_sh, v_sh[it % 2, :, :], vd_f, clear_accum=True)
                     elif separate_w:
                         for i, j in T.Parallel(C, bDV):
                             w_sh[i, j] = v_sh[it % 2, i, j] - eg_sh[i] * u_f[i, j]
                         T.fence_proxy_async()
                         stamp(ht, tx, bv, bh, bs, 1, 5, it)
-                        T.barrier_wait(bar_ag, it % 2)
-                        stamp(ht, tx, bv, bh, bs, 1, 6, it)
-                        T.gemm(ag_sh, w_sh, vd_f, clear_accum=True)
+                        if a_gated:
+                            stamp(ht, tx, bv, bh, bs, 1, 6, it)
+                            T.gemm(a_sh[it % 2, :, :], w_sh, vd_f, clear_accum=True)
+                        else:
+                            T.barrier_wait(bar_ag, it % 2)
+                            stamp(ht, tx, bv, bh, bs, 1, 6, it)
+                            T.gemm(ag_sh, w_sh, vd_f, clear_accum=True)
                     else:
                         # W = V - exp(gamma) U, written over this chunk's V tile
                         for i, j in T.Parallel(C, bDV):
                             v_sh[it % 2, i, j] = v_sh[it % 2, i, j] - eg_sh[i] * u_f[i, j]
                         T.fence_proxy_async()
                         stamp(ht, tx, bv, bh, bs, 1, 5, it)
-                        T.barrier_wait(bar_ag, it % 2)
-                        stamp(ht, tx, bv, bh, bs, 1, 6, it)
-                        T.gemm(ag_sh, v_sh[it % 2, :, :], vd_f, clear_accum=True)
+                        if a_gated:
+                            stamp(ht, tx, bv, bh, bs, 1, 6, it)
+                            T.gemm(a_sh[it % 2, :, :], v_sh[it % 2, :, :], vd_f, clear_accum=True)
+                        else:
+                            T.barrier_wait(bar_ag, it % 2)
+                            stamp(ht, tx, bv, bh, bs, 1, 6, it)
+                            T.gemm(ag_sh, v_sh[it % 2, :, :], vd_f, clear_accum=True)
                     stamp(ht, tx, bv, bh, bs, 1, 7, it)
                     T.copy(vd_f, vd_sh)
                     T.fence_proxy_async()
@@ -221,7 +255,7 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                     T.barrier_arrive(free[it % 2])
 
             elif tx < 384:
-                T.set_max_nreg(NREG_OUTPUT, 1)
+                T.set_max_nreg(NREG_OUTPUT_PRS if p_in_registers else NREG_OUTPUT, 1)
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
                     stamp(ht, tx, bv, bh, bs, 2, 0, it)
@@ -230,18 +264,28 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                     stamp(ht, tx, bv, bh, bs, 2, 1, it)
                     T.gemm(q_sh[it % 2, :, :], k_sh[it % 2, :, :], p_f, transpose_B=True, clear_accum=True)
                     stamp(ht, tx, bv, bh, bs, 2, 2, it)
-                    for i, j in T.Parallel(C, C):
-                        ag_sh[i, j] = T.if_then_else(
-                            j <= i,
-                            a_sh[it % 2, i, j] * T.exp2((g_sh[it % 2, i] - g_sh[it % 2, j]) * LOG2E)
-                            * b_sh[it % 2, j], 0.0)
-                    T.fence_proxy_async()
+                    if not a_gated:
+                        for i, j in T.Parallel(C, C):
+                            ag_sh[i, j] = T.if_then_else(
+                                j <= i,
+                                a_sh[it % 2, i, j] * T.exp2((g_sh[it % 2, i] - g_sh[it % 2, j]) * LOG2E)
+                                * b_sh[it % 2, j], 0.0)
+                        T.fence_proxy_async()
                     stamp(ht, tx, bv, bh, bs, 2, 3, it)
-                    T.barrier_arrive(bar_ag)
-                    for i, j in T.Parallel(C, C):
-                        pg_sh[i, j] = T.if_then_else(
-                            j <= i, p_f[i, j] * T.exp2((g_sh[it % 2, i] - g_sh[it % 2, j]) * LOG2E) * scale, 0.0)
-                    T.fence_proxy_async()
+                    if not a_gated:
+                        T.barrier_arrive(bar_ag)
+                    if p_in_registers:
+                        for i, j in T.Parallel(C, C):
+                            p_f[i, j] = T.if_then_else(
+                                j <= i, p_f[i, j] * T.exp2((g_sh[it % 2, i] - g_sh[it % 2, j]) * LOG2E) * scale,
+                                0.0)
+                        T.copy(p_f, pg_f)
+                    else:
+                        for i, j in T.Parallel(C, C):
+                            pg_sh[i, j] = T.if_then_else(
+                                j <= i, p_f[i, j] * T.exp2((g_sh[it % 2, i] - g_sh[it % 2, j]) * LOG2E) * scale,
+                                0.0)
+                        T.fence_proxy_async()
                     stamp(ht, tx, bv, bh, bs, 2, 4, it)
                     T.barrier_wait(bar_state, it % 2)
                     stamp(ht, tx, bv, bh, bs, 2, 5, it)
@@ -251,7 +295,10 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                         o_f[i, j] = o_f[i, j] * eg_sh[i] * scale
                     T.barrier_wait(bar_vd, it % 2)
                     stamp(ht, tx, bv, bh, bs, 2, 7, it)
-                    T.gemm(pg_sh, vd_sh, o_f)
+                    if p_in_registers:
+                        T.gemm(pg_f, vd_sh, o_f)
+                    else:
+                        T.gemm(pg_sh, vd_sh, o_f)
                     stamp(ht, tx, bv, bh, bs, 2, 8, it)
                     cs = s0 + it * C
                     if cs + C <= s1:
@@ -306,6 +353,8 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                             for i, j in T.Parallel(C, C):
                                 a_sh[it % 2, i, j] = T.if_then_else(
                                     cs + i < s1, a0[T.min(cs + i, s1 - 1), bh, j], T.cast(0, "float16"))
+                            if a_gated:  # the values warpgroup's wgmma reads this tile (async proxy)
+                                T.fence_proxy_async()
                         # padded rows repeat the last valid gamma: Gamma stays <= 1 and their terms are zero
                         for i in T.Parallel(C):
                             g_sh[it % 2, i] = gamma[T.min(cs + i, s1 - 1), bh]
@@ -314,28 +363,37 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
     return gdn_fused_fwd_ws
 
 
+def _flags(*flags: bool) -> tuple:
+    """The builder's trailing flags (trace, w_in_registers, a_gated, p_in_registers) without the trailing False
+    ones, so every kernel keeps the cache key it had before later flags existed."""
+    flags = list(flags)
+    while flags and not flags[-1]:
+        flags.pop()
+    return tuple(flags)
+
+
 def fused_fwd_ws(q, k, v, a0, gamma, beta, h_init, segs, o, ht, *, scale: float, bDV: int, inner: str = "",
-                 w_in_registers: bool = False):
+                 w_in_registers: bool = False, a_gated: bool = False, p_in_registers: bool = False):
     """Run the warp-specialised fused output stage in place; same contract as ``fused_fwd.fused_fwd``.
 
     Args:
-        q, k: [T, Hk, K]; v, o: [T, Hv, V] (o is written); a0: [T, Hv, 64] fp16; gamma, beta: [T, Hv] fp32;
-        h_init: [R, Hv, K, V] fp32 start states (R >= 1); segs: [S, 4] int32; ht: [N, Hv, K, V] fp32 or None.
-        scale: output scale. bDV: V slice per CTA (32, 64 or 128). inner, w_in_registers: see ``build_fused_fwd_ws``.
+        q, k: [T, Hk, K]; v, o: [T, Hv, V] (o is written); a0: [T, Hv, 64] fp16 (Ag with ``a_gated``); gamma, beta:
+        [T, Hv] fp32; h_init: [R, Hv, K, V] fp32 start states (R >= 1); segs: [S, 4] int32; ht: [N, Hv, K, V] fp32
+        or None. scale: output scale. bDV: V slice per CTA (32, 64 or 128). inner, w_in_registers, a_gated,
+        p_in_registers: see ``build_fused_fwd_ws``.
     """
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     store_final = ht is not None
-    extra = (False, True) if w_in_registers else ()  # the default kernel keeps its cache key
     kernel = compile_kernel(build_fused_fwd_ws, Hk, Hv, K, V, bDV, tl_dtype(q.dtype), float(scale), store_final,
-                            inner, *extra)
+                            inner, *_flags(False, w_in_registers, a_gated, p_in_registers))
     if ht is None:
         ht = torch.empty((1, Hv, K, V), dtype=torch.float32, device=q.device)
     kernel(q, k, v, a0, gamma, beta, h_init, segs, o, ht)
 
 
 def trace_step(q, k, v, a0, gamma, beta, h_init, segs, o, *, scale: float, bDV: int, inner: str = "",
-               w_in_registers: bool = False):
+               w_in_registers: bool = False, a_gated: bool = False, p_in_registers: bool = False):
     """Run the traced twin (o written as by ``fused_fwd_ws``, no final state) and return its stamps.
 
     Returns:
@@ -345,7 +403,7 @@ def trace_step(q, k, v, a0, gamma, beta, h_init, segs, o, *, scale: float, bDV: 
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     kernel = compile_kernel(build_fused_fwd_ws, Hk, Hv, K, V, bDV, tl_dtype(q.dtype), float(scale), False, inner,
-                            True, w_in_registers)
+                            *_flags(True, w_in_registers, a_gated, p_in_registers))
     ht = torch.full((1, Hv, K, V), float("nan"), dtype=torch.float32, device=q.device)
     kernel(q, k, v, a0, gamma, beta, h_init, segs, o, ht)
     raw = ht[0, 0].flatten()[:4 * TRACE_EVENTS * TRACE_STEPS].double().cpu()

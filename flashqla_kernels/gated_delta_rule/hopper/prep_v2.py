@@ -21,11 +21,19 @@ Grid (chunks, Hk, group / G) with G = min(group, MAX_HEADS_PER_CTA).
 
 steps 2 and 3 as two small products each (a scratch tile between them), every thread a row and 8 or 16 columns.
 S and X live in shared memory with rows padded to 65 floats, so the 16 rows a warp reads sit in distinct banks.
+
+``gated=True`` (variant part ``agp``) writes the gated matrix the chunk step multiplies by instead of A0:
+
+    Ag[r, c] = A0[r, c] * exp(gamma_r - gamma_c) * beta_c      (c <= r; 0 above the diagonal)
+
+every factor <= 1 in size next to A0 (gamma is non-increasing, beta <= 1), so fp16 holds it as well as A0. The
+fused stage and the segment maps then use the tile as TMA brings it, instead of re-gating 64 x 64 elements per
+chunk and V slice (on the H200 the output warpgroup spent ~4300 of a 10900-cycle chunk step on that loop).
 """
 import tilelang.language as T
 import torch
 
-from flashqla_kernels.gated_delta_rule.hopper._common import CHUNK, compile_kernel, tl_dtype
+from flashqla_kernels.gated_delta_rule.hopper._common import CHUNK, LOG2E, compile_kernel, tl_dtype
 
 PANEL = 16
 MAX_HEADS_PER_CTA = 4
@@ -39,8 +47,9 @@ def heads_per_cta(group: int) -> int:
 INVERSES = ("substitution", "blocks")
 
 
-def build_prep_v2(Hk: int, Hv: int, K: int, dtype: str, inverse: str = "substitution"):
-    """The grouped prep kernel: grid (chunks, Hk, group / G), 64 * G threads; ``inverse`` as in the module doc."""
+def build_prep_v2(Hk: int, Hv: int, K: int, dtype: str, inverse: str = "substitution", gated: bool = False):
+    """The grouped prep kernel: grid (chunks, Hk, group / G), 64 * G threads; ``inverse`` and ``gated`` as in the
+    module doc."""
     if inverse not in INVERSES:
         raise ValueError(f"inverse must be one of {INVERSES}, got {inverse!r}")
     blocks = inverse == "blocks"
@@ -79,6 +88,7 @@ def build_prep_v2(Hk: int, Hv: int, K: int, dtype: str, inverse: str = "substitu
             s_sh = T.alloc_shared((C, C + 1) if blocks else (C, C), "float32")
             g_sh = T.alloc_shared((G, C), "float32")
             b_sh = T.alloc_shared((G, C), "float32")
+            gm_sh = T.alloc_shared((G, C), "float32") if gated else None
             kk = T.alloc_fragment((C, C), "float32")
             x = T.alloc_local((C,), "float32")
             acc = T.alloc_local((4,), "float32")
@@ -104,6 +114,8 @@ def build_prep_v2(Hk: int, Hv: int, K: int, dtype: str, inverse: str = "substitu
                 acc[j % 4] += T.if_then_else(j <= col, g_sh[hl, j], 0.0)
             if col < n:
                 gamma[s0 + col, bh] = acc[0] + acc[1] + acc[2] + acc[3]
+            if gated:
+                gm_sh[hl, col] = acc[0] + acc[1] + acc[2] + acc[3]
 
             if blocks:
                 x_sh = T.alloc_shared((G, C, C + 1), "float32")
@@ -178,9 +190,15 @@ def build_prep_v2(Hk: int, Hv: int, K: int, dtype: str, inverse: str = "substitu
                     x_sh[hl, 32 + r32, c16 + j] = -(acc[0] + acc[1] + acc[2] + acc[3])
                 T.sync_threads()
                 # A0 rows: thread = column, consecutive threads write consecutive fp16 of a row
+                # gated: c <= r only (the gate factor exp(gamma_r - gamma_c) overflows above the diagonal)
                 for r in T.unroll(C):
                     if r < n:
-                        a0[s0 + r, bh, col] = T.if_then_else(col <= r, x_sh[hl, r, col], 0.0)
+                        if gated:
+                            a0[s0 + r, bh, col] = T.if_then_else(
+                                col <= r, x_sh[hl, r, col] * T.exp2((gm_sh[hl, r] - gm_sh[hl, col]) * LOG2E)
+                                * b_sh[hl, col], 0.0)
+                        else:
+                            a0[s0 + r, bh, col] = T.if_then_else(col <= r, x_sh[hl, r, col], 0.0)
             else:
                 for r in T.unroll(C):
                     x[r] = 0.0
@@ -194,26 +212,37 @@ def build_prep_v2(Hk: int, Hv: int, K: int, dtype: str, inverse: str = "substitu
                             x[rb * PANEL + rr] = T.if_then_else(
                                 rb * PANEL + rr == col, 1.0,
                                 -b_sh[hl, rb * PANEL + rr] * (acc[0] + acc[1] + acc[2] + acc[3]))
+                if gated:
+                    T.sync_threads()  # every column's gamma in gm_sh
                 for r in T.unroll(C):
                     if r < n:
-                        a0[s0 + r, bh, col] = x[r]
+                        if gated:
+                            a0[s0 + r, bh, col] = T.if_then_else(
+                                col <= r, x[r] * T.exp2((gm_sh[hl, r] - gm_sh[hl, col]) * LOG2E) * b_sh[hl, col],
+                                0.0)
+                        else:
+                            a0[s0 + r, bh, col] = x[r]
 
     return gdn_prep_v2
 
 
 def prep_v2(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: torch.Tensor, Hv: int,
-            inverse: str = "substitution"):
-    """Run the grouped prep stage; same contract as ``prep.prep``.
+            inverse: str = "substitution", gated: bool = False):
+    """Run the grouped prep stage; same contract as ``prep.prep`` (with ``gated``: Ag in place of A0).
 
     Args:
         k: [T, Hk, K] bf16/fp16 contiguous. g, beta: [T, Hv] fp32 contiguous. chunks: [NC, 2] int32 (start, end).
-        Hv: value heads. inverse: "substitution" (``prep2``) or "blocks" (``prep3``), see the module doc.
+        Hv: value heads. inverse: "substitution" (``prep2``) or "blocks" (``prep3``); gated: see the module doc.
 
     Returns:
-        gamma [T, Hv] fp32 (chunk-local cumsum of g) and A0 [T, Hv, 64] fp16.
+        gamma [T, Hv] fp32 (chunk-local cumsum of g) and A0 (or Ag) [T, Hv, 64] fp16.
     """
     Tn, Hk, K = k.shape
-    args = (Hk, Hv, K, tl_dtype(k.dtype)) + ((inverse,) if inverse != "substitution" else ())
+    args = (Hk, Hv, K, tl_dtype(k.dtype))
+    if gated:
+        args += (inverse, True)
+    elif inverse != "substitution":  # the older kernels keep their cache keys
+        args += (inverse,)
     kernel = compile_kernel(build_prep_v2, *args)
     gamma = torch.empty((Tn, Hv), dtype=torch.float32, device=k.device)
     a0 = torch.empty((Tn, Hv, CHUNK), dtype=torch.float16, device=k.device)

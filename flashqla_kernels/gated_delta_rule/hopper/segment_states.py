@@ -12,6 +12,9 @@ chunks after that point, so per (segment, head) ``start[r, h]`` gives the token 
 and compute M). FlashQLA's auto-CP cuts at -10 (4.5e-5: visible in bf16); heads with g = 0 get the full M here.
 
 Grid (V / bDV + K / bDV, Hv, segments). ``segs[s] = (start, end)``. Outputs H [S, Hv, K, V], M [S, Hv, K, K] fp32.
+
+``a_gated=True``: the ``a0`` input already holds Ag = Gamma * A0 * beta_col (``prep_v2(..., gated=True)``, variant
+part ``agp``); the tile is used as loaded and W goes to an fp16 tile to match it.
 """
 import tilelang.language as T
 import torch
@@ -24,7 +27,7 @@ THREADS = 256
 NEGLIGIBLE_LOG_DECAY = -40.0
 
 
-def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str):
+def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, a_gated: bool = False):
     group = Hv // Hk
     nV = V // bDV
     num_tokens = T.dynamic("num_tokens")
@@ -66,7 +69,9 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str)
             a_sh = T.alloc_shared((2, C, C), "float16")
             s_sh = T.alloc_shared((K, bDV), dtype)
             w_sh = T.alloc_shared((C, bDV), dtype)
-            ag_sh = T.alloc_shared((C, C), dtype)
+            # agp: Ag arrives gated in fp16; W must match it for the Ag W GEMM (its own tile unless inputs are fp16)
+            w16_sh = T.alloc_shared((C, bDV), "float16") if a_gated and dtype != "float16" else w_sh
+            ag_sh = None if a_gated else T.alloc_shared((C, C), dtype)
             g_sh = T.alloc_shared((C,), "float32")
             b_sh = T.alloc_shared((C,), "float32")
             eg_sh = T.alloc_shared((C,), "float32")
@@ -115,15 +120,23 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str)
                     T.async_copy(a0[cs + C:cs + 2 * C, bh, :], a_sh[1 - buf, :, :])
 
                 T.wgmma_gemm(k_sh[buf, :, :], s_sh, u_f, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    ag_sh[i, j] = T.if_then_else(
-                        j <= i, a_sh[buf, i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E) * b_sh[j], 0.0)
-                T.wait_wgmma(0)
-                for i, j in T.Parallel(C, bDV):
-                    w_sh[i, j] = v_sh[buf, i, j] - eg_sh[i] * u_f[i, j]
-                T.fence_proxy_async()
-                T.sync_threads()
-                T.wgmma_gemm(ag_sh, w_sh, vd_f, clear_accum=True)
+                if a_gated:
+                    T.wait_wgmma(0)
+                    for i, j in T.Parallel(C, bDV):
+                        w16_sh[i, j] = v_sh[buf, i, j] - eg_sh[i] * u_f[i, j]
+                    T.fence_proxy_async()
+                    T.sync_threads()
+                    T.wgmma_gemm(a_sh[buf, :, :], w16_sh, vd_f, clear_accum=True)
+                else:
+                    for i, j in T.Parallel(C, C):
+                        ag_sh[i, j] = T.if_then_else(
+                            j <= i, a_sh[buf, i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E) * b_sh[j], 0.0)
+                    T.wait_wgmma(0)
+                    for i, j in T.Parallel(C, bDV):
+                        w_sh[i, j] = v_sh[buf, i, j] - eg_sh[i] * u_f[i, j]
+                    T.fence_proxy_async()
+                    T.sync_threads()
+                    T.wgmma_gemm(ag_sh, w_sh, vd_f, clear_accum=True)
                 T.wait_wgmma(0)
                 T.sync_threads()
                 for i, j in T.Parallel(C, bDV):
@@ -168,18 +181,20 @@ def warmup_starts(gamma: torch.Tensor, pl) -> torch.Tensor:
     return torch.where(first >= 0, tok, -1).to(torch.int32)
 
 
-def segment_states(k, v, a0, gamma, beta, pl, *, bDV: int):
+def segment_states(k, v, a0, gamma, beta, pl, *, bDV: int, a_gated: bool = False):
     """Each non-final segment's map ``S_end = M S_start + H``.
 
     Args:
-        k: [T, Hk, K]; v: [T, Hv, V]; a0: [T, Hv, 64] fp16; gamma, beta: [T, Hv] fp32; pl: the Plan (its maps).
+        k: [T, Hk, K]; v: [T, Hv, V]; a0: [T, Hv, 64] fp16 (Ag with ``a_gated``, see the module doc); gamma, beta:
+        [T, Hv] fp32; pl: the Plan (its maps).
 
     Returns:
         H [R, Hv, K, V] fp32 and M [R, Hv, K, K] fp32.
     """
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
-    kernel = compile_kernel(build_segment_states, Hk, Hv, K, V, bDV, tl_dtype(k.dtype))
+    gated = (True,) if a_gated else ()  # the plain kernel keeps its cache key
+    kernel = compile_kernel(build_segment_states, Hk, Hv, K, V, bDV, tl_dtype(k.dtype), *gated)
     R = pl.maps.shape[0]
     hs = torch.empty((R, Hv, K, V), dtype=torch.float32, device=k.device)
     ms = torch.empty((R, Hv, K, K), dtype=torch.float32, device=k.device)

@@ -10,6 +10,11 @@ A variant name joins parts with ``+``. ``base`` is the first verified path (``fo
             substitution chain (``prep_v2`` with ``inverse="blocks"``; FLA's and FlashQLA's scheme)
     wreg    with ws / ws16: W formed in registers and stored by one fragment copy (``fused_fwd_ws``'s
             ``w_in_registers``: no warpgroup barrier per element pair on the values warpgroup's chain)
+    agp     "Ag from prep": prep2 / prep3 write Ag = Gamma * A0 * beta_col instead of A0, and the fused stage (ws16)
+            and the segment maps multiply the tile as loaded (no per-chunk gating loop; the trace showed the output
+            warpgroup spending ~40% of a chunk step on it)
+    prs     with ws / ws16: Pg formed in the Q K^T accumulator's registers, the output GEMM reading it from there
+            (wgmma with A in registers): no Pg tile, no element loop over shared memory
     bv32, bv64, bv128   force the V slice per CTA (the plan's rules were tuned on the base fused stage; the
             warp-specialised one holds one 512-thread CTA per SM, so wider slices and more segments may pay)
 
@@ -20,7 +25,7 @@ context-parallel rows measured, not yet measured on the rest, so it stays opt-in
 
 Select per call (``variant=``) or process-wide with the environment variable FLASHQLA_KERNELS_VARIANT (read on every
 call with ``variant=None``; ``base`` restores the first path). The context-parallel stages (``segment_states``,
-``state_scan``) are the same in every variant.
+``state_scan``) are the same in every variant (``segment_states`` reads the gated tile with ``agp``).
 """
 from __future__ import annotations
 
@@ -32,12 +37,13 @@ import torch
 from flashqla_kernels.gated_delta_rule.hopper import forward
 
 ENV_VAR = "FLASHQLA_KERNELS_VARIANT"
-PARTS = ("ws", "ws16", "prep2", "prep3", "wreg", "bv32", "bv64", "bv128")
+PARTS = ("ws", "ws16", "prep2", "prep3", "wreg", "agp", "prs", "bv32", "bv64", "bv128")
 DEFAULT_VARIANT = "ws16+prep2"
 # what benchmarks/gdn_forward.py --variants all runs beside the default
 # (ws, ws16, prep2 and ws+prep2 alone were measured on 2026-11-30: benchmarks/README.md)
-ALL_VARIANTS = ("base", "ws16+prep2", "ws16+prep2+bv128", "ws16+prep3", "ws16+prep2+wreg", "ws16+prep3+wreg",
-                "ws16+prep3+wreg+bv128")
+# (and ws16+prep2+bv128, ws16+prep3, ws16+prep2+wreg: 2026-11-30, second run, all on the GPU suite)
+ALL_VARIANTS = ("base", "ws16+prep3+wreg", "ws16+prep3+wreg+bv128", "ws16+prep3+agp+prs", "ws16+prep3+wreg+agp+prs",
+                "ws16+prep3+wreg+agp+prs+bv128")
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,8 @@ class Variant:
     block_v: int = 0
     inverse: str = "substitution"  # the grouped prep's inverse: "blocks" for prep3
     w_in_registers: bool = False  # wreg
+    a_gated: bool = False  # agp
+    p_in_registers: bool = False  # prs
 
     @property
     def is_base(self) -> bool:
@@ -81,11 +89,15 @@ def parse_variant(name: str | None) -> Variant:
         raise ValueError(f"variant {name!r} names two V slices {widths}; pick one")
     if "prep2" in parts and "prep3" in parts:
         raise ValueError(f"variant {name!r} names two prep stages; pick one of 'prep2', 'prep3'")
-    if "wreg" in parts and not fused:
-        raise ValueError(f"variant {name!r}: wreg changes the warp-specialised fused stage; add 'ws' or 'ws16'")
+    for part in ("wreg", "prs"):
+        if part in parts and not fused:
+            raise ValueError(f"variant {name!r}: {part} changes the warp-specialised fused stage; add 'ws' or 'ws16'")
+    if "agp" in parts and (fused != ["ws16"] or not ("prep2" in parts or "prep3" in parts)):
+        raise ValueError(f"variant {name!r}: agp needs the grouped prep (prep2 or prep3) to write Ag and the fp16 "
+                         f"operands of ws16 to multiply it; e.g. 'ws16+prep3+agp'")
     return Variant(fused=fused[0] if fused else "base", prep2="prep2" in parts or "prep3" in parts,
                    block_v=widths[0] if widths else 0, inverse="blocks" if "prep3" in parts else "substitution",
-                   w_in_registers="wreg" in parts)
+                   w_in_registers="wreg" in parts, a_gated="agp" in parts, p_in_registers="prs" in parts)
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -117,7 +129,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
 def _run(var: Variant, q, k, v, g, beta, **kwargs):
     # forward's wiring with the stage functions swapped (every variant must equal the float64 reference on the GPU suite)
     return forward.launch(q, k, v, g, beta, **kwargs, prep_fn=prep_fn(var), fused_fn=fused_fn(var, q.dtype),
-                          block_v=var.block_v)
+                          segment_fn=segment_fn(var), block_v=var.block_v)
 
 
 def prep_fn(var: Variant):
@@ -125,8 +137,8 @@ def prep_fn(var: Variant):
     if var.prep2:
         from flashqla_kernels.gated_delta_rule.hopper.prep_v2 import prep_v2
 
-        if var.inverse != "substitution":
-            return lambda *args: prep_v2(*args, inverse=var.inverse)
+        if var.inverse != "substitution" or var.a_gated:
+            return lambda *args: prep_v2(*args, inverse=var.inverse, gated=var.a_gated)
         return prep_v2
     from flashqla_kernels.gated_delta_rule.hopper.prep import prep
 
@@ -142,4 +154,14 @@ def fused_fn(var: Variant, dtype: torch.dtype):
     from flashqla_kernels.gated_delta_rule.hopper.fused_fwd_ws import fused_fwd_ws
 
     inner = "float16" if var.fused == "ws16" and dtype == torch.bfloat16 else ""
-    return lambda *a, **kw: fused_fwd_ws(*a, **kw, inner=inner, w_in_registers=var.w_in_registers)
+    return lambda *a, **kw: fused_fwd_ws(*a, **kw, inner=inner, w_in_registers=var.w_in_registers,
+                                         a_gated=var.a_gated, p_in_registers=var.p_in_registers)
+
+
+def segment_fn(var: Variant):
+    """The context-parallel map stage of a variant (``segment_states.segment_states``; reads Ag with ``agp``)."""
+    from flashqla_kernels.gated_delta_rule.hopper import segment_states
+
+    if var.a_gated:
+        return lambda *a, **kw: segment_states.segment_states(*a, **kw, a_gated=True)
+    return segment_states.segment_states

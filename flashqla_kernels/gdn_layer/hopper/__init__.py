@@ -1,6 +1,6 @@
 """TileLang kernels for sm_90a for the GDN layer's glue, one stage per file (a builder and its launcher):
-``conv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates, token-major), ``gated_norm`` (gated RMSNorm)
-and ``rms_norm`` (Qwen's zero-centred RMSNorm around the layers).
+``conv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates, token-major), ``gated_norm`` (gated RMSNorm),
+``rms_norm`` (Qwen's zero-centred RMSNorm around the layers) and ``silu_mul`` (the MLP's ``silu(gate) * up``).
 
 Importing this package does not import tilelang: the stage modules load on the first kernel call. The compile cache
 is the chunk kernels' (``gated_delta_rule.hopper._common.compile_kernel``: once per specialisation per process, and
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["conv_qkv_gates_fwd", "gated_rms_norm_fwd", "rms_norm_fwd", "conv_shape_reason", "HEAD_DIMS"]
+__all__ = ["conv_qkv_gates_fwd", "gated_rms_norm_fwd", "rms_norm_fwd", "silu_mul_fwd", "conv_shape_reason",
+           "HEAD_DIMS"]
 
 HEAD_DIMS = (64, 128, 256)
 
@@ -50,3 +51,15 @@ def rms_norm_fwd(x, weight, eps):
         raise ValueError(f"row width D={x.shape[-1]} unsupported by the RMSNorm kernel (a multiple of 64 needed)")
     stage = importlib.import_module("flashqla_kernels.gdn_layer.hopper.rms_norm")
     return stage.rms_norm(x, weight, eps)
+
+
+def silu_mul_fwd(gate, up):
+    """The MLP's ``silu(gate) * up`` on the kernel (see ``silu_mul.silu_mul``): gate, up [..., D] with D a multiple
+    of 64, same shape and dtype."""
+    if gate.shape[-1] % 64:
+        raise ValueError(f"row width D={gate.shape[-1]} unsupported by the silu_mul kernel (a multiple of 64 needed)")
+    if up.shape != gate.shape or up.dtype != gate.dtype:
+        raise ValueError(f"silu_mul needs up like gate; got gate {tuple(gate.shape)} {gate.dtype}, "
+                         f"up {tuple(up.shape)} {up.dtype}")
+    stage = importlib.import_module("flashqla_kernels.gdn_layer.hopper.silu_mul")
+    return stage.silu_mul(gate, up)
