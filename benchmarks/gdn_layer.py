@@ -379,8 +379,9 @@ class _MonkeyPatch:
         self._undo.clear()
 
 
-def run_gpu_tests(out: Path) -> int:
-    """Run the GDN-layer GPU tests as plain calls (pytest itself optional); returns the number of failures."""
+def run_gpu_tests(out: Path, only: str = "") -> int:
+    """Run the GDN-layer GPU tests as plain calls (pytest itself optional); returns the number of failures.
+    ``only``: comma-separated substrings; then just the cases whose id contains one of them."""
     try:
         import pytest  # noqa: F401
     except ImportError:
@@ -392,7 +393,10 @@ def run_gpu_tests(out: Path) -> int:
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     lines, failures = [f"# {module.__name__} on {gpu} (commit {versions('cpu')['commit']})"], 0
+    keys = [x for x in only.split(",") if x]
     for case_id, fn, kwargs in test_cases(module):
+        if keys and not any(x in case_id for x in keys):
+            continue
         mp, buf = _MonkeyPatch(), io.StringIO()
         if "monkeypatch" in inspect.signature(fn).parameters:
             kwargs = dict(kwargs, monkeypatch=mp)
@@ -430,13 +434,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precompile", action="store_true", help="only fill the TileLang cache (CPU is enough)")
     parser.add_argument("--jobs", type=int, default=1, help="processes for --precompile")
     parser.add_argument("--gpu-tests", action="store_true", help="only run the GDN-layer GPU tests (plain calls)")
+    parser.add_argument("--only", default="", help="with --gpu-tests: comma-separated substrings of the case ids")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other arms of an existing gdn_layer.json in --out (runs split across calls)")
     args = parser.parse_args(argv)
     if args.precompile:
         return 1 if precompile(args.jobs) else 0
     if args.gpu_tests:
-        return 1 if run_gpu_tests(args.out) else 0
+        return 1 if run_gpu_tests(args.out, args.only) else 0
     arms = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:

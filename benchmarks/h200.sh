@@ -18,7 +18,8 @@
 #                GDN_TESTS_S / GDN_BENCH_S override the phase limits; GDN_TEST_VARIANTS narrows gdn-tests)
 #   encode       benchmarks/topk_encode.py (fused TopK SAE encode vs torch)
 #   collect      benchmarks/collect_throughput.py (bare forward / capture / SAE codes; ours vs FLA vs torch GDN)
-#   layer-tests  benchmarks/gdn_layer.py --gpu-tests (the fused GDN layer against transformers' layer)
+#   layer-tests  benchmarks/gdn_layer.py --gpu-tests (the fused GDN layer against transformers' layer; LAYER_TESTS_ONLY=
+#                silu_mul,mlp runs only the cases whose ids contain one of those)
 #   layer        benchmarks/gdn_layer.py, every arm (ours, qla_op, fla, torch, compile, ours+compile)
 #   ws-trace     benchmarks/gdn_ws_trace.py: clock64 timeline of the default fused stage's chunk step
 set -o pipefail
@@ -86,7 +87,8 @@ for p in "$@"; do
         encode) phase encode "${ENCODE_S:-240}" python3 benchmarks/topk_encode.py --precompile 14 --out "$OUT" ;;
         collect) phase collect "${COLLECT_S:-300}" python3 benchmarks/collect_throughput.py --out "$OUT" --steps 3 \
                      --budget-s "$(( ${COLLECT_S:-300} - 60 ))" ;;
-        layer-tests) phase layer-tests "${LAYER_TESTS_S:-200}" python3 benchmarks/gdn_layer.py --gpu-tests --out "$OUT" ;;
+        layer-tests) phase layer-tests "${LAYER_TESTS_S:-200}" python3 benchmarks/gdn_layer.py --gpu-tests --out "$OUT" \
+                         --only "${LAYER_TESTS_ONLY:-}" ;;
         ws-trace) phase ws-trace "${TRACE_S:-120}" python3 benchmarks/gdn_ws_trace.py --out "$OUT" ;;
         layer) phase layer "${LAYER_S:-400}" python3 benchmarks/gdn_layer.py --arms "${LAYER_ARMS:-ours,qla_op,fla,torch,compile,ours+compile}" \
                    --out "$OUT" ;;
