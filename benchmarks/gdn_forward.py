@@ -247,16 +247,21 @@ def kernel_specs(variant_names, configs, sms):
     layouts |= gpu_test_layouts()
     specs = set()
 
+    from flashqla_kernels.gated_delta_rule.hopper.fused_fwd_ws import _flags
+
     def add(var, Hk, Hv, Kd, dt, bdv, sc, final):
+        # the argument tuples exactly as the launchers pass them (prep_v2, fused_fwd_ws, segment_states)
         tail = (Hk, Hv, Kd, Kd, bdv, dt)
-        prep_args = (Hk, Hv, Kd, dt) + ((var.inverse,) if var.inverse != "substitution" else ())
+        prep_args = (Hk, Hv, Kd, dt) + ((var.inverse, True) if var.a_gated else
+                                        (var.inverse,) if var.inverse != "substitution" else ())
         specs.add(("prep2" if var.prep2 else "prep", prep_args))
         if var.fused == "base":
             specs.add(("fused", (*tail, sc, final)))
         else:
             inner = "float16" if var.fused == "ws16" and dt == "bfloat16" else ""
-            specs.add(("ws", (*tail, sc, final, inner) + ((False, True) if var.w_in_registers else ())))
-        specs.add(("segment", tail))
+            specs.add(("ws", (*tail, sc, final, inner) + _flags(False, var.w_in_registers, var.a_gated,
+                                                                var.p_in_registers)))
+        specs.add(("segment", tail + ((True,) if var.a_gated else ())))
 
     for Hk, Hv, Kd, dt, N in layouts:
         plan_bdv = min(Kd, forced) if forced else plan.choose_block_v(N, Hv, Kd, Kd, sms)

@@ -46,6 +46,13 @@ NREG_STATE, NREG_VALUES, NREG_OUTPUT, NREG_PRODUCER = 160, 128, 128, 88
 # prs keeps the fp16 Pg operand (16 registers) beside the output accumulator: 8 registers move from the values
 # warpgroup to the output one (ptxas -v: 20-44 bytes of spills at 128 / 128, none at 120 / 136)
 NREG_VALUES_PRS, NREG_OUTPUT_PRS = 120, 136
+NREG_LAUNCH = 65536 // THREADS  # what every warp holds at launch: setmaxnreg.inc may only raise it, .dec only lower it
+
+
+def set_nreg(count: int):
+    """``setmaxnreg`` towards ``count`` from the launch allocation: .inc above it, .dec below (an .inc to a lower count
+    is an illegal instruction on the H200: the first prs build asked ``.inc 120`` and every launch faulted)."""
+    return T.set_max_nreg(count, 1 if count >= NREG_LAUNCH else 0)
 # trace=True: stamps per warpgroup (state, values, output, producer warp 0) and chunk steps recorded
 TRACE_EVENTS, TRACE_STEPS = 10, 64
 TRACE_NAMES = (
@@ -151,7 +158,7 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
             bar_vn = T.alloc_barrier(arrive_count=128)
 
             if tx < 128:
-                T.set_max_nreg(NREG_STATE, 1)
+                set_nreg(NREG_STATE)
                 if init >= 0:
                     T.copy(h_init[init, bh, :, v0:v0 + bDV], s_f)
                 else:
@@ -181,7 +188,7 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                         T.copy(s_f, ht[fin, bh, :, v0:v0 + bDV])
 
             elif tx < 256:
-                T.set_max_nreg(NREG_VALUES_PRS if p_in_registers else NREG_VALUES, 1)
+                set_nreg(NREG_VALUES_PRS if p_in_registers else NREG_VALUES)
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
                     stamp(ht, tx, bv, bh, bs, 1, 0, it)
@@ -258,7 +265,7 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                     T.barrier_arrive(free[it % 2])
 
             elif tx < 384:
-                T.set_max_nreg(NREG_OUTPUT_PRS if p_in_registers else NREG_OUTPUT, 1)
+                set_nreg(NREG_OUTPUT_PRS if p_in_registers else NREG_OUTPUT)
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
                     stamp(ht, tx, bv, bh, bs, 2, 0, it)
@@ -322,7 +329,7 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                     T.barrier_arrive(free[it % 2])
 
             else:
-                T.set_max_nreg(NREG_PRODUCER, 0)
+                set_nreg(NREG_PRODUCER)
                 if tx < 384 + 32:
                     for it in T.serial(n_it):
                         T.barrier_wait(free[it % 2], (it // 2 + 1) % 2)
