@@ -21,6 +21,7 @@
 #   layer-tests  benchmarks/gdn_layer.py --gpu-tests (the fused GDN layer against transformers' layer; LAYER_TESTS_ONLY=
 #                silu_mul,mlp runs only the cases whose ids contain one of those)
 #   layer        benchmarks/gdn_layer.py, every arm (ours, qla_op, fla, torch, compile, ours+compile)
+#   collect-profile  benchmarks/collect_profile.py: torch.profiler of (a) and a steady (c1) step: GPU idle, blocking calls
 #   ws-trace     benchmarks/gdn_ws_trace.py: clock64 timeline of the default fused stage's chunk step
 set -o pipefail
 export PYTHONUNBUFFERED=1 FLA_FLASH_QLA=0 TILELANG_CACHE_DIR=/tmp/tlcache TRITON_CACHE_DIR=/tmp/triton_cache
@@ -89,6 +90,7 @@ for p in "$@"; do
                      --budget-s "$(( ${COLLECT_S:-300} - 60 ))" ;;
         layer-tests) phase layer-tests "${LAYER_TESTS_S:-200}" python3 benchmarks/gdn_layer.py --gpu-tests --out "$OUT" \
                          --only "${LAYER_TESTS_ONLY:-}" ;;
+        collect-profile) phase collect-profile "${PROFILE_S:-150}" python3 benchmarks/collect_profile.py --out "$OUT" ;;
         ws-trace) phase ws-trace "${TRACE_S:-120}" python3 benchmarks/gdn_ws_trace.py --out "$OUT" ;;
         layer) phase layer "${LAYER_S:-400}" python3 benchmarks/gdn_layer.py --arms "${LAYER_ARMS:-ours,qla_op,fla,torch,compile,ours+compile}" \
                    --out "$OUT" ;;

@@ -1,0 +1,35 @@
+"""The collection benchmark scripts (benchmarks/collect_throughput.py, collect_profile.py) on CPU: their arithmetic,
+and a dry run of the profile on a tiny model (the GPU run is a device phase of benchmarks/h200.sh)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+def test_gpu_busy_time_is_the_union_of_overlapping_intervals():
+    import collect_profile
+
+    # us in, ms out: [0, 10) and [5, 20) overlap to 20 us; [30, 31) adds 1; a contained interval adds nothing
+    assert collect_profile._union_ms([(5.0, 20.0), (0.0, 10.0), (30.0, 31.0), (6.0, 7.0)]) == pytest.approx(0.021)
+    assert collect_profile._union_ms([]) == 0.0
+
+
+@pytest.mark.slow
+def test_profile_dry_run_reports_both_arms(tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "collect_profile.py"), "--tiny", "--steps", "2",
+                          "--out", str(tmp_path), "--work", str(tmp_path / "work")],
+                         capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads((tmp_path / "collect_profile.json").read_text())
+    assert set(result["arms"]) == {"a: bare forward", "c1: collect, SAE codes at one layer"}
+    for arm in result["arms"].values():
+        assert arm["wall_ms_per_step"] > 0 and "aten::" in arm["top_host_ops"]
+    assert "## c1: collect, SAE codes at one layer" in (tmp_path / "collect_profile.md").read_text()
+    assert not (tmp_path / "work").exists()  # the profile's store is removed
