@@ -8,6 +8,9 @@ Arms (one run, one process):
                  gates + l2norm kernel, our chunk kernels, gated-RMSNorm kernel), the one-pass zero-centred
                  RMSNorm kernel for every decoder / final / q-k norm and the one-pass ``silu(gate) * up`` kernel in
                  every MLP (``patch_gdn_layers``' defaults ``rms_norms=True, mlp=True``);
+  ours+graph     ``ours`` captured once into a CUDA graph and replayed (same static input ids, the kept outputs are the
+                 graph's): what the forward costs with no host launch overhead at all, i.e. how much of the gap
+                 between wall time and CUDA time is the host's (the hooks ran at capture);
   ours+compile   the fused GDN layer left eager (graph breaks there), ``torch.compile`` of the rest of ``model.model``:
                  inductor fuses the MLP / attention-layer / RMSNorm glue (our RMSNorm and silu_mul kernels not used);
   qla_op         transformers' layer with our FlashQLA-style chunk op patched in
@@ -49,7 +52,7 @@ os.environ.setdefault("FLA_FLASH_QLA", "0")
 import torch  # noqa: E402
 
 MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
-ARMS = ("ours", "qla_op", "fla", "torch", "compile", "ours+compile")
+ARMS = ("ours", "qla_op", "fla", "torch", "compile", "ours+compile", "ours+graph")
 ANCHOR_TOKENS_PER_S = {"qla_op": 99.7e3, "fla": 96.9e3, "torch": 41.6e3}  # anchors-h200.md (FlashQLA / FLA / torch)
 CATEGORIES = [  # (bucket, kernel-name pattern), first match wins
     ("conv", r"gdn_conv|conv1d|convolution|conv_depthwise|depthwise|causal_conv|cudnn.*conv|im2col"),
@@ -105,6 +108,8 @@ class Arms:
     def reason_unavailable(self, name: str) -> str | None:
         if name == "fla" and not self.has_fla:
             return "flash-linear-attention is not importable: transformers' op is its torch fallback"
+        if name.endswith("+graph") and self.device != "cuda":
+            return "CUDA graphs need a CUDA device"
         return None
 
     def use(self, name: str):
@@ -115,7 +120,7 @@ class Arms:
         for n, f in self.originals.items():
             setattr(self.module, n, f)
         base = name.removesuffix("+compile")
-        if name == "ours":
+        if name in ("ours", "ours+graph"):
             patch_transformers(backend=self.backend, fused_layer=True)
         elif name == "ours+compile":
             # the norms and the MLP are left to inductor here: compilation against hand fusion
@@ -141,6 +146,28 @@ def forward_fn(run, ids, keep: list):
     def fwd():
         keep.clear()
         return run(input_ids=ids, use_cache=False)
+    return fwd
+
+
+def graphed_forward_fn(run, ids, keep: list):
+    """One forward captured into a CUDA graph (after two warm-up forwards on a side stream, as torch requires);
+    ``fwd()`` replays it on the same ``ids``. The hooks fire during the capture only: ``keep`` then holds the
+    graph's output tensors, which every replay rewrites."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            keep.clear()
+            run(input_ids=ids, use_cache=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    keep.clear()
+    with torch.cuda.graph(graph):
+        out = run(input_ids=ids, use_cache=False)
+
+    def fwd():
+        graph.replay()
+        return out
     return fwd
 
 
@@ -482,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             handles = hook_outputs(model, keep)
             try:
                 with torch.no_grad():
-                    fwd = forward_fn(run, ids, keep)
+                    fwd = (graphed_forward_fn if arm.endswith("+graph") else forward_fn)(run, ids, keep)
                     sec = time_forward(fwd, args.steps, args.warmup, device)
                     row["breakdown"] = breakdown(fwd, device)
             finally:
