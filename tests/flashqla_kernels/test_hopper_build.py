@@ -125,6 +125,64 @@ def test_warmup_starts_match_brute_force():
     assert (starts[:, 0] == -1).all() and (starts[:, 2] > 0).any()
 
 
+def _kernel_starts(gamma, maps, threads):
+    """The cpk kernel's start search, step by step: per map and head, the chunk totals staged ``threads`` at a time
+    from the map's end, thread 0 adding them in order (fp32) until the sum drops below the threshold."""
+    import torch
+
+    from flashqla_kernels.gated_delta_rule.hopper.segment_states import NEGLIGIBLE_LOG_DECAY
+
+    out = torch.full((len(maps), gamma.shape[1]), -1, dtype=torch.int32)
+    for r, (m0, s1) in enumerate(maps):
+        nch = -(-(s1 - m0) // 64)
+        for h in range(gamma.shape[1]):
+            acc, found = torch.tensor(0.0, dtype=torch.float32), -1
+            for blk in range(-(-nch // threads)):
+                tot = [gamma[min(m0 + (ci + 1) * 64, s1) - 1, h] if ci >= 0 else 0.0
+                       for ci in (nch - 1 - (blk * threads + tx) for tx in range(threads))]
+                for t in range(threads):
+                    if found < 0 and blk * threads + t < nch:
+                        acc = acc + tot[t]
+                        if acc < NEGLIGIBLE_LOG_DECAY:
+                            found = nch - 1 - (blk * threads + t)
+            out[r, h] = -1 if found < 0 else m0 + found * 64
+    return out
+
+
+@pytest.mark.parametrize("threads", [256, 3])
+def test_in_kernel_starts_equal_warmup_starts(threads):
+    """cpk computes ``warmup_starts``' table inside the map kernel; its schedule (blocks of THREADS from the map's
+    end, a running fp32 sum) gives the same table, also when a map has more chunks than threads."""
+    import torch
+
+    pytest.importorskip("tilelang")
+    from flashqla_kernels.gated_delta_rule.hopper.segment_states import warmup_starts
+
+    cu = [0, 1300, 1305, 4000]
+    pl = plan.make_plan(cu, 4, 1, True, torch.device("cpu"), 8)
+    g = -torch.rand(cu[-1], 4, dtype=torch.float64) * torch.tensor([0.0, 0.1, 0.6, 3.0], dtype=torch.float64)
+    gamma = torch.zeros_like(g)
+    for s, e in pl.chunks.tolist():
+        gamma[s:e] = g[s:e].cumsum(0)
+    gamma = gamma.float()
+    want = warmup_starts(gamma, pl)
+    assert (want[:, 0] == -1).all() and (want[:, 3] > 0).all() and (want[:, 1] == -1).any()
+    assert torch.equal(_kernel_starts(gamma, pl.maps.tolist(), threads), want)
+
+
+@needs_nvcc
+def test_in_kernel_starts_compile_and_fence_the_shared_buffers():
+    """The cpk map kernel compiles; the planner lays later tiles over its scan buffers, so a barrier separates the
+    last read of the result from the first tile write."""
+    pytest.importorskip("tilelang")
+    from flashqla_kernels.gated_delta_rule.hopper import _common, segment_states
+
+    src = _common.compile_kernel(segment_states.build_segment_states, 16, 32, 128, 128, 64, "bfloat16", True,
+                                 True).get_kernel_source()
+    tail = src[src.index("skip = "):]
+    assert "__syncthreads();" in tail[:tail.index("cp_async")], "no barrier between reading the start and the tiles"
+
+
 def test_plan_splits_only_when_sms_would_idle():
     # many sequences x heads fill 132 SMs: no split
     assert plan.choose_segment_chunks([64] * 16, 32, 1, 132) == 0

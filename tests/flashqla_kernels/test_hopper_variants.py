@@ -506,7 +506,7 @@ def test_agp_prs_wiring_hands_the_gated_tile_to_every_consumer(monkeypatch):
         calls.append(("fused", w_in_registers, a_gated, p_in_registers))
         return _torch_fused(*a, **kw, a_gated=a_gated)
 
-    def maps(k, v, a0, gamma, beta, pl, *, bDV, a_gated=False):
+    def maps(k, v, a0, gamma, beta, pl, *, bDV, a_gated=False, starts_in_kernel=False):
         # the segment maps from zero / identity starts, by the torch fused stage on each map's token range
         calls.append(("maps", a_gated))
         R, Hv, K, V = pl.maps.shape[0], v.shape[1], k.shape[2], v.shape[2]
@@ -662,7 +662,8 @@ def test_wreg_forms_w_in_registers_without_a_barrier_per_element():
 
 
 
-@pytest.mark.parametrize("variant", ["ws16+prep3+wreg+agp+prs", "ws16+prep2", "ws16+prep3+wreg+bv128", "base"])
+@pytest.mark.parametrize("variant", ["ws16+prep3+wreg+agp+prs", "ws16+prep3+wreg+agp+prs+cpk", "ws16+prep2", "cpk",
+                                     "ws16+prep3+wreg+bv128", "base"])
 def test_precompile_specs_are_the_kernels_the_launcher_compiles(variant, monkeypatch):
     """benchmarks/gdn_forward.py's precompile list names each kernel with the very arguments the launcher passes to
     ``compile_kernel`` (else the carried cache misses and the device JIT-compiles: the first agp/prs run did). The
@@ -687,6 +688,6 @@ def test_precompile_specs_are_the_kernels_the_launcher_compiles(variant, monkeyp
     g = beta = torch.zeros(1, seqlen, Hv)
     cu = torch.tensor([0, seqlen], dtype=torch.int32)
     variants.chunk_gated_delta_rule_fwd(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu, variant=variant)
-    assert {s for s, _ in seen} >= {"prep2" if variant != "base" else "prep", "segment", "scan"}
+    assert {s for s, _ in seen} >= {"prep2" if variants.parse_variant(variant).prep2 else "prep", "segment", "scan"}
     specs = set(gdn_forward.kernel_specs([variant], [(Hk, Hv, seqlen, 1)], 132))
     assert seen <= specs, f"compiled but not precompiled: {seen - specs}"

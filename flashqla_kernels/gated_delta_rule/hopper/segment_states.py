@@ -13,6 +13,12 @@ and compute M). FlashQLA's auto-CP cuts at -10 (4.5e-5: visible in bf16); heads 
 
 Grid (V / bDV + K / bDV, Hv, segments). ``segs[s] = (start, end)``. Outputs H [S, Hv, K, V], M [S, Hv, K, K] fp32.
 
+``starts_in_kernel=True`` (variant part ``cpk``): every CTA finds its map's ``start`` itself (the map's chunk totals
+of gamma staged in shared memory 256 at a time from the map's end, one thread adding them until the sum drops below
+NEGLIGIBLE_LOG_DECAY: the last chunk where it does is where H starts) instead of reading the table ``warmup_starts``
+builds with ~25 small torch kernels per call (host-bound: the H200 timed the context-parallel stage at 0.47-1.08 ms
+for the same kernels across runs). Same rule, same result; ``start`` is then not read.
+
 ``a_gated=True``: the ``a0`` input already holds Ag = Gamma * A0 * beta_col (``prep_v2(..., gated=True)``, variant
 part ``agp``); the tile is used as loaded and W goes to an fp16 tile to match it.
 """
@@ -27,7 +33,8 @@ THREADS = 256
 NEGLIGIBLE_LOG_DECAY = -40.0
 
 
-def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, a_gated: bool = False):
+def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, a_gated: bool = False,
+                         starts_in_kernel: bool = False):
     group = Hv // Hk
     nV = V // bDV
     num_tokens = T.dynamic("num_tokens")
@@ -55,13 +62,42 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str,
             s1 = T.alloc_var("int32")
             s1 = segs[bs, 1]
             skip = T.alloc_var("int32")
-            skip = start[bs, bh]
+            tx = T.get_thread_binding()
+            if starts_in_kernel:
+                # the map's chunk totals from its end, THREADS at a time; thread 0 sums them in order
+                tot_sh = T.alloc_shared((THREADS,), "float32")
+                found_sh = T.alloc_shared((1,), "int32")
+                acc = T.alloc_local((1,), "float32")
+                found = T.alloc_local((1,), "int32")
+                m0 = segs[bs, 0]
+                nch = T.ceildiv(s1 - m0, C)
+                acc[0] = 0.0
+                found[0] = -1
+                for blk in T.serial(T.ceildiv(nch, THREADS)):
+                    T.sync_threads()
+                    ci = nch - 1 - (blk * THREADS + tx)  # this thread's chunk, counted from the map's start
+                    tot_sh[tx] = T.if_then_else(
+                        ci >= 0, gamma[T.min(m0 + (T.max(ci, 0) + 1) * C, s1) - 1, bh], 0.0)
+                    T.sync_threads()
+                    if tx == 0:
+                        for t in T.serial(THREADS):
+                            if found[0] < 0 and blk * THREADS + t < nch:
+                                acc[0] = acc[0] + tot_sh[t]
+                                if acc[0] < NEGLIGIBLE_LOG_DECAY:
+                                    found[0] = nch - 1 - (blk * THREADS + t)
+                if tx == 0:
+                    found_sh[0] = found[0]
+                T.sync_threads()
+                skip = T.if_then_else(found_sh[0] < 0, -1, m0 + found_sh[0] * C)
+                # the planner lays the tiles below over these two buffers: everyone has read found_sh first
+                T.sync_threads()
+            else:
+                skip = start[bs, bh]
             # M negligible: zero columns, no walk. H: start where earlier tokens stop mattering.
             s0 = T.if_then_else(skip < 0, segs[bs, 0], T.if_then_else(is_m, s1, skip))
             cs = T.alloc_var("int32")
             n = T.alloc_var("int32")
             buf = T.alloc_var("int32")
-            tx = T.get_thread_binding()
             gnext = T.alloc_local((2,), "float32")
 
             k_sh = T.alloc_shared((2, C, K), dtype)
@@ -160,6 +196,14 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str,
 build_segment_states.pass_configs = {"tl.disable_thread_storage_sync": True}
 
 
+def segment_flags(a_gated: bool = False, starts_in_kernel: bool = False) -> tuple:
+    """The builder's trailing flags without trailing False ones (older kernels keep their cache keys)."""
+    flags = [a_gated, starts_in_kernel]
+    while flags and not flags[-1]:
+        flags.pop()
+    return tuple(flags)
+
+
 def warmup_starts(gamma: torch.Tensor, pl) -> torch.Tensor:
     """start [R, Hv] int32: per map and head, the first token whose contribution to H exceeds exp(-40) relative,
     or -1 when the map's total decay stays above -40 (then M is needed and H walks everything).
@@ -181,23 +225,25 @@ def warmup_starts(gamma: torch.Tensor, pl) -> torch.Tensor:
     return torch.where(first >= 0, tok, -1).to(torch.int32)
 
 
-def segment_states(k, v, a0, gamma, beta, pl, *, bDV: int, a_gated: bool = False):
+def segment_states(k, v, a0, gamma, beta, pl, *, bDV: int, a_gated: bool = False, starts_in_kernel: bool = False):
     """Each non-final segment's map ``S_end = M S_start + H``.
 
     Args:
         k: [T, Hk, K]; v: [T, Hv, V]; a0: [T, Hv, 64] fp16 (Ag with ``a_gated``, see the module doc); gamma, beta:
-        [T, Hv] fp32; pl: the Plan (its maps).
+        [T, Hv] fp32; pl: the Plan (its maps). starts_in_kernel: see the module doc.
 
     Returns:
         H [R, Hv, K, V] fp32 and M [R, Hv, K, K] fp32.
     """
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
-    gated = (True,) if a_gated else ()  # the plain kernel keeps its cache key
-    kernel = compile_kernel(build_segment_states, Hk, Hv, K, V, bDV, tl_dtype(k.dtype), *gated)
+    kernel = compile_kernel(build_segment_states, Hk, Hv, K, V, bDV, tl_dtype(k.dtype),
+                            *segment_flags(a_gated, starts_in_kernel))
     R = pl.maps.shape[0]
     hs = torch.empty((R, Hv, K, V), dtype=torch.float32, device=k.device)
     ms = torch.empty((R, Hv, K, K), dtype=torch.float32, device=k.device)
     if R > 0:
-        kernel(k, v, a0, gamma, beta, pl.maps, warmup_starts(gamma, pl), hs, ms)
+        start = (torch.empty((R, Hv), dtype=torch.int32, device=k.device) if starts_in_kernel  # not read
+                 else warmup_starts(gamma, pl))
+        kernel(k, v, a0, gamma, beta, pl.maps, start, hs, ms)
     return hs, ms

@@ -13,6 +13,8 @@ A variant name joins parts with ``+``. ``base`` is the first verified path (``fo
     agp     "Ag from prep": prep2 / prep3 write Ag = Gamma * A0 * beta_col instead of A0, and the fused stage (ws16)
             and the segment maps multiply the tile as loaded (no per-chunk gating loop; the trace showed the output
             warpgroup spending ~40% of a chunk step on it)
+    cpk     the context-parallel map stage finds where each map's H walk may start in the kernel (a shared-memory
+            scan of the map's chunk totals) instead of the ~25 small torch ops of ``warmup_starts`` per call
     prs     with ws / ws16: Pg formed in the Q K^T accumulator's registers, the output GEMM reading it from there
             (wgmma with A in registers): no Pg tile, no element loop over shared memory
     bv32, bv64, bv128   force the V slice per CTA (the plan's rules were tuned on the base fused stage; the
@@ -37,13 +39,13 @@ import torch
 from flashqla_kernels.gated_delta_rule.hopper import forward
 
 ENV_VAR = "FLASHQLA_KERNELS_VARIANT"
-PARTS = ("ws", "ws16", "prep2", "prep3", "wreg", "agp", "prs", "bv32", "bv64", "bv128")
+PARTS = ("ws", "ws16", "prep2", "prep3", "wreg", "agp", "prs", "cpk", "bv32", "bv64", "bv128")
 DEFAULT_VARIANT = "ws16+prep2"
 # what benchmarks/gdn_forward.py --variants all runs beside the default
 # (ws, ws16, prep2 and ws+prep2 alone were measured on 2026-11-30: benchmarks/README.md)
 # (and ws16+prep2+bv128, ws16+prep3, ws16+prep2+wreg: 2026-11-30, second run, all on the GPU suite)
 ALL_VARIANTS = ("base", "ws16+prep3+wreg", "ws16+prep3+wreg+bv128", "ws16+prep3+agp+prs", "ws16+prep3+wreg+agp+prs",
-                "ws16+prep3+wreg+agp+prs+bv128")
+                "ws16+prep3+wreg+agp+prs+bv128", "ws16+prep3+wreg+agp+prs+cpk", "ws16+prep3+wreg+agp+prs+cpk+bv128")
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,12 @@ class Variant:
     w_in_registers: bool = False  # wreg
     a_gated: bool = False  # agp
     p_in_registers: bool = False  # prs
+    starts_in_kernel: bool = False  # cpk
 
     @property
     def is_base(self) -> bool:
         """The first verified path: ``forward.chunk_gated_delta_rule_fwd`` itself."""
-        return self.fused == "base" and not self.prep2 and not self.block_v
+        return self.fused == "base" and not self.prep2 and not self.block_v and not self.starts_in_kernel
 
 
 def parse_variant(name: str | None) -> Variant:
@@ -97,7 +100,8 @@ def parse_variant(name: str | None) -> Variant:
                          f"operands of ws16 to multiply it; e.g. 'ws16+prep3+agp'")
     return Variant(fused=fused[0] if fused else "base", prep2="prep2" in parts or "prep3" in parts,
                    block_v=widths[0] if widths else 0, inverse="blocks" if "prep3" in parts else "substitution",
-                   w_in_registers="wreg" in parts, a_gated="agp" in parts, p_in_registers="prs" in parts)
+                   w_in_registers="wreg" in parts, a_gated="agp" in parts, p_in_registers="prs" in parts,
+                   starts_in_kernel="cpk" in parts)
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -159,9 +163,11 @@ def fused_fn(var: Variant, dtype: torch.dtype):
 
 
 def segment_fn(var: Variant):
-    """The context-parallel map stage of a variant (``segment_states.segment_states``; reads Ag with ``agp``)."""
+    """The context-parallel map stage of a variant (``segment_states.segment_states``; reads Ag with ``agp``, finds
+    the walk starts itself with ``cpk``)."""
     from flashqla_kernels.gated_delta_rule.hopper import segment_states
 
-    if var.a_gated:
-        return lambda *a, **kw: segment_states.segment_states(*a, **kw, a_gated=True)
+    if var.a_gated or var.starts_in_kernel:
+        return lambda *a, **kw: segment_states.segment_states(*a, **kw, a_gated=var.a_gated,
+                                                              starts_in_kernel=var.starts_in_kernel)
     return segment_states.segment_states
