@@ -3,7 +3,9 @@
 ``gdn_layer_forward(layer, hidden_states, cache, attention_mask)`` computes what the layer's own ``forward`` does
 (transformers 5.17-5.24, §2 of the transformers-gdn reference) with the token-major glue stages of ``ops`` and our
 public chunk / recurrent op, reading and writing the model's hybrid cache through its public API
-(``get/update_conv_state``, ``get/update_recurrent_state``) so the cache stays interchangeable with transformers'
+(``get/update_conv_state``, ``get/update_recurrent_state`` from 5.23; on 5.17-5.22, which lack the getters, the
+states the cache layers hold once ``has_previous_state``, as transformers' own GDN forward reads them there) so the
+cache stays interchangeable with transformers'
 own path (conv state [B, C, Kc] in the model dtype, recurrent state [B, Hv, K, V] fp32).
 
 ``layer_unsupported_reason`` says when the fused path must not run; the patch then calls transformers' forward.
@@ -24,6 +26,36 @@ from flashqla_kernels.gdn_layer import ops
 __all__ = ["gdn_layer_forward", "layer_unsupported_reason", "project", "explain_gdn_layer"]
 
 _CACHE_API = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state")
+# transformers 5.17-5.22: the same DynamicCache / StaticCache layers without the getters; their GDN forward reads
+# cache.layers[i].conv_states[0] / .recurrent_states[0] once cache.has_previous_state(i, state_idx=0)
+_CACHE_API_5_17 = ("has_previous_state", "update_conv_state", "update_recurrent_state", "layers")
+
+
+def _cache_missing(cache: Any) -> list[str]:
+    """The hybrid-cache methods this cache lacks (empty when it has the 5.23+ API or the 5.17-5.22 one)."""
+    missing = [m for m in _CACHE_API if not hasattr(cache, m)]
+    if missing and all(hasattr(cache, m) for m in _CACHE_API_5_17):
+        return []
+    return missing
+
+
+def _cached_states(cache: Any, idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Layer ``idx``'s (conv state [B, C, >=Kc], recurrent state [B, Hv, K, V]), or (None, None) before its first
+    update, through either cache API."""
+    if hasattr(cache, "get_conv_state"):
+        return cache.get_conv_state(idx, state_idx=0), cache.get_recurrent_state(idx, state_idx=0)
+    if not cache.has_previous_state(idx, state_idx=0):
+        return None, None
+    layer = cache.layers[idx]
+    return layer.conv_states[0], layer.recurrent_states[0]
+
+
+def _recording_past(cache: Any, idx: int) -> bool:
+    """Whether the cache keeps layer ``idx``'s full conv history for ``crop()`` (speculative decoding)."""
+    if hasattr(cache, "is_recording_past"):
+        return bool(cache.is_recording_past(idx))
+    layers = getattr(cache, "layers", None)
+    return bool(layers is not None and idx < len(layers) and getattr(layers[idx], "record_past", False))
 
 
 def layer_unsupported_reason(layer: torch.nn.Module, cache: Any = None, kwargs: dict | None = None) -> str | None:
@@ -44,10 +76,10 @@ def layer_unsupported_reason(layer: torch.nn.Module, cache: Any = None, kwargs: 
         return "packed sequences (cu_seq_lens_q) are not handled by the fused layer"
     if getattr(layer.conv1d, "_hf_hook", None) is not None:
         return "conv1d carries an accelerate hook (offloading); transformers' forward fires it"
-    missing = [m for m in _CACHE_API if cache is not None and not hasattr(cache, m)]
+    missing = _cache_missing(cache) if cache is not None else []
     if missing:
         return f"the cache ({type(cache).__name__}) lacks {', '.join(missing)}"
-    if cache is not None and hasattr(cache, "is_recording_past") and cache.is_recording_past(layer.layer_idx):
+    if cache is not None and _recording_past(cache, layer.layer_idx):
         return "the cache records the past for crop(); transformers' forward keeps the full conv history"
     return None
 
@@ -112,17 +144,16 @@ def gdn_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, cache
     Kc, idx = layer.conv_kernel_size, layer.layer_idx
     conv_state = recurrent_state = None
     if cache is not None:
-        missing = [m for m in _CACHE_API if not hasattr(cache, m)]
+        missing = _cache_missing(cache)
         if missing:
             import transformers
 
             raise ValueError(
-                f"gdn_layer_forward keeps the layer's states through the hybrid-cache API of transformers >= 5.23, "
-                f"and this {type(cache).__name__} (transformers {transformers.__version__}) lacks "
-                f"{', '.join(missing)}. Call the layer module itself (patch_gdn_layers() hands such calls to "
-                f"transformers' forward), pass cache=None, or upgrade transformers.")
-        conv_state = cache.get_conv_state(idx, state_idx=0)
-        recurrent_state = cache.get_recurrent_state(idx, state_idx=0)
+                f"gdn_layer_forward keeps the layer's states through the hybrid-cache API of transformers' "
+                f"DynamicCache / StaticCache (5.17+), and this {type(cache).__name__} (transformers "
+                f"{transformers.__version__}) lacks {', '.join(missing)}. Call the layer module itself "
+                f"(patch_gdn_layers() hands such calls to transformers' forward) or pass cache=None.")
+        conv_state, recurrent_state = _cached_states(cache, idx)
 
     qkv, z, b, a = project(layer, hidden_states)
     q, k, v, g, beta = ops.conv_qkv_gates(qkv, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, a, b,
@@ -183,7 +214,7 @@ def explain_gdn_layer(layer: torch.nn.Module, hidden_states: torch.Tensor, cache
         return torch.empty((), dtype=dtype, device=dev).expand(*shape)
 
     acts = (like(B, T, 1), like(B, T, 1))
-    decode = cache is not None and T == 1 and cache.get_recurrent_state(layer.layer_idx, state_idx=0) is not None
+    decode = cache is not None and T == 1 and _cached_states(cache, layer.layer_idx)[1] is not None
     op = "recurrent" if decode else "chunk"
     g = like(B, T, Hv, dtype=torch.float32)
     op_text = explain_backend(like(B, T, Hk, K), like(B, T, Hk, K), like(B, T, Hv, V), g, g, op=op,

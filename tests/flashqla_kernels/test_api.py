@@ -76,6 +76,11 @@ def test_non_contiguous_inputs_like_transformers_channels_first_views():
 def test_equals_transformers_torch_fallback(family, heads):
     import importlib
 
+    import transformers
+
+    if heads == "hk" and tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 23):
+        pytest.skip(f"transformers {transformers.__version__}'s torch fallback takes q/k with Hv heads only "
+                    "(native GVA in the op arrived in 5.23)")
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     q, k, v, g, beta, h0 = make_inputs(2, 70, 2, 4, dtype=torch.float32)
     if heads == "hv":

@@ -28,6 +28,21 @@ def _cache(model):
     return DynamicCache(config=model.config.get_text_config(decoder=True))
 
 
+def _call(layer, h, cache):
+    """The layer's forward with a cache: ``cache=`` from transformers 5.24, ``cache_params=`` before (5.17-5.23)."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(type(layer).forward).parameters else "cache_params"
+    return layer(h, **{name: cache})
+
+
+def _states(cache, idx):
+    """(conv state, recurrent state) of layer idx through whichever cache API this transformers has."""
+    from flashqla_kernels.gdn_layer import layer as layer_mod
+
+    return layer_mod._cached_states(cache, idx)
+
+
 def _spread_params(layer):
     """Non-trivial conv bias-free weights, gates and norm weight so every term of the layer matters."""
     with torch.no_grad():
@@ -63,13 +78,12 @@ def test_cached_prefill_continuation_and_decode_match_transformers(family):
     steps = [torch.randn(2, n, layer.hidden_size) for n in (66, 5, 1, 1, 2)]
     for i, h in enumerate(steps):
         with torch.no_grad():
-            want = layer(h, cache=theirs)
+            want = _call(layer, h, theirs)
             got = gdn_layer_forward(layer, h, cache=ours, backend="torch")
         torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5, msg=lambda m: f"step {i}: {m}")
         idx = layer.layer_idx
-        torch.testing.assert_close(ours.get_conv_state(idx), theirs.get_conv_state(idx), atol=0, rtol=0)
-        torch.testing.assert_close(ours.get_recurrent_state(idx), theirs.get_recurrent_state(idx),
-                                   atol=ATOL, rtol=1e-5)
+        torch.testing.assert_close(_states(ours, idx)[0], _states(theirs, idx)[0], atol=0, rtol=0)
+        torch.testing.assert_close(_states(ours, idx)[1], _states(theirs, idx)[1], atol=ATOL, rtol=1e-5)
 
 
 def test_short_first_prefill_pads_the_conv_state_like_transformers():
@@ -78,11 +92,11 @@ def test_short_first_prefill_pads_the_conv_state_like_transformers():
     ours, theirs = _cache(model), _cache(model)
     h = torch.randn(1, 2, layer.hidden_size)  # T = 2 < conv kernel 4
     with torch.no_grad():
-        layer(h, cache=theirs)
+        _call(layer, h, theirs)
         gdn_layer_forward(layer, h, cache=ours, backend="torch")
         nxt = torch.randn(1, 1, layer.hidden_size)
-        want, got = layer(nxt, cache=theirs), gdn_layer_forward(layer, nxt, cache=ours, backend="torch")
-    assert torch.equal(ours.get_conv_state(layer.layer_idx), theirs.get_conv_state(layer.layer_idx))
+        want, got = _call(layer, nxt, theirs), gdn_layer_forward(layer, nxt, cache=ours, backend="torch")
+    assert torch.equal(_states(ours, layer.layer_idx)[0], _states(theirs, layer.layer_idx)[0])
     torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
 
 
@@ -163,9 +177,9 @@ def test_unsupported_calls_fall_back_to_transformers():
     assert layer_unsupported_reason(layer, _cache(model)) is None
     h = torch.randn(1, 6, layer.hidden_size)
     with torch.no_grad():
-        want = layer(h, cache=_cache(model))
+        want = _call(layer, h, _cache(model))
         with patched_gdn_layers(backend="torch"):
-            got = layer(h, cache=cache)  # recording cache: transformers' own forward runs
+            got = _call(layer, h, cache)  # recording cache: transformers' own forward runs
     torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
     assert cache.layers[layer.layer_idx].conv_states[0].shape[-1] == 6  # the full history, as only it keeps
 
@@ -189,11 +203,11 @@ def test_old_cache_params_spelling_is_accepted():
     h = torch.randn(1, 4, layer.hidden_size)
     ours, theirs = _cache(model), _cache(model)
     with torch.no_grad():
-        want = layer(h, cache=theirs)
+        want = _call(layer, h, theirs)
         with patched_gdn_layers(backend="torch"):
             got = layer(h, cache_params=ours)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-5)
-    assert torch.equal(ours.get_conv_state(layer.layer_idx), theirs.get_conv_state(layer.layer_idx))
+    assert torch.equal(_states(ours, layer.layer_idx)[0], _states(theirs, layer.layer_idx)[0])
 
 
 def test_patch_transformers_fused_layer_composes_with_the_op_patch():
@@ -346,7 +360,7 @@ def test_explain_gdn_layer_names_each_stage_and_the_reason():
     assert "requested with backend='torch'" in explain_gdn_layer(layer, h, backend="torch")
     cache = _cache(model)
     with torch.no_grad():
-        layer(h, cache=cache)
+        _call(layer, h, cache)
     assert "recurrent op" in explain_gdn_layer(layer, h[:, :1], cache)
     cache.activate_past_recording()
     assert explain_gdn_layer(layer, h, cache).startswith("layer: transformers' forward (the cache records")

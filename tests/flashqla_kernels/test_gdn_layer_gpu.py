@@ -201,7 +201,7 @@ def test_fused_layer_matches_transformers_within_bf16(Hk, Hv):
     # cached: prefill 300 tokens, continue with 5, then 3 decode steps
     c_ours, c_truth = DynamicCache(config=model.config), DynamicCache(config=model32.config)
     reason = layer_unsupported_reason(layer, c_ours)
-    if reason is not None:  # transformers < 5.23: the patch hands cached calls to transformers (generation test)
+    if reason is not None:  # a cache with neither hybrid-cache API: the patch hands such calls to transformers
         with pytest.raises(ValueError, match="hybrid-cache API"):
             gdn_layer_forward(layer, h[:, :3].bfloat16(), cache=c_ours)
         pytest.skip(f"cached fused path not available here: {reason}")
