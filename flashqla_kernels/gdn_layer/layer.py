@@ -5,8 +5,8 @@
 public chunk / recurrent op, reading and writing the model's hybrid cache through its public API
 (``get/update_conv_state``, ``get/update_recurrent_state`` from 5.23; on 5.17-5.22, which lack the getters, the
 states the cache layers hold once ``has_previous_state``, as transformers' own GDN forward reads them there) so the
-cache stays interchangeable with transformers'
-own path (conv state [B, C, Kc] in the model dtype, recurrent state [B, Hv, K, V] fp32).
+cache stays interchangeable with transformers' own path (conv state [B, C, Kc] in the model dtype, recurrent state
+[B, Hv, K, V] fp32).
 
 ``layer_unsupported_reason`` says when the fused path must not run; the patch then calls transformers' forward.
 Cases handled: prefill with or without a cache, prefill continuation (a multi-token step after a cached prefix),
