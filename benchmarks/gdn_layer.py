@@ -204,7 +204,7 @@ def breakdown(fwd, device: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=True) as prof:
         fwd()
         sync(device)
     out: dict[str, float] = {}
@@ -218,8 +218,17 @@ def breakdown(fwd, device: str) -> dict:
         top.append((us / 1e3, f"{bucket}: {evt.key[:90]}"))
     total = sum(out.values())
     glue = total - sum(out.get(b, 0.0) for b in ("GEMM", "GDN op", "attention"))
+    # which torch ops launch the glue kernels, with their input shapes (the kernel names alone do not say where a
+    # copy or a cat comes from): aten ops by the device time of the kernels they launched
+    ops = []
+    for evt in prof.key_averages(group_by_input_shape=True):
+        us = evt.device_time_total if device == "cuda" else evt.self_cpu_time_total
+        if evt.key.startswith("aten::") and us > 0 and evt.key not in ("aten::mm", "aten::addmm", "aten::linear",
+                                                                        "aten::matmul"):
+            ops.append((us / 1e3, f"{evt.key} x{evt.count} {str(evt.input_shapes)[:110]}"))
     return {"ms": out, "total_ms": total, "glue_ms": glue, "glue_share": glue / total if total else 0.0,
-            "top_kernels": [f"{ms:.2f} ms {name}" for ms, name in sorted(top, reverse=True)[:12]]}
+            "top_kernels": [f"{ms:.2f} ms {name}" for ms, name in sorted(top, reverse=True)[:12]],
+            "top_torch_ops": [f"{ms:.2f} ms {name}" for ms, name in sorted(ops, reverse=True)[:15]]}
 
 
 def rel_l2(x, ref) -> float:
@@ -289,6 +298,10 @@ def write(out: Path, result: dict) -> None:
     for r in result["arms"]:
         if "breakdown" in r:
             lines += [f"- {r['arm']}: " + "; ".join(r["breakdown"]["top_kernels"][:6])]
+    first = next((r for r in result["arms"] if r.get("breakdown", {}).get("top_torch_ops")), None)
+    if first is not None:  # where the glue of the first arm comes from
+        lines += ["", f"Torch ops of {first['arm']} by the device time of their kernels (GEMMs left out):", ""]
+        lines += [f"- {x}" for x in first["breakdown"]["top_torch_ops"]]
     (out / "gdn_layer.md").write_text("\n".join(lines) + "\n")
 
 
