@@ -92,6 +92,17 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                    ((wg * TRACE_EVENTS + event) * TRACE_STEPS + it) % V] = T.cast(
                     T.call_extern("int64", "clock64") % 16777216, "float32")
 
+    @T.macro
+    def ag_times_w(ht, tx, bv, bh, bs, it, a_tile, ag_sh, bar_ag, w_tile, vd_f):
+        # Vd = Ag W (values warpgroup): agp multiplies the loaded tile, else waits for the output warpgroup's Ag
+        if a_gated:
+            stamp(ht, tx, bv, bh, bs, 1, 6, it)
+            T.gemm(a_tile, w_tile, vd_f, clear_accum=True)
+        else:
+            T.barrier_wait(bar_ag, it % 2)
+            stamp(ht, tx, bv, bh, bs, 1, 6, it)
+            T.gemm(ag_sh, w_tile, vd_f, clear_accum=True)
+
     separate_w = idt != dtype
     num_tokens = T.dynamic("num_tokens")
     num_segs = T.dynamic("num_segs")
@@ -214,44 +225,25 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
                             T.copy(u_f, v_sh[it % 2, :, :])
                         T.fence_proxy_async()
                         stamp(ht, tx, bv, bh, bs, 1, 5, it)
-                        if a_gated:
-                            stamp(ht, tx, bv, bh, bs, 1, 6, it)
-                            if separate_w:
-                                T.gemm(a_sh[it % 2, :, :], w_sh, vd_f, clear_accum=True)
-                            else:
-                                T.gemm(a_sh[it % 2, :, :], v_sh[it % 2, :, :], vd_f, clear_accum=True)
+                        if separate_w:
+                            ag_times_w(ht, tx, bv, bh, bs, it, a_sh[it % 2, :, :], ag_sh, bar_ag, w_sh, vd_f)
                         else:
-                            T.barrier_wait(bar_ag, it % 2)
-                            stamp(ht, tx, bv, bh, bs, 1, 6, it)
-                            if separate_w:
-                                T.gemm(ag_sh, w_sh, vd_f, clear_accum=True)
-                            else:
-                                T.gemm(ag_sh, v_sh[it % 2, :, :], vd_f, clear_accum=True)
+                            ag_times_w(ht, tx, bv, bh, bs, it, a_sh[it % 2, :, :], ag_sh, bar_ag,
+                                       v_sh[it % 2, :, :], vd_f)
                     elif separate_w:
                         for i, j in T.Parallel(C, bDV):
                             w_sh[i, j] = v_sh[it % 2, i, j] - eg_sh[i] * u_f[i, j]
                         T.fence_proxy_async()
                         stamp(ht, tx, bv, bh, bs, 1, 5, it)
-                        if a_gated:
-                            stamp(ht, tx, bv, bh, bs, 1, 6, it)
-                            T.gemm(a_sh[it % 2, :, :], w_sh, vd_f, clear_accum=True)
-                        else:
-                            T.barrier_wait(bar_ag, it % 2)
-                            stamp(ht, tx, bv, bh, bs, 1, 6, it)
-                            T.gemm(ag_sh, w_sh, vd_f, clear_accum=True)
+                        ag_times_w(ht, tx, bv, bh, bs, it, a_sh[it % 2, :, :], ag_sh, bar_ag, w_sh, vd_f)
                     else:
                         # W = V - exp(gamma) U, written over this chunk's V tile
                         for i, j in T.Parallel(C, bDV):
                             v_sh[it % 2, i, j] = v_sh[it % 2, i, j] - eg_sh[i] * u_f[i, j]
                         T.fence_proxy_async()
                         stamp(ht, tx, bv, bh, bs, 1, 5, it)
-                        if a_gated:
-                            stamp(ht, tx, bv, bh, bs, 1, 6, it)
-                            T.gemm(a_sh[it % 2, :, :], v_sh[it % 2, :, :], vd_f, clear_accum=True)
-                        else:
-                            T.barrier_wait(bar_ag, it % 2)
-                            stamp(ht, tx, bv, bh, bs, 1, 6, it)
-                            T.gemm(ag_sh, v_sh[it % 2, :, :], vd_f, clear_accum=True)
+                        ag_times_w(ht, tx, bv, bh, bs, it, a_sh[it % 2, :, :], ag_sh, bar_ag, v_sh[it % 2, :, :],
+                                   vd_f)
                     stamp(ht, tx, bv, bh, bs, 1, 7, it)
                     T.copy(vd_f, vd_sh)
                     T.fence_proxy_async()
