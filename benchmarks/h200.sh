@@ -39,7 +39,7 @@ t0=$(date +%s)
     && tar xJf .tlc_dev/triton_cache.tar.xz -C /tmp/triton_cache && touch /tmp/triton_cache/.done; }
 
 save_caches() {  # TileLang's cache now also holds FlashQLA's JIT kernels; both come back for the next call
-    tar cf - -C /tmp/tlcache . | xz -T0 -6 > "$OUT/cache.tar.xz"
+    tar cf - --exclude='./*/cuda-binaries' -C /tmp/tlcache . | xz -T0 -6 > "$OUT/cache.tar.xz"  # kernels only
     tar cf - -C /tmp/triton_cache . | xz -T0 -6 > "$OUT/triton_cache.tar.xz"
     [ "$(stat -c %s "$OUT/triton_cache.tar.xz")" -le 8000000 ] || rm -f "$OUT/triton_cache.tar.xz"  # carry budget
     ls -la "$OUT"/*cache.tar.xz | tee -a "$OUT/phases.log"
