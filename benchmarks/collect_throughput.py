@@ -345,8 +345,9 @@ def precompile() -> None:
 
     # the package default variant (ws16+prep2) at Hk = Hv = 16
     _common.compile_kernel(prep_v2.build_prep_v2, 16, 16, 128, "bfloat16")
-    # The V-slice width depends on the number of sequences (1 in the checks, B in the arms) and the H200's 132 SMs.
-    for bdv in sorted({plan.choose_block_v(n, 16, 128, 128, 132) for n in (1, B)}):
+    # The V-slice width depends on the number of sequences (1 in the checks, B in the arms) and the H200's 132 SMs;
+    # 128 also where the warp-specialised stage widens it for split sequences (plan.wide_slices_pay)
+    for bdv in sorted({plan.choose_block_v(n, 16, 128, 128, 132) for n in (1, B)} | {128}):
         for store_final in (False, True):
             _common.compile_kernel(fused_fwd_ws.build_fused_fwd_ws, 16, 16, 128, 128, bdv, "bfloat16", 128 ** -0.5,
                                    store_final, "float16")

@@ -267,8 +267,11 @@ def kernel_specs(variant_names, configs, sms):
     for Hk, Hv, Kd, dt, N in layouts:
         plan_bdv = min(Kd, forced) if forced else plan.choose_block_v(N, Hv, Kd, Kd, sms)
         for var in parsed:
-            add(var, Hk, Hv, Kd, dt, min(Kd, var.block_v) if var.block_v and Kd <= 128 else plan_bdv,
-                float(Kd ** -0.5), True)
+            widths = {min(Kd, var.block_v)} if var.block_v and Kd <= 128 else {plan_bdv}
+            if var.fused != "base" and not forced and not var.block_v and plan_bdv == 64 and Hv >= 16 and Kd == 128:
+                widths.add(128)  # plan.wide_slices_pay: 128 where the sequences are split into segments
+            for bdv in widths:
+                add(var, Hk, Hv, Kd, dt, bdv, float(Kd ** -0.5), True)
         specs |= {("scan", (Hv, Kd, Kd, True)), ("scan", (Hv, Kd, Kd, False))}
     if gpu_test_layouts():
         # test_hopper_no_final_state_returns_none (the package default): scale 0.5, no final state, one sequence
@@ -404,7 +407,8 @@ def stage_ms(variant, q, k, v, g, beta, h0, cu):
     q3, k3, v3 = q.reshape(Tn, Hk, Kd), k.reshape(Tn, Hk, Kd), v.reshape(Tn, Hv, Vd)
     g3, b3 = g.reshape(Tn, Hv).float().contiguous(), beta.reshape(Tn, Hv).float().contiguous()
     offsets = plan.host_offsets(cu)
-    bdv = forward.block_dv(len(offsets) - 1, Hv, Kd, Vd, q.device)
+    bdv = forward.block_dv(len(offsets) - 1, Hv, Kd, Vd, q.device, wide_cp=var.fused != "base",
+                           seq_chunks=[-(-(e - s) // 64) for s, e in zip(offsets, offsets[1:])])
     bdv = min(Vd, var.block_v) if var.block_v and Kd <= 128 else bdv
     pl = plan.make_plan(offsets, Hv, Vd // bdv, True, q.device)
     prep, fused = variants.prep_fn(var), variants.fused_fn(var, q.dtype)

@@ -318,7 +318,8 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
     for Hv in (16, 32):  # the benchmark (Hv = 16; 1 and 8 sequences) and the layer tests (2 sequences)
         specs.append((chunk + "prep", "build_prep", (16, Hv, 128, bf16)))
         specs.append((chunk + "prep_v2", "build_prep_v2", (16, Hv, 128, bf16)))  # the default variant's prep
-        for bdv in sorted({plan.choose_block_v(n, Hv, 128, 128, 132) for n in (1, 2, 8)}):
+        # widths of 1, 2 and 8 sequences on 132 SMs, and 128 where the ws stage widens split sequences
+        for bdv in sorted({plan.choose_block_v(n, Hv, 128, 128, 132) for n in (1, 2, 8)} | {128}):
             for final in (False, True):
                 args = (16, Hv, 128, 128, bdv, bf16, 128 ** -0.5, final)
                 specs.append((chunk + "fused_fwd", "build_fused_fwd", args))

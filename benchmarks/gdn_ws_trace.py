@@ -45,7 +45,8 @@ def stage_inputs(Hk: int, Hv: int, seqlen: int, nseq: int, bdv: int | None, gate
     q3, k3, v3 = q.reshape(Tn, Hk, K), k.reshape(Tn, Hk, K), v.reshape(Tn, Hv, V)
     g3, b3 = g.reshape(Tn, Hv).float().contiguous(), beta.reshape(Tn, Hv).float().contiguous()
     offsets = plan.host_offsets(cu)
-    bdv = bdv or forward.block_dv(len(offsets) - 1, Hv, K, V, q.device)
+    bdv = bdv or forward.block_dv(len(offsets) - 1, Hv, K, V, q.device, wide_cp=True,
+                                  seq_chunks=[-(-(e - s) // 64) for s, e in zip(offsets, offsets[1:])])
     pl = plan.make_plan(offsets, Hv, V // bdv, True, q.device)
     gamma, a0 = prep_v2.prep_v2(k3, g3, b3, pl.chunks, Hv, gated=gated)
     h_init = h0
@@ -101,8 +102,9 @@ def markdown(result: dict) -> str:
 def precompile(cfgs) -> None:
     from flashqla_kernels.gated_delta_rule.hopper import _common, fused_fwd_ws, plan
 
-    for Hk, Hv, _, nseq in cfgs:
+    for Hk, Hv, seqlen, nseq in cfgs:
         bdv = plan.choose_block_v(nseq, Hv, K, V, 132)
+        bdv = 128 if plan.wide_slices_pay(bdv, [-(-seqlen // 64)] * nseq, Hv, K, V, 132) else bdv
         for flags in KERNELS.values():
             on = [flags.get(f, False) for f in ("w_in_registers", "a_gated", "p_in_registers")]
             for trace in (True, False):  # the traced twin and the kernel timed beside it

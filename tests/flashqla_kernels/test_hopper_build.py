@@ -195,6 +195,30 @@ def test_plan_splits_only_when_sms_would_idle():
     assert plan.choose_segment_chunks([2, 3], 2, 1, 132) == 0
 
 
+def test_warp_specialised_stage_takes_wide_slices_where_sequences_are_split(monkeypatch):
+    """plan.wide_slices_pay: 128-wide V slices for the ws stage where the plan splits long sequences and Hv >= 16
+    (the H200 rows where forcing 128 won); 64 stays for 8 heads, for unsplit sequences and for an explicit
+    segment_chunks=0; the base launcher keeps choose_block_v's width."""
+    import torch
+
+    from flashqla_kernels.gated_delta_rule.hopper import forward
+
+    monkeypatch.delenv("FLASHQLA_KERNELS_SEGMENT_CHUNKS", raising=False)
+    monkeypatch.delenv("FLASHQLA_KERNELS_BLOCK_V", raising=False)
+    pay = plan.wide_slices_pay
+    assert pay(64, [512], 32, 128, 128, 132) and pay(64, [128], 32, 128, 128, 132) and pay(64, [512], 16, 128, 128, 132)
+    assert not pay(64, [512], 8, 128, 128, 132)          # 2/8 32768x1: 64 was faster
+    assert not pay(64, [32], 16, 128, 128, 132)          # 16/16 2048x1: not split
+    assert not pay(64, [512], 32, 128, 128, 132, segment_chunks=0)
+    assert not pay(128, [512], 32, 128, 128, 132) and not pay(32, [512], 32, 256, 256, 132)
+    monkeypatch.setattr(plan, "num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert forward.block_dv(1, 32, 128, 128, cpu, seq_chunks=[512], wide_cp=True) == 128
+    assert forward.block_dv(1, 32, 128, 128, cpu, seq_chunks=[512]) == 64
+    monkeypatch.setenv("FLASHQLA_KERNELS_BLOCK_V", "64")
+    assert forward.block_dv(1, 32, 128, 128, cpu, seq_chunks=[512], wide_cp=True) == 64
+
+
 def test_block_width_follows_parallelism():
     assert plan.choose_block_v(1, 16, 128, 128, 132) == 64      # 16 heads, one sequence: more, narrower CTAs
     assert plan.choose_block_v(8, 16, 128, 128, 132) == 128

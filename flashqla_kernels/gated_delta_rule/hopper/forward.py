@@ -63,14 +63,20 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def block_dv(N: int, Hv: int, K: int, V: int, device: torch.device) -> int:
-    """Width of the V slice one CTA owns (see ``plan.choose_block_v``); FLASHQLA_KERNELS_BLOCK_V overrides it."""
+def block_dv(N: int, Hv: int, K: int, V: int, device: torch.device, *, seq_chunks: list[int] | None = None,
+             segment_chunks: int | None = None, wide_cp: bool = False) -> int:
+    """Width of the V slice one CTA owns (see ``plan.choose_block_v``; with ``wide_cp``, the warp-specialised fused
+    stage's rule ``plan.wide_slices_pay`` on top, given ``seq_chunks``); FLASHQLA_KERNELS_BLOCK_V overrides it."""
     from flashqla_kernels.gated_delta_rule.hopper import plan
 
     forced = int(os.environ.get("FLASHQLA_KERNELS_BLOCK_V", "0"))
     if forced:
         return min(V, forced)
-    return plan.choose_block_v(N, Hv, K, V, plan.num_sms(device))
+    sms = plan.num_sms(device)
+    bdv = plan.choose_block_v(N, Hv, K, V, sms)
+    if wide_cp and seq_chunks is not None and plan.wide_slices_pay(bdv, seq_chunks, Hv, K, V, sms, segment_chunks):
+        return 128
+    return bdv
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -107,12 +113,12 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
 
 
 def launch(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-           segment_chunks, prep_fn, fused_fn, segment_fn=None, block_v: int | None = None):
+           segment_chunks, prep_fn, fused_fn, segment_fn=None, block_v: int | None = None, wide_cp: bool = False):
     """The stage wiring shared by the default launcher and the kernel variants (``variants.py``).
 
     Inputs are checked by the caller and T > 0. ``prep_fn`` / ``fused_fn`` / ``segment_fn`` follow the contracts of
     ``prep.prep``, ``fused_fwd.fused_fwd`` and ``segment_states.segment_states`` (None: that one); ``block_v`` forces
-    the V slice per CTA (K <= 128 only).
+    the V slice per CTA (K <= 128 only); ``wide_cp``: the warp-specialised fused stage's slice rule (``block_dv``).
     """
     from flashqla_kernels.gated_delta_rule.hopper import plan, segment_states, state_scan
 
@@ -130,7 +136,8 @@ def launch(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk
     b3 = beta.reshape(B * Tn, Hv).to(torch.float32).contiguous()
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
 
-    bDV = block_dv(N, Hv, K, V, q.device)
+    bDV = block_dv(N, Hv, K, V, q.device, seq_chunks=[-(-(e - s) // 64) for s, e in zip(cu, cu[1:])],
+                   segment_chunks=segment_chunks, wide_cp=wide_cp)
     if block_v and K <= 128:
         bDV = min(V, block_v)
     pl = plan.make_plan(cu, Hv, V // bDV, h0 is not None, q.device, segment_chunks)

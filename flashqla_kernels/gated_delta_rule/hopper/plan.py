@@ -69,6 +69,30 @@ def choose_block_v(N: int, Hv: int, K: int, V: int, num_sms: int) -> int:
     return 128
 
 
+def wide_slices_pay(bdv: int, seq_chunks: list[int], Hv: int, K: int, V: int, num_sms: int,
+                    segment_chunks: int | None = None) -> bool:
+    """Whether the warp-specialised fused stage should own 128-wide V slices where ``choose_block_v`` picks 64: when
+    long sequences are split into segments (context parallelism) and there are at least 16 value heads. That stage
+    holds one 512-thread CTA per SM, so the segments already fill the GPU and a wider slice halves the per-chunk work
+    repeated per slice (Q K^T, K S on the whole key dim, the gates). Measured on the H200 (2026-11-30, the same
+    kernels forced to 128): 16/32 32768x1 1.90 -> 1.49 ms, 16/32 8192x1 0.95 -> 0.53 ms, 16/16 32768x1 1.13 ->
+    0.97 ms; with 8 heads 64 stays faster (2/8 32768x1: 0.69 vs 0.89 ms), and unsplit short sequences keep 64
+    (16/16 2048x1: 0.20 vs 0.24 ms).
+
+    Args:
+        bdv: ``choose_block_v``'s width. seq_chunks: chunks per sequence. Hv, K, V: heads and dims. num_sms: SMs.
+        segment_chunks: the caller's segment length (0 = no split), None for the plan's choice (and
+            FLASHQLA_KERNELS_SEGMENT_CHUNKS).
+    """
+    if bdv != 64 or V < 128 or K > 128 or Hv < 16:
+        return False
+    if segment_chunks is None and os.environ.get("FLASHQLA_KERNELS_SEGMENT_CHUNKS"):
+        segment_chunks = int(os.environ["FLASHQLA_KERNELS_SEGMENT_CHUNKS"])
+    if segment_chunks is None:
+        segment_chunks = choose_segment_chunks(seq_chunks, Hv, V // 128, num_sms)
+    return bool(segment_chunks) and max(seq_chunks, default=0) > segment_chunks
+
+
 @functools.lru_cache(maxsize=64)
 def _tables(cu: tuple[int, ...], L: int, has_init: bool):
     chunks, segs, maps, seqs, map_chunks = [], [], [], [], []

@@ -22,8 +22,9 @@ A variant name joins parts with ``+``. ``base`` is the first verified path (``fo
 
 ``DEFAULT_VARIANT = "ws16+prep2"``: on the H200 (2026-11-30, benchmarks/results/gdn_forward.md) it passed the whole GPU
 suite (rel-L2 vs float64 2.0e-3 o / 1.7e-3 state where base has 3.7e-3 / 2.9e-3) and each of its stages was faster
-than base's on every measured config (prep 1.4-1.5x, fused 1.07-1.19x). ``bv128`` was faster still on the
-context-parallel rows measured, not yet measured on the rest, so it stays opt-in.
+than base's on every measured config (prep 1.4-1.5x, fused 1.07-1.19x). Every warp-specialised variant takes
+128-wide V slices where the plan splits long sequences and Hv >= 16 (``plan.wide_slices_pay``: forcing ``bv128``
+won exactly those rows on the H200 and lost the others), ``bv*`` still forces a width.
 
 Select per call (``variant=``) or process-wide with the environment variable FLASHQLA_KERNELS_VARIANT (read on every
 call with ``variant=None``; ``base`` restores the first path). The context-parallel stages (``segment_states``,
@@ -133,7 +134,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
 def _run(var: Variant, q, k, v, g, beta, **kwargs):
     # forward's wiring with the stage functions swapped (every variant must equal the float64 reference on the GPU suite)
     return forward.launch(q, k, v, g, beta, **kwargs, prep_fn=prep_fn(var), fused_fn=fused_fn(var, q.dtype),
-                          segment_fn=segment_fn(var), block_v=var.block_v)
+                          segment_fn=segment_fn(var), block_v=var.block_v, wide_cp=var.fused != "base")
 
 
 def prep_fn(var: Variant):
