@@ -247,8 +247,7 @@ def kernel_specs(variant_names, configs, sms):
     layouts |= gpu_test_layouts()
     specs = set()
 
-    from flashqla_kernels.gated_delta_rule.hopper.fused_fwd_ws import _flags
-    from flashqla_kernels.gated_delta_rule.hopper.segment_states import segment_flags
+    from flashqla_kernels.gated_delta_rule.hopper._common import trailing_flags
 
     def add(var, Hk, Hv, Kd, dt, bdv, sc, final):
         # the argument tuples exactly as the launchers pass them (prep_v2, fused_fwd_ws, segment_states)
@@ -260,9 +259,9 @@ def kernel_specs(variant_names, configs, sms):
             specs.add(("fused", (*tail, sc, final)))
         else:
             inner = "float16" if var.fused == "ws16" and dt == "bfloat16" else ""
-            specs.add(("ws", (*tail, sc, final, inner) + _flags(False, var.w_in_registers, var.a_gated,
+            specs.add(("ws", (*tail, sc, final, inner) + trailing_flags(False, var.w_in_registers, var.a_gated,
                                                                 var.p_in_registers)))
-        specs.add(("segment", tail + segment_flags(var.a_gated, var.starts_in_kernel)))
+        specs.add(("segment", tail + trailing_flags(var.a_gated, var.starts_in_kernel)))
 
     for Hk, Hv, Kd, dt, N in layouts:
         plan_bdv = min(Kd, forced) if forced else plan.choose_block_v(N, Hv, Kd, Kd, sms)

@@ -109,7 +109,7 @@ def precompile(cfgs) -> None:
             on = [flags.get(f, False) for f in ("w_in_registers", "a_gated", "p_in_registers")]
             for trace in (True, False):  # the traced twin and the kernel timed beside it
                 _common.compile_kernel(fused_fwd_ws.build_fused_fwd_ws, Hk, Hv, K, V, bdv, "bfloat16", K ** -0.5,
-                                       False, "float16", *fused_fwd_ws._flags(trace, *on))
+                                       False, "float16", *_common.trailing_flags(trace, *on))
     print(f"precompiled {2 * len(KERNELS) * len(cfgs)} kernels")
 
 

@@ -26,6 +26,15 @@ def tl_dtype(dtype: torch.dtype) -> str:
     return _TORCH_TO_TL[dtype]
 
 
+def trailing_flags(*flags: bool) -> tuple:
+    """A builder's optional trailing bool flags without the trailing False ones, so a kernel keeps the compile-cache
+    key it had before later flags existed (``trailing_flags(False, True, False) == (False, True)``)."""
+    flags = list(flags)
+    while flags and not flags[-1]:
+        flags.pop()
+    return tuple(flags)
+
+
 def compile_kernel(builder: Callable, *args):
     """Compile ``builder(*args)`` for sm_90a once per argument tuple; returns the callable JIT kernel."""
     return _compile_cached(builder, tuple(args))

@@ -35,7 +35,7 @@ a step's time goes, measured on the device without a profiler. The untraced kern
 import tilelang.language as T
 import torch
 
-from flashqla_kernels.gated_delta_rule.hopper._common import CHUNK, LOG2E, compile_kernel, tl_dtype
+from flashqla_kernels.gated_delta_rule.hopper._common import CHUNK, LOG2E, compile_kernel, tl_dtype, trailing_flags
 
 C = CHUNK
 THREADS = 512
@@ -373,15 +373,6 @@ def build_fused_fwd_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, s
     return gdn_fused_fwd_ws
 
 
-def _flags(*flags: bool) -> tuple:
-    """The builder's trailing flags (trace, w_in_registers, a_gated, p_in_registers) without the trailing False
-    ones, so every kernel keeps the cache key it had before later flags existed."""
-    flags = list(flags)
-    while flags and not flags[-1]:
-        flags.pop()
-    return tuple(flags)
-
-
 def fused_fwd_ws(q, k, v, a0, gamma, beta, h_init, segs, o, ht, *, scale: float, bDV: int, inner: str = "",
                  w_in_registers: bool = False, a_gated: bool = False, p_in_registers: bool = False):
     """Run the warp-specialised fused output stage in place; same contract as ``fused_fwd.fused_fwd``.
@@ -396,7 +387,7 @@ def fused_fwd_ws(q, k, v, a0, gamma, beta, h_init, segs, o, ht, *, scale: float,
     Hv, V = v.shape[1], v.shape[2]
     store_final = ht is not None
     kernel = compile_kernel(build_fused_fwd_ws, Hk, Hv, K, V, bDV, tl_dtype(q.dtype), float(scale), store_final,
-                            inner, *_flags(False, w_in_registers, a_gated, p_in_registers))
+                            inner, *trailing_flags(False, w_in_registers, a_gated, p_in_registers))
     if ht is None:
         ht = torch.empty((1, Hv, K, V), dtype=torch.float32, device=q.device)
     kernel(q, k, v, a0, gamma, beta, h_init, segs, o, ht)
@@ -413,7 +404,7 @@ def trace_step(q, k, v, a0, gamma, beta, h_init, segs, o, *, scale: float, bDV: 
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     kernel = compile_kernel(build_fused_fwd_ws, Hk, Hv, K, V, bDV, tl_dtype(q.dtype), float(scale), False, inner,
-                            *_flags(True, w_in_registers, a_gated, p_in_registers))
+                            *trailing_flags(True, w_in_registers, a_gated, p_in_registers))
     ht = torch.full((1, Hv, K, V), float("nan"), dtype=torch.float32, device=q.device)
     kernel(q, k, v, a0, gamma, beta, h_init, segs, o, ht)
     raw = ht[0, 0].flatten()[:4 * TRACE_EVENTS * TRACE_STEPS].double().cpu()

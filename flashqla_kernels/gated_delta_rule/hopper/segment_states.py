@@ -26,7 +26,7 @@ import tilelang.language as T
 import torch
 
 from flashqla_kernels.gated_delta_rule.hopper._chunk_step import make_loaders
-from flashqla_kernels.gated_delta_rule.hopper._common import CHUNK, LOG2E, compile_kernel, tl_dtype
+from flashqla_kernels.gated_delta_rule.hopper._common import CHUNK, LOG2E, compile_kernel, tl_dtype, trailing_flags
 
 C = CHUNK
 THREADS = 256
@@ -196,14 +196,6 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str,
 build_segment_states.pass_configs = {"tl.disable_thread_storage_sync": True}
 
 
-def segment_flags(a_gated: bool = False, starts_in_kernel: bool = False) -> tuple:
-    """The builder's trailing flags without trailing False ones (older kernels keep their cache keys)."""
-    flags = [a_gated, starts_in_kernel]
-    while flags and not flags[-1]:
-        flags.pop()
-    return tuple(flags)
-
-
 def warmup_starts(gamma: torch.Tensor, pl) -> torch.Tensor:
     """start [R, Hv] int32: per map and head, the first token whose contribution to H exceeds exp(-40) relative,
     or -1 when the map's total decay stays above -40 (then M is needed and H walks everything).
@@ -238,7 +230,7 @@ def segment_states(k, v, a0, gamma, beta, pl, *, bDV: int, a_gated: bool = False
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     kernel = compile_kernel(build_segment_states, Hk, Hv, K, V, bDV, tl_dtype(k.dtype),
-                            *segment_flags(a_gated, starts_in_kernel))
+                            *trailing_flags(a_gated, starts_in_kernel))
     R = pl.maps.shape[0]
     hs = torch.empty((R, Hv, K, V), dtype=torch.float32, device=k.device)
     ms = torch.empty((R, Hv, K, K), dtype=torch.float32, device=k.device)
