@@ -97,6 +97,36 @@ def profile(fn, steps: int) -> dict:
     return summarise(prof, steps, wall)
 
 
+def sync_sites(fn, limit: int = 12) -> list[dict]:
+    """Run ``fn`` with torch's CUDA sync debugging on; return where the host waited for the device: per call site
+    (the innermost frame in this repository, and the chain of repository frames above it), how often."""
+    import traceback
+    import warnings
+
+    if not torch.cuda.is_available():
+        return []
+    root = str(Path(__file__).resolve().parents[1])
+    sites: dict[str, dict] = {}
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(root)
+                  and "site-packages" not in f.filename and not f.filename.endswith("collect_profile.py")]
+        chain = " <- ".join(f"{Path(f.filename).relative_to(root)}:{f.lineno}" for f in reversed(frames[-4:]))
+        entry = sites.setdefault(chain or "(outside the repository)", {"site": chain, "count": 0,
+                                                                      "message": str(message)[:120]})
+        entry["count"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sorted(sites.values(), key=lambda e: -e["count"])[:limit]
+
+
 def markdown(result: dict) -> str:
     v = result["env"]
     lines = [f"# Collection step profile ({v['gpu']}, {v['date']})", "",
@@ -114,6 +144,11 @@ def markdown(result: dict) -> str:
             "Host threads' self ms per step: " + ", ".join(
                 f"{k}: {ms:.1f}" for k, ms in r["host_self_ms_per_step_by_thread"].items()), "",
             "```", r["top_host_ops"], "```", ""]
+        if r.get("sync_sites"):
+            lines += ["Where the host waited for the GPU (torch's sync debug mode, one more run; innermost repository "
+                      "frame first):", "", "| count | call site | message |", "|---|---|---|"]
+            lines += [f"| {e['count']} | {e['site']} | {e['message']} |" for e in r["sync_sites"]]
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -156,6 +191,7 @@ def main() -> None:
     result = {"env": ct.versions(), "steps": args.steps, "arms": {}}
     for name, fn in (("a: bare forward", bare), ("c1: collect, SAE codes at one layer", c1)):
         result["arms"][name] = profile(fn, args.steps)
+        result["arms"][name]["sync_sites"] = sync_sites(fn)
         print(name, json.dumps({k: v for k, v in result["arms"][name].items() if k != "top_host_ops"}), flush=True)
     shutil.rmtree(args.work, ignore_errors=True)
     (args.out / "collect_profile.json").write_text(json.dumps(result, indent=1))

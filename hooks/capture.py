@@ -219,14 +219,21 @@ def capture(model: nn.Module, points: str | Sequence[str], positions: None | int
         cap._positions[point.name] = []
 
         def record(act: torch.Tensor, ctx: InterventionContext) -> None:
-            keep = position_mask(selection, ctx.positions)
-            kept = act.detach()[:, keep] if selection is not None else act.detach()
+            # Positions and the kept set are worked out on the host (they depend only on past_length and T): a
+            # boolean mask on the GPU would make every recorded point wait for the forward (nonzero + .cpu()),
+            # and the host would then stall the device while it launches the rest of the step.
+            where = torch.arange(ctx.past_length, ctx.past_length + ctx.positions.shape[0])
+            kept = act.detach()
+            if selection is not None:
+                index = position_mask(selection, where).nonzero().squeeze(1)
+                where = where[index]
+                kept = kept.index_select(1, index.to(act.device, non_blocking=True))
             copy = kept.to(device=device, dtype=dtype)
             # A later in-place edit must not change what was recorded.
             if copy.data_ptr() == act.data_ptr():
                 copy = copy.clone()
             cap._calls[point.name].append(copy)
-            cap._positions[point.name].append(ctx.positions[keep].cpu())
+            cap._positions[point.name].append(where)
             return None
         return record
 

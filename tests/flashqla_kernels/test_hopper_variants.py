@@ -47,7 +47,8 @@ EXTRA = [
 
 
 def test_variant_names_parse():
-    default = variants.Variant(fused="ws16", prep2=True)
+    default = variants.Variant(fused="ws16", prep2=True, inverse="blocks", w_in_registers=True, a_gated=True,
+                               p_in_registers=True, starts_in_kernel=True)
     assert variants.parse_variant("default") == variants.parse_variant("") == default
     assert variants.parse_variant(variants.DEFAULT_VARIANT) == default
     assert variants.parse_variant("base").is_base and not default.is_base
@@ -108,7 +109,7 @@ def test_unset_runs_the_default_variant_and_base_the_first_path(monkeypatch):
     monkeypatch.setenv(variants.ENV_VAR, "base")
     hopper.chunk_gated_delta_rule_fwd(x, x, x, x[..., 0], x[..., 0])
     hopper.chunk_gated_delta_rule_fwd(x, x, x, x[..., 0], x[..., 0], variant="ws+prep2")
-    assert seen == [variants.Variant(fused="ws16", prep2=True), "base", variants.Variant(fused="ws", prep2=True)]
+    assert seen == [variants.parse_variant(variants.DEFAULT_VARIANT), "base", variants.Variant(fused="ws", prep2=True)]
 
 
 def _build(stage, args):
