@@ -88,7 +88,6 @@ def build_prep_v2(Hk: int, Hv: int, K: int, dtype: str, inverse: str = "substitu
             s_sh = T.alloc_shared((C, C + 1) if blocks else (C, C), "float32")
             g_sh = T.alloc_shared((G, C), "float32")
             b_sh = T.alloc_shared((G, C), "float32")
-            gm_sh = T.alloc_shared((G, C), "float32") if gated else None
             kk = T.alloc_fragment((C, C), "float32")
             x = T.alloc_local((C,), "float32")
             acc = T.alloc_local((4,), "float32")
@@ -112,16 +111,24 @@ def build_prep_v2(Hk: int, Hv: int, K: int, dtype: str, inverse: str = "substitu
                 acc[a] = 0.0
             for j in T.unroll(C):
                 acc[j % 4] += T.if_then_else(j <= col, g_sh[hl, j], 0.0)
+            gam = T.alloc_var("float32")
+            gam = acc[0] + acc[1] + acc[2] + acc[3]
             if col < n:
-                gamma[s0 + col, bh] = acc[0] + acc[1] + acc[2] + acc[3]
-            if gated:
-                gm_sh[hl, col] = acc[0] + acc[1] + acc[2] + acc[3]
+                gamma[s0 + col, bh] = gam
+            # gated: every row's gamma for the write, where no tile of its own is needed (one would not fit beside the
+            # inverse's: at G = 4 it cost the SM its second CTA, and the stage 1.75x its time): in the padding
+            # column of x_sh (blocks), in g_sh once every thread's cumsum has read it (substitution; TileLang's
+            # sync pass puts the barrier in)
+            if gated and not blocks:
+                g_sh[hl, col] = gam
 
             if blocks:
                 x_sh = T.alloc_shared((G, C, C + 1), "float32")
                 t_sh = T.alloc_shared((G, 32, 33), "float32")
                 row = T.alloc_local((32,), "float32")
                 out = T.alloc_local((16,), "float32")
+                if gated:
+                    x_sh[hl, col, C] = gam
                 T.sync_threads()
                 # 1. diagonal block db, its column c: x_r = [r == c] - beta_r sum_{m < r} S[r, m] x_m (16 rows)
                 db = col // PANEL
@@ -195,7 +202,7 @@ def build_prep_v2(Hk: int, Hv: int, K: int, dtype: str, inverse: str = "substitu
                     if r < n:
                         if gated:
                             a0[s0 + r, bh, col] = T.if_then_else(
-                                col <= r, x_sh[hl, r, col] * T.exp2((gm_sh[hl, r] - gm_sh[hl, col]) * LOG2E)
+                                col <= r, x_sh[hl, r, col] * T.exp2((x_sh[hl, r, C] - gam) * LOG2E)
                                 * b_sh[hl, col], 0.0)
                         else:
                             a0[s0 + r, bh, col] = T.if_then_else(col <= r, x_sh[hl, r, col], 0.0)
@@ -213,12 +220,12 @@ def build_prep_v2(Hk: int, Hv: int, K: int, dtype: str, inverse: str = "substitu
                                 rb * PANEL + rr == col, 1.0,
                                 -b_sh[hl, rb * PANEL + rr] * (acc[0] + acc[1] + acc[2] + acc[3]))
                 if gated:
-                    T.sync_threads()  # every column's gamma in gm_sh
+                    T.sync_threads()  # every column's gamma in g_sh
                 for r in T.unroll(C):
                     if r < n:
                         if gated:
                             a0[s0 + r, bh, col] = T.if_then_else(
-                                col <= r, x[r] * T.exp2((gm_sh[hl, r] - gm_sh[hl, col]) * LOG2E) * b_sh[hl, col],
+                                col <= r, x[r] * T.exp2((g_sh[hl, r] - gam) * LOG2E) * b_sh[hl, col],
                                 0.0)
                         else:
                             a0[s0 + r, bh, col] = x[r]
