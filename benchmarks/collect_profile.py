@@ -99,7 +99,8 @@ def profile(fn, steps: int) -> dict:
 
 def sync_sites(fn, limit: int = 12) -> list[dict]:
     """Run ``fn`` with torch's CUDA sync debugging on; return where the host waited for the device: per call site
-    (the innermost frame in this repository, and the chain of repository frames above it), how often."""
+    (the innermost frame when it lies outside this repository, then the chain of repository frames above it), how
+    often."""
     import traceback
     import warnings
 
@@ -109,9 +110,13 @@ def sync_sites(fn, limit: int = 12) -> list[dict]:
     sites: dict[str, dict] = {}
 
     def show(message, category, filename, lineno, file=None, line=None):
-        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(root)
+        stack = [f for f in traceback.extract_stack()[:-1] if "warnings" not in Path(f.filename).name]
+        frames = [f for f in stack if f.filename.startswith(root)
                   and "site-packages" not in f.filename and not f.filename.endswith("collect_profile.py")]
         chain = " <- ".join(f"{Path(f.filename).relative_to(root)}:{f.lineno}" for f in reversed(frames[-4:]))
+        if stack and stack[-1] not in frames:  # the sync itself happened outside the repository: name that frame
+            chain = f"{stack[-1].filename.split('site-packages/')[-1]}:{stack[-1].lineno} ({stack[-1].name})" + (
+                f" <- {chain}" if chain else "")
         entry = sites.setdefault(chain or "(outside the repository)", {"site": chain, "count": 0,
                                                                       "message": str(message)[:120]})
         entry["count"] += 1
@@ -145,8 +150,9 @@ def markdown(result: dict) -> str:
                 f"{k}: {ms:.1f}" for k, ms in r["host_self_ms_per_step_by_thread"].items()), "",
             "```", r["top_host_ops"], "```", ""]
         if r.get("sync_sites"):
-            lines += ["Where the host waited for the GPU (torch's sync debug mode, one more run; innermost repository "
-                      "frame first):", "", "| count | call site | message |", "|---|---|---|"]
+            lines += ["Where the host waited for the GPU (torch's sync debug mode, one more run): the frame of the sync "
+                      "itself where it lies outside the repository, then the repository frames, innermost first.", "",
+                      "| count | call site | message |", "|---|---|---|"]
             lines += [f"| {e['count']} | {e['site']} | {e['message']} |" for e in r["sync_sites"]]
             lines.append("")
     return "\n".join(lines)

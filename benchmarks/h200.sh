@@ -11,7 +11,10 @@
 # each) and, when an earlier call brought it back, .tlc_dev/triton_cache.tar.xz. Every call returns both caches as
 # $OUT/cache.tar.xz (now with FlashQLA's JIT kernels too) and $OUT/triton_cache.tar.xz (FLA's compiled Triton
 # kernels, when under 8 MB): copy them into .tlc_dev/ for the next call. Phases:
-#   gdn-tests    the Gated DeltaNet GPU suite: default launcher (ws16+prep2), then each other variant of
+#   gdn-segments the context-parallel rows of gdn-bench (GDN_CONFIGS, default 0,2,3,5,6) once per forced segment length
+#                (FLASHQLA_KERNELS_SEGMENT_CHUNKS in GDN_SEGMENTS, default "16 32 64 128"; 0 = no split), results in
+#                segments-N/; GDN_SEGMENT_S limits each
+#   gdn-tests    the Gated DeltaNet GPU suite: default launcher (variants.DEFAULT_VARIANT), then each other variant of
 #                variants.ALL_VARIANTS in its own pytest process
 #   gdn-bench    benchmarks/gdn_forward.py, every variant, stages timed alone too (narrow with GDN_VARIANTS=ws16,...
 #                and GDN_CONFIGS=0,7,8,9; GDN_BENCH_ARGS="--skip-fla --skip-torch" times ours and FlashQLA only;
@@ -85,6 +88,11 @@ for p in "$@"; do
         gdn-tests) phase gdn-tests "${GDN_TESTS_S:-330}" gdn_tests ;;
         gdn-bench) phase gdn-bench "${GDN_BENCH_S:-420}" python3 benchmarks/gdn_forward.py --variants "${GDN_VARIANTS:-all}" \
                        --configs "${GDN_CONFIGS:-}" --stages --precompile 14 --out "$OUT" ${GDN_BENCH_ARGS:-} ;;
+        gdn-segments) for seg in ${GDN_SEGMENTS:-16 32 64 128}; do  # the context-parallel rows at forced segment lengths
+                          FLASHQLA_KERNELS_SEGMENT_CHUNKS=$seg phase "gdn-segments-$seg" "${GDN_SEGMENT_S:-60}" \
+                              python3 benchmarks/gdn_forward.py --variants default --configs "${GDN_CONFIGS:-0,2,3,5,6}" \
+                              --skip-fla --skip-torch --out "$OUT/segments-$seg"
+                      done ;;
         encode) phase encode "${ENCODE_S:-240}" python3 benchmarks/topk_encode.py --precompile 14 --out "$OUT" ;;
         collect) phase collect "${COLLECT_S:-300}" python3 benchmarks/collect_throughput.py --out "$OUT" --steps 3 \
                      --budget-s "$(( ${COLLECT_S:-300} - 60 ))" ;;

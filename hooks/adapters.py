@@ -10,6 +10,7 @@ the attributes that differ (Qwen3.5 derives from Qwen3, the VL wrappers from Qwe
 """
 from __future__ import annotations
 
+import inspect
 from typing import ClassVar
 
 from torch import nn
@@ -17,6 +18,10 @@ from torch import nn
 __all__ = ["QwenAdapter", "Qwen3Adapter", "Qwen3MoeAdapter", "Qwen3NextAdapter", "Qwen3_5Adapter",
            "Qwen3_5MoeAdapter", "Qwen3_5VLAdapter", "Qwen3_5MoeVLAdapter", "ADAPTERS", "get_adapter",
            "supported_families"]
+
+
+# text model forward -> whether it takes a {layer type: mask} mapping as attention_mask (read once from its source)
+_TAKES_MASK_MAPPING: dict = {}
 
 
 def _resolve(root: nn.Module, path: str) -> nn.Module | None:
@@ -107,6 +112,30 @@ class QwenAdapter:
     def post_attention_norm(self, n: int) -> nn.Module:
         """The RMSNorm between the mixer and the MLP of block ``n`` (its input is the mid-block residual)."""
         return self.layers[n].post_attention_layernorm
+
+    def unpadded_masks(self) -> dict[str, None] | None:
+        """The per-layer-type attention masks of a batch without left padding or packing, for the text model's
+        ``attention_mask=`` argument: ``None`` for every type (causal attention, no recurrent mask), which is what
+        transformers works out itself, but without the GPU sync of its packed-sequence check (one per forward,
+        which drains the device queue). Right padding needs no mask either: causal tokens never see later pads.
+
+        Returns None (pass no mask) where the text model's forward takes no such mapping (Qwen3-MoE) or a layer
+        type needs a real mask (sliding-window attention).
+
+        Example:
+            >>> adapter.text_model(input_ids=ids, attention_mask=adapter.unpadded_masks(), use_cache=False)
+        """
+        types = set(getattr(self.config, "layer_types", None) or ())
+        if not types or not types <= {"full_attention", "linear_attention"}:
+            return None
+        forward = type(self.text_model).forward
+        if forward not in _TAKES_MASK_MAPPING:
+            try:
+                source = inspect.getsource(forward)
+            except (OSError, TypeError):
+                source = ""
+            _TAKES_MASK_MAPPING[forward] = "isinstance(causal_mask_mapping := attention_mask, dict)" in source
+        return dict.fromkeys(types) if _TAKES_MASK_MAPPING[forward] else None
 
     def __repr__(self) -> str:
         n_lin = self.layer_types.count("linear_attention")

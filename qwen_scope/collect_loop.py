@@ -145,7 +145,14 @@ def launch(adapter, batch: Batch, device: torch.device, dense: list[str], encode
     """Queue one batch on the device: forward (stopping after the deepest requested block), encodes, copies."""
     B, L = batch.ids.shape
     ids = batch.ids.to(device, non_blocking=True)
-    cap = forward_collect(adapter.model, dense + list(encoders), input_ids=ids)
+    # batches are right-padded, never packed: the text model runs without masks where it takes them as a mapping
+    # (no lm_head is needed: the forward stops after the deepest point), which spares transformers' packed-sequence
+    # check and its device sync, one a step that left the H200 idle while the host caught up
+    masks = adapter.unpadded_masks()
+    if masks is None:
+        cap = forward_collect(adapter.model, dense + list(encoders), input_ids=ids)
+    else:
+        cap = forward_collect(adapter.text_model, dense + list(encoders), input_ids=ids, attention_mask=masks)
     index = None if batch.full else batch.keep_index.to(device, non_blocking=True)
     step = Step(batch, {"token_ids": batch.ids[batch.keep].int(), "doc_index": batch.doc_index,
                         "positions": torch.arange(L).expand(B, -1)[batch.keep].int()}, None)

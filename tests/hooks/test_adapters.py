@@ -59,3 +59,25 @@ def test_non_qwen_model_error_names_supported_families(make):
     assert make in msg and type(model).__name__ in msg
     for label in supported_families():
         assert label in msg
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unpadded_masks_give_the_text_model_exactly_its_own_masking(family):
+    """``unpadded_masks``: None per layer type where the text model takes a mapping (the same forward, bit for bit,
+    with and without right padding past the real tokens), None where it does not (Qwen3-MoE)."""
+    model = tiny_model(family)
+    adapter = get_adapter(model)
+    masks = adapter.unpadded_masks()
+    if family == "qwen3_moe":
+        assert masks is None
+        return
+    assert masks == dict.fromkeys(set(adapter.layer_types))
+    ids = torch.randint(0, 100, (2, 11))
+    with torch.no_grad():
+        ref = adapter.text_model(input_ids=ids, use_cache=False).last_hidden_state
+        got = adapter.text_model(input_ids=ids, attention_mask=masks, use_cache=False).last_hidden_state
+        # right padding after the real tokens leaves them unchanged: causal attention, causal recurrence
+        padded = torch.cat([ids, torch.zeros(2, 5, dtype=ids.dtype)], dim=1)
+        tail = adapter.text_model(input_ids=padded, attention_mask=masks, use_cache=False).last_hidden_state
+    assert torch.equal(got, ref)
+    torch.testing.assert_close(tail[:, :11], ref, rtol=1e-5, atol=1e-5)
