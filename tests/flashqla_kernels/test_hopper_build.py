@@ -187,9 +187,14 @@ def test_plan_splits_only_when_sms_would_idle():
     # many sequences x heads fill 132 SMs: no split
     assert plan.choose_segment_chunks([64] * 16, 32, 1, 132) == 0
     assert plan.choose_segment_chunks([128] * 4, 32, 1, 132) == 0
-    # one 32K-token sequence (512 chunks): 32 heads -> 64-chunk segments (256 CTAs), 8 heads -> 32
-    assert plan.choose_segment_chunks([512], 32, 1, 132) == 64
+    # one 32K-token sequence (512 chunks): one CTA per SM -> 32 heads 128-chunk segments (128 CTAs), 16 heads 64,
+    # 8 heads 32; 64 heads 256 (2 segments)
+    assert plan.choose_segment_chunks([512], 32, 1, 132) == 128
+    assert plan.choose_segment_chunks([512], 16, 1, 132) == 64
     assert plan.choose_segment_chunks([512], 8, 1, 132) == 32
+    assert plan.choose_segment_chunks([512], 64, 1, 132) == 256
+    assert plan.choose_segment_chunks([512], 8, 2, 132) == 64  # 2/8: two 64-wide V slices per head
+    assert plan.choose_segment_chunks([128], 32, 1, 132) == 32  # 16/32 8192x1
     # short sequences are never split below 32 chunks
     assert plan.choose_segment_chunks([32], 16, 1, 132) == 0
     assert plan.choose_segment_chunks([2, 3], 2, 1, 132) == 0

@@ -14,11 +14,16 @@ from dataclasses import dataclass
 import torch
 
 CHUNK = 64
-# Measured on an H200 (benchmarks/results/gdn_forward.md): the fused stage runs one CTA per SM, so splitting pays only
-# while the unsplit CTAs (sequences x Hv x V slices) leave a quarter of the SMs idle; segments then aim at ~2 CTAs per SM, and
-# shorter segments than MIN_SEGMENT_CHUNKS cost more in maps and scan than they win.
+# Measured on an H200 (benchmarks/results/gdn_forward.md): splitting pays only while the unsplit CTAs (sequences x Hv x
+# V slices) leave a quarter of the SMs idle; shorter segments than MIN_SEGMENT_CHUNKS cost more in maps and scan than
+# they win. Segments aim at one CTA per SM: the warp-specialised fused stage holds one 512-thread CTA per SM, so two
+# waves of L-chunk segments take as long as one wave of 2L-chunk ones, and the longer segments halve the maps and the
+# scan. Forced lengths on the H200 (2026-11-30, default variant, ms; results/segments/): 16/32 32768x1: 64 -> 1.040,
+# 128 -> 0.953; 16/64 32768x1: 128 -> 1.710, 256 -> 1.637; 16/16 32768x1: 32 -> 0.669, 64 -> 0.570; 2/8 32768x1:
+# 32 -> 0.372, 64 -> 0.319; 16/32 8192x1: 32 -> 0.315, 16 -> 0.399, 64 -> 0.420. One CTA per SM picks the fastest
+# length on all five rows; the earlier target of two (tuned on the base fused stage) picked it on one.
 MIN_SEGMENT_CHUNKS = 32
-CTAS_PER_SM_TARGET = 2
+CTAS_PER_SM_TARGET = 1
 
 
 @dataclass(frozen=True)
