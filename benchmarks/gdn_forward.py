@@ -250,11 +250,14 @@ def kernel_specs(variant_names, configs, sms):
     from flashqla_kernels.gated_delta_rule.hopper._common import trailing_flags
 
     def add(var, Hk, Hv, Kd, dt, bdv, sc, final):
-        # the argument tuples exactly as the launchers pass them (prep_v2, fused_fwd_ws, segment_states)
+        # the argument tuples exactly as the launchers pass them (prep_v2 / prep_tc, fused_fwd_ws, segment_states)
         tail = (Hk, Hv, Kd, Kd, bdv, dt)
-        prep_args = (Hk, Hv, Kd, dt) + ((var.inverse, True) if var.a_gated else
-                                        (var.inverse,) if var.inverse != "substitution" else ())
-        specs.add(("prep2" if var.prep2 else "prep", prep_args))
+        if var.inverse == "mma":
+            specs.add(("prep4", (Hk, Hv, Kd, dt) + ((True,) if var.a_gated else ())))
+        else:
+            prep_args = (Hk, Hv, Kd, dt) + ((var.inverse, True) if var.a_gated else
+                                            (var.inverse,) if var.inverse != "substitution" else ())
+            specs.add(("prep2" if var.prep2 else "prep", prep_args))
         if var.fused == "base":
             specs.add(("fused", (*tail, sc, final)))
         else:
@@ -292,11 +295,11 @@ def gpu_test_layouts():
 
 
 def _build_one(spec):
-    from flashqla_kernels.gated_delta_rule.hopper import (_common, fused_fwd, fused_fwd_ws, prep, prep_v2,
+    from flashqla_kernels.gated_delta_rule.hopper import (_common, fused_fwd, fused_fwd_ws, prep, prep_tc, prep_v2,
                                                           segment_states, state_scan)
 
-    builders = {"prep": prep.build_prep, "prep2": prep_v2.build_prep_v2, "fused": fused_fwd.build_fused_fwd,
-                "ws": fused_fwd_ws.build_fused_fwd_ws, "segment": segment_states.build_segment_states,
+    builders = {"prep": prep.build_prep, "prep2": prep_v2.build_prep_v2, "prep4": prep_tc.build_prep_tc,
+                "fused": fused_fwd.build_fused_fwd, "ws": fused_fwd_ws.build_fused_fwd_ws, "segment": segment_states.build_segment_states,
                 "scan": state_scan.build_state_scan}
     t0 = time.time()
     try:

@@ -25,12 +25,13 @@ NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/u
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc to compile for sm_90a")
 
 # builders: ws(Hk, Hv, K, V, bDV, dtype, scale, store_final, inner[, trace, wreg, agp, prs]),
-# prep2(Hk, Hv, K, dtype[, inverse, gated])
+# prep2(Hk, Hv, K, dtype[, inverse, gated]), prep4(Hk, Hv, K, dtype[, gated])
 CORE = [
     ("ws", (16, 32, 128, 128, 128, "bfloat16", 128 ** -0.5, True, "")),
     ("ws", (16, 32, 128, 128, 128, "bfloat16", 128 ** -0.5, True, "float16", False, True, True, True)),
     ("prep2", (16, 32, 128, "bfloat16")),
     ("prep2", (16, 32, 128, "bfloat16", "blocks", True)),
+    ("prep4", (16, 32, 128, "bfloat16", True)),
     ("maps", (16, 32, 128, 128, 64, "bfloat16", True)),
 ]
 EXTRA = [
@@ -43,6 +44,11 @@ EXTRA = [
     ("prep2", (2, 8, 128, "float16")),
     ("prep2", (2, 4, 64, "bfloat16")),
     ("prep2", (2, 2, 256, "bfloat16")),
+    ("prep4", (16, 32, 128, "bfloat16")),
+    ("prep4", (16, 64, 128, "bfloat16", True)),
+    ("prep4", (16, 16, 128, "bfloat16", True)),
+    ("prep4", (4, 16, 256, "float16", True)),
+    ("prep4", (2, 8, 64, "bfloat16", True)),
 ]
 
 
@@ -113,12 +119,10 @@ def test_unset_runs_the_default_variant_and_base_the_first_path(monkeypatch):
 
 
 def _build(stage, args):
-    from flashqla_kernels.gated_delta_rule.hopper import _common, fused_fwd_ws, prep_v2
-
-    from flashqla_kernels.gated_delta_rule.hopper import segment_states
+    from flashqla_kernels.gated_delta_rule.hopper import _common, fused_fwd_ws, prep_tc, prep_v2, segment_states
 
     builder = {"ws": fused_fwd_ws.build_fused_fwd_ws, "prep2": prep_v2.build_prep_v2,
-               "maps": segment_states.build_segment_states}[stage]
+               "prep4": prep_tc.build_prep_tc, "maps": segment_states.build_segment_states}[stage]
     return _common.compile_kernel(builder, *args).get_kernel_source()
 
 
@@ -151,6 +155,9 @@ def _check_structure(stage, args, src):
         assert "wgmma_ss<tl::DataType::kFloat16" in src and "ag_sh" not in src
     else:
         assert "mma" in src, "prep2: K K^T should run on tensor cores"
+        if stage == "prep4":  # the four block-merge products: fp16 mma.sync with fp32 accumulators
+            assert src.count("tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32") >= 4
+            assert "ldmatrix" in src
         G = variants_heads_per_cta(args[1] // args[0])
         assert f"__launch_bounds__({64 * G}, {max(1, 8 // G)})" in src
 
@@ -286,6 +293,102 @@ def test_block_inverse_schedule_inverts_each_heads_matrix(n):
     for h in range(2):
         want = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + (beta[h, :, None] * (k @ k.T)).tril(-1))
         assert torch.allclose(x[h], want, rtol=0, atol=1e-11)
+
+
+def _tc_inverse(S: torch.Tensor, beta: torch.Tensor, gamma: torch.Tensor, gated: bool) -> torch.Tensor:
+    """prep_tc's kernel tile by tile: the same tiles and zero fills, the same products and fp16 roundings (operand
+    tiles and the written tile in fp16, products accumulated exactly), every tile starting as NaN. S [64, 64] strictly
+    lower, beta / gamma [G, 64]; returns the written tile [G, 64, 64] (Ag with ``gated``, else A0)."""
+    G, nan, f16 = beta.shape[0], float("nan"), (lambda t: t.to(torch.float16).to(torch.float64))
+
+    def tile(*shape):
+        return torch.full(shape, nan, dtype=torch.float64)
+
+    def gate(val, r, c, h):
+        return val * torch.exp(gamma[h, r] - gamma[h, c]) * beta[h, c] if gated else val
+
+    sd, sbd, sba = tile(64, 16), tile(32, 32), tile(32, 32)
+    for i in range(64):
+        sd[i] = S[i, i // 16 * 16:i // 16 * 16 + 16]
+    sbd[:16, :16], sbd[16:, 16:] = f16(S[16:32, :16]), f16(S[48:, 32:48])
+    sbd[:16, 16:] = sbd[16:, :16] = 0.0
+    sba[:] = f16(S[32:, :32])
+    xaa, xbb, d02, d13, out = tile(G, 32, 32), tile(G, 32, 32), tile(G, 32, 32), tile(G, 32, 32), tile(G, 64, 64)
+    for t in (xaa, xbb):
+        t[:, :16, 16:] = 0.0
+    for t in (d02, d13):
+        t[:, :16, 16:] = t[:, 16:, :16] = 0.0
+    out[:, :32, 32:] = out[:, :16, 16:32] = out[:, 32:48, 48:] = 0.0
+    for hl in range(G):  # 1: thread (hl, col) solves column c of block db
+        for col in range(64):
+            db, c, x = col // 16, col % 16, torch.zeros(16, dtype=torch.float64)
+            for r in range(16):
+                x[r] = 1.0 if r == c else -beta[hl, db * 16 + r] * (sd[db * 16 + r, :r] * x[:r]).sum()
+            ro = db % 2 * 16
+            for r in range(16):
+                (xaa if db < 2 else xbb)[hl, ro + r, ro + c] = f16(x[r])
+                (d02 if db % 2 == 0 else d13)[hl, db // 2 * 16 + r, db // 2 * 16 + c] = f16(x[r])
+                out[hl, db * 16 + r, col] = f16(gate(x[r], db * 16 + r, col, hl)) if r >= c else 0.0
+    rows2 = [16 + i + i // 16 * 16 for i in range(32)]  # tile row/column -> matrix row/column in step 2
+    for h in range(G):  # 2
+        t = f16(sbd @ d02[h] * beta[h, rows2][:, None])
+        f = d13[h] @ t
+        for i in range(32):
+            for j in range(32):
+                if i // 16 == j // 16:
+                    if i < 16:
+                        xaa[h, 16 + i, j] = f16(-f[i, j])
+                    else:
+                        xbb[h, i, j - 16] = f16(-f[i, j])
+                    out[h, rows2[i], rows2[j] - 16] = f16(gate(-f[i, j], rows2[i], rows2[j] - 16, h))
+    for h in range(G):  # 3
+        t = f16(sba @ xaa[h] * beta[h, 32:, None])
+        f = xbb[h] @ t
+        for i in range(32):
+            for j in range(32):
+                out[h, 32 + i, j] = f16(gate(-f[i, j], 32 + i, j, h))
+    return out
+
+
+@pytest.mark.parametrize("n", [64, 47, 1])
+@pytest.mark.parametrize("gated", [False, True])
+def test_tensor_core_inverse_schedule_writes_every_entry_and_inverts_to_fp16_accuracy(n, gated):
+    """prep4's tiles and fp16 product operands: every entry of the written tile comes from a phase (no NaN), the
+    upper triangle is exactly zero, and the tile equals the float64 inverse (gated: Gamma * A0 * beta_col) to fp16
+    accuracy, on keys correlated enough (shared direction) that the off-diagonal blocks matter."""
+    gen = torch.Generator().manual_seed(n)
+    k = torch.randn(64, 32, generator=gen, dtype=torch.float64) + 1.5 * torch.randn(1, 32, generator=gen,
+                                                                                     dtype=torch.float64)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    k[n:] = 0
+    beta = torch.rand(2, 64, generator=gen, dtype=torch.float64)
+    beta[:, n:] = 0
+    gamma = torch.cumsum(-torch.rand(2, 64, generator=gen, dtype=torch.float64) * 0.3, dim=1)
+    S = (k @ k.T).tril(-1)
+    out = _tc_inverse(S, beta, gamma, gated)
+    assert not out.isnan().any(), "read or left an entry no phase wrote"
+    assert (out.triu(1) == 0).all()
+    for h in range(2):
+        want = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + beta[h, :, None] * S)
+        if gated:
+            want = (want * torch.exp(gamma[h, :, None] - gamma[h, None, :]) * beta[h, None, :]).tril()
+        err = ((out[h] - want).norm() / want.norm()).item()
+        assert err < 2e-3, err
+        off = (out[h] - want)[32:, :32].abs().max().item()
+        assert off < 4e-3 * max(1.0, want.abs().max().item()), off
+
+
+def test_prep4_routes_the_prep_to_the_tensor_core_kernel(monkeypatch):
+    from flashqla_kernels.gated_delta_rule.hopper import prep_tc
+
+    seen = []
+    monkeypatch.setattr(prep_tc, "prep_tc", lambda *a, **kw: seen.append(kw) or ("gamma", "a0"))
+    for name in ("ws16+prep4", "ws16+prep4+wreg+agp+prs+cpk"):
+        assert variants.prep_fn(variants.parse_variant(name))("k", "g", "b", "chunks", 4) == ("gamma", "a0")
+    assert seen == [{"gated": False}, {"gated": True}]
+    assert variants.parse_variant("ws16+prep4+agp").inverse == "mma"
+    with pytest.raises(ValueError, match="two prep stages"):
+        variants.parse_variant("ws16+prep3+prep4")
 
 
 @needs_nvcc
@@ -664,6 +767,7 @@ def test_wreg_forms_w_in_registers_without_a_barrier_per_element():
 
 
 @pytest.mark.parametrize("variant", ["ws16+prep3+wreg+agp+prs", "ws16+prep3+wreg+agp+prs+cpk", "ws16+prep2", "cpk",
+                                     "ws16+prep4+wreg+agp+prs+cpk", "ws16+prep4+wreg+prs",
                                      "ws16+prep3+wreg+bv128", "base"])
 def test_precompile_specs_are_the_kernels_the_launcher_compiles(variant, monkeypatch):
     """benchmarks/gdn_forward.py's precompile list names each kernel with the very arguments the launcher passes to
@@ -672,13 +776,13 @@ def test_precompile_specs_are_the_kernels_the_launcher_compiles(variant, monkeyp
     sys.path.insert(0, str(REPO / "benchmarks"))
     import gdn_forward
 
-    from flashqla_kernels.gated_delta_rule.hopper import (forward, fused_fwd, fused_fwd_ws, plan, prep, prep_v2,
-                                                          segment_states, state_scan)
+    from flashqla_kernels.gated_delta_rule.hopper import (forward, fused_fwd, fused_fwd_ws, plan, prep, prep_tc,
+                                                          prep_v2, segment_states, state_scan)
 
-    names = {"build_prep": "prep", "build_prep_v2": "prep2", "build_fused_fwd": "fused", "build_fused_fwd_ws": "ws",
-             "build_segment_states": "segment", "build_state_scan": "scan"}
+    names = {"build_prep": "prep", "build_prep_v2": "prep2", "build_prep_tc": "prep4", "build_fused_fwd": "fused",
+             "build_fused_fwd_ws": "ws", "build_segment_states": "segment", "build_state_scan": "scan"}
     seen = set()
-    for stage in (prep, prep_v2, fused_fwd, fused_fwd_ws, segment_states, state_scan):  # each binds the name itself
+    for stage in (prep, prep_v2, prep_tc, fused_fwd, fused_fwd_ws, segment_states, state_scan):  # each binds the name itself
         monkeypatch.setattr(stage, "compile_kernel",
                             lambda builder, *args: seen.add((names[builder.__name__], args)) or (lambda *a: None))
     monkeypatch.setattr(forward, "unsupported_reason", lambda *a, **kw: None)
@@ -689,6 +793,8 @@ def test_precompile_specs_are_the_kernels_the_launcher_compiles(variant, monkeyp
     g = beta = torch.zeros(1, seqlen, Hv)
     cu = torch.tensor([0, seqlen], dtype=torch.int32)
     variants.chunk_gated_delta_rule_fwd(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu, variant=variant)
-    assert {s for s, _ in seen} >= {"prep2" if variants.parse_variant(variant).prep2 else "prep", "segment", "scan"}
+    var = variants.parse_variant(variant)
+    assert {s for s, _ in seen} >= {"prep4" if var.inverse == "mma" else "prep2" if var.prep2 else "prep", "segment",
+                                    "scan"}
     specs = set(gdn_forward.kernel_specs([variant], [(Hk, Hv, seqlen, 1)], 132))
     assert seen <= specs, f"compiled but not precompiled: {seen - specs}"

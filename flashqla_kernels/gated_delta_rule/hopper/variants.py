@@ -8,6 +8,8 @@ A variant name joins parts with ``+``. ``base`` is the first verified path (``fo
     prep2   prep stage with K K^T shared across a GVA group and 2G warps per CTA (``prep_v2``)
     prep3   as prep2, with the hierarchical (16 x 16 blocks, then block merges) inverse instead of the 64-row
             substitution chain (``prep_v2`` with ``inverse="blocks"``; FLA's and FlashQLA's scheme)
+    prep4   as prep3, with the block merges of the inverse as fp16 tensor-core products (``prep_tc``: prep3 was
+            issue-bound on the shared-memory loads of its CUDA-core merges)
     wreg    with ws / ws16: W formed in registers and stored by one fragment copy (``fused_fwd_ws``'s
             ``w_in_registers``: no warpgroup barrier per element pair on the values warpgroup's chain)
     agp     "Ag from prep": prep2 / prep3 write Ag = Gamma * A0 * beta_col instead of A0, and the fused stage (ws16)
@@ -44,13 +46,14 @@ import torch
 from flashqla_kernels.gated_delta_rule.hopper import forward
 
 ENV_VAR = "FLASHQLA_KERNELS_VARIANT"
-PARTS = ("ws", "ws16", "prep2", "prep3", "wreg", "agp", "prs", "cpk", "bv32", "bv64", "bv128")
+PARTS = ("ws", "ws16", "prep2", "prep3", "prep4", "wreg", "agp", "prs", "cpk", "bv32", "bv64", "bv128")
 DEFAULT_VARIANT = "ws16+prep3+wreg+agp+prs+cpk"
 # what benchmarks/gdn_forward.py --variants all and the GPU variant tests run beside the default: the previous
 # default, the default without cpk, and the default with 128-wide slices everywhere. Measured and retired from this
 # list on 2026-11-30 (benchmarks/README.md): ws, ws16, prep2, ws+prep2, ws16+prep2+bv128, ws16+prep3,
 # ws16+prep2+wreg, ws16+prep3+wreg(+bv128), ws16+prep3+agp+prs, ws16+prep3+wreg+agp+prs+bv128.
-ALL_VARIANTS = ("base", "ws16+prep2", "ws16+prep3+wreg+agp+prs", "ws16+prep3+wreg+agp+prs+cpk+bv128")
+ALL_VARIANTS = ("base", "ws16+prep2", "ws16+prep3+wreg+agp+prs", "ws16+prep3+wreg+agp+prs+cpk+bv128",
+                "ws16+prep4+wreg+agp+prs+cpk", "ws16+prep4+wreg+prs+cpk")
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class Variant:
     fused: str = "base"
     prep2: bool = False
     block_v: int = 0
-    inverse: str = "substitution"  # the grouped prep's inverse: "blocks" for prep3
+    inverse: str = "substitution"  # the grouped prep's inverse: "blocks" for prep3, "mma" for prep4
     w_in_registers: bool = False  # wreg
     a_gated: bool = False  # agp
     p_in_registers: bool = False  # prs
@@ -95,16 +98,18 @@ def parse_variant(name: str | None) -> Variant:
     widths = [int(p[2:]) for p in parts if p.startswith("bv")]
     if len(widths) > 1:
         raise ValueError(f"variant {name!r} names two V slices {widths}; pick one")
-    if "prep2" in parts and "prep3" in parts:
-        raise ValueError(f"variant {name!r} names two prep stages; pick one of 'prep2', 'prep3'")
+    preps = [p for p in parts if p in ("prep2", "prep3", "prep4")]
+    if len(preps) > 1:
+        raise ValueError(f"variant {name!r} names two prep stages {preps}; pick one of 'prep2', 'prep3', 'prep4'")
     for part in ("wreg", "prs"):
         if part in parts and not fused:
             raise ValueError(f"variant {name!r}: {part} changes the warp-specialised fused stage; add 'ws' or 'ws16'")
-    if "agp" in parts and (fused != ["ws16"] or not ("prep2" in parts or "prep3" in parts)):
-        raise ValueError(f"variant {name!r}: agp needs the grouped prep (prep2 or prep3) to write Ag and the fp16 "
+    if "agp" in parts and (fused != ["ws16"] or not preps):
+        raise ValueError(f"variant {name!r}: agp needs the grouped prep (prep2, prep3 or prep4) to write Ag and the fp16 "
                          f"operands of ws16 to multiply it; e.g. 'ws16+prep3+agp'")
-    return Variant(fused=fused[0] if fused else "base", prep2="prep2" in parts or "prep3" in parts,
-                   block_v=widths[0] if widths else 0, inverse="blocks" if "prep3" in parts else "substitution",
+    inverse = {"prep3": "blocks", "prep4": "mma"}.get(preps[0] if preps else "", "substitution")
+    return Variant(fused=fused[0] if fused else "base", prep2=bool(preps),
+                   block_v=widths[0] if widths else 0, inverse=inverse,
                    w_in_registers="wreg" in parts, a_gated="agp" in parts, p_in_registers="prs" in parts,
                    starts_in_kernel="cpk" in parts)
 
@@ -142,7 +147,12 @@ def _run(var: Variant, q, k, v, g, beta, **kwargs):
 
 
 def prep_fn(var: Variant):
-    """The prep stage launcher of a variant (``prep.prep`` or ``prep_v2.prep_v2``; same contract)."""
+    """The prep stage launcher of a variant (``prep.prep``, ``prep_v2.prep_v2`` or ``prep_tc.prep_tc``; same
+    contract)."""
+    if var.inverse == "mma":
+        from flashqla_kernels.gated_delta_rule.hopper.prep_tc import prep_tc
+
+        return lambda *args: prep_tc(*args, gated=var.a_gated)
     if var.prep2:
         from flashqla_kernels.gated_delta_rule.hopper.prep_v2 import prep_v2
 

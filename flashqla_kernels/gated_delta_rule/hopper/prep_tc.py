@@ -1,0 +1,224 @@
+"""Stage 1, variant ``prep4``: the grouped prep (``prep_v2``) with the block merges of the inverse on tensor cores.
+
+Same contract and work split as ``prep_v2`` with ``inverse="blocks"`` (grid (chunks, Hk, group / G), 64 * G threads,
+K K^T once per key head, gamma [T, Hv] fp32 and A0 or, ``gated``, Ag [T, Hv, 64] fp16). On the H200 that kernel was
+issue-bound on shared-memory reads: its block merges ran on CUDA cores, one load per multiply-add, ~80% of the
+~1 700 loads each thread issues. Here, with L = diag(beta) S and X = (I + L)^-1:
+
+    1. the four 16 x 16 diagonal blocks D0..D3 by substitution, one column of one block a thread, in fp32 (as prep3);
+    2. X10 and X32 together as one 32 x 32 x 32 tensor-core product pair on block-diagonal tiles:
+           T1 = diag(beta) blockdiag(S10, S32) blockdiag(D0, D2),   blockdiag(X10, X32) = -blockdiag(D1, D3) T1
+    3. X[B, A] for the 32 x 32 halves A = rows/columns 0-31, B = 32-63:
+           T2 = diag(beta_B) S[B, A] X[A, A],                       X[B, A] = -X[B, B] T2
+
+Products take fp16 operands with fp32 accumulation (FLA's ``solve_tril`` merges in tf32, which rounds coarser);
+every block of the result is gated (``gated``) in fp32 and rounded to fp16 once, into a staged 64 x 64 tile per head
+that the CTA then writes row by row. Each product is one ``T.gemm`` over all the CTA's warps, head after head.
+"""
+import tilelang.language as T
+import torch
+
+from flashqla_kernels.gated_delta_rule.hopper._common import CHUNK, LOG2E, compile_kernel, tl_dtype
+from flashqla_kernels.gated_delta_rule.hopper.prep_v2 import PANEL, heads_per_cta
+
+HALF = CHUNK // 2
+
+
+def build_prep_tc(Hk: int, Hv: int, K: int, dtype: str, gated: bool = False):
+    """The prep kernel with tensor-core block merges: grid (chunks, Hk, group / G), 64 * G threads."""
+    C = CHUNK
+    group = Hv // Hk
+    G = heads_per_cta(group)
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+
+    @T.prim_func
+    def gdn_prep_tc(
+        k: T.Tensor((num_tokens, Hk, K), dtype),
+        g: T.Tensor((num_tokens, Hv), "float32"),
+        beta: T.Tensor((num_tokens, Hv), "float32"),
+        chunks: T.Tensor((num_chunks, 2), "int32"),
+        gamma: T.Tensor((num_tokens, Hv), "float32"),
+        a0: T.Tensor((num_tokens, Hv, C), "float16"),
+    ):
+        with T.Kernel(num_chunks, Hk, group // G, threads=C * G) as (bc, hk, bg):
+            T.annotate_min_blocks_per_sm(max(1, 8 // G))  # <= 128 registers a thread, as prep_v2
+            tx = T.get_thread_binding()
+            hl = tx // C
+            col = tx % C
+            bh = hk * group + bg * G + hl
+            s0 = T.alloc_var("int32")
+            s1 = T.alloc_var("int32")
+            s0 = chunks[bc, 0]
+            s1 = chunks[bc, 1]
+            n = s1 - s0
+
+            k_sh = T.alloc_shared((C, K), dtype)
+            g_sh = T.alloc_shared((G, C), "float32")
+            b_sh = T.alloc_shared((G, C), "float32")
+            gm_sh = T.alloc_shared((G, C), "float32")  # gamma of every row, for the gate of each element
+            sd_sh = T.alloc_shared((C, PANEL + 1), "float32")  # row i: S[i, 16 * (i // 16) + m], the diagonal blocks
+            # product operands (fp16): S's blocks (shared by the heads), then per head X's diagonal halves,
+            # blockdiag(D0, D2) / blockdiag(D1, D3), and a scratch tile for T1 / T2
+            sbd = T.alloc_shared((HALF, HALF), "float16")  # blockdiag(S10, S32)
+            sba = T.alloc_shared((HALF, HALF), "float16")  # S[B, A]
+            xaa = T.alloc_shared((G, HALF, HALF), "float16")
+            xbb = T.alloc_shared((G, HALF, HALF), "float16")
+            d02 = T.alloc_shared((G, HALF, HALF), "float16")
+            d13 = T.alloc_shared((G, HALF, HALF), "float16")
+            t_sh = T.alloc_shared((G, HALF, HALF), "float16")
+            # the tile each head writes, gated and rounded once; rows padded by 16 bytes, so the 8 rows of a fragment
+            # store fall in distinct banks
+            out_sh = T.alloc_shared((G, C, C + 8), "float16")
+            kk = T.alloc_fragment((C, C), "float32")
+            f = T.alloc_fragment((HALF, HALF), "float32")
+            x = T.alloc_local((PANEL,), "float32")
+            acc = T.alloc_local((4,), "float32")
+
+            if n == C:
+                T.copy(k[s0:s0 + C, hk, :], k_sh)
+            else:
+                for i, j in T.Parallel(C, K):
+                    k_sh[i, j] = T.if_then_else(i < n, k[T.min(s0 + i, s1 - 1), hk, j], T.cast(0, dtype))
+            for h, i in T.Parallel(G, C):
+                g_sh[h, i] = T.if_then_else(i < n, g[T.min(s0 + i, s1 - 1), hk * group + bg * G + h], 0.0)
+                b_sh[h, i] = T.if_then_else(i < n, beta[T.min(s0 + i, s1 - 1), hk * group + bg * G + h], 0.0)
+
+            # S = K K^T once for the G heads, scattered into the diagonal blocks and the two product operands
+            T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                if i // PANEL == j // PANEL:
+                    sd_sh[i, j % PANEL] = T.if_then_else(j < i, kk[i, j], 0.0)
+                if i >= HALF and j < HALF:
+                    sba[i - HALF, j] = kk[i, j]
+                if (i // PANEL) % 2 == 1 and j // PANEL == i // PANEL - 1:
+                    sbd[i // HALF * PANEL + i % PANEL, j // HALF * PANEL + j % PANEL] = kk[i, j]
+            for i, j in T.Parallel(PANEL, PANEL):
+                sbd[i, PANEL + j] = 0.0
+                sbd[PANEL + i, j] = 0.0
+            for h, i, j in T.Parallel(G, PANEL, PANEL):  # the zero blocks of X's halves and of the D tiles
+                xaa[h, i, PANEL + j] = 0.0
+                xbb[h, i, PANEL + j] = 0.0
+                d02[h, i, PANEL + j] = 0.0
+                d02[h, PANEL + i, j] = 0.0
+                d13[h, i, PANEL + j] = 0.0
+                d13[h, PANEL + i, j] = 0.0
+            for h, i, j in T.Parallel(G, HALF, HALF):  # the zero blocks of the written tile (above the diagonal)
+                out_sh[h, i, HALF + j] = T.cast(0, "float16")
+            for h, i, j in T.Parallel(G, PANEL, PANEL):
+                out_sh[h, i, PANEL + j] = T.cast(0, "float16")
+                out_sh[h, HALF + i, HALF + PANEL + j] = T.cast(0, "float16")
+
+            # gamma: chunk-local inclusive cumsum of head hl, row col
+            for a in T.unroll(4):
+                acc[a] = 0.0
+            for j in T.unroll(C):
+                acc[j % 4] += T.if_then_else(j <= col, g_sh[hl, j], 0.0)
+            gam = T.alloc_var("float32")
+            gam = acc[0] + acc[1] + acc[2] + acc[3]
+            if col < n:
+                gamma[s0 + col, bh] = gam
+            gm_sh[hl, col] = gam
+            bcol = T.alloc_var("float32")
+            bcol = b_sh[hl, col]
+            T.sync_threads()
+
+            # 1. diagonal block db, its column c: x_r = [r == c] - beta_r sum_{m < r} S[r, m] x_m (16 rows)
+            db = col // PANEL
+            c = col % PANEL
+            for r in T.unroll(PANEL):
+                x[r] = 0.0
+            for r in T.unroll(PANEL):
+                for a in T.unroll(4):
+                    acc[a] = 0.0
+                for m in T.unroll(r):
+                    acc[m % 4] += sd_sh[db * PANEL + r, m] * x[m]
+                x[r] = T.if_then_else(r == c, 1.0, -b_sh[hl, db * PANEL + r] * (acc[0] + acc[1] + acc[2] + acc[3]))
+            # rows/columns of the block inside its half (warp-uniform: a warp's 32 columns are one half)
+            ro = (db % 2) * PANEL
+            for r in T.unroll(PANEL):
+                if db < 2:
+                    xaa[hl, ro + r, ro + c] = T.cast(x[r], "float16")
+                else:
+                    xbb[hl, ro + r, ro + c] = T.cast(x[r], "float16")
+                if db % 2 == 0:
+                    d02[hl, db // 2 * PANEL + r, db // 2 * PANEL + c] = T.cast(x[r], "float16")
+                else:
+                    d13[hl, db // 2 * PANEL + r, db // 2 * PANEL + c] = T.cast(x[r], "float16")
+                if gated:
+                    out_sh[hl, db * PANEL + r, col] = T.cast(T.if_then_else(
+                        r >= c, x[r] * T.exp2((gm_sh[hl, db * PANEL + r] - gam) * LOG2E) * bcol, 0.0), "float16")
+                else:
+                    out_sh[hl, db * PANEL + r, col] = T.cast(x[r], "float16")
+            T.sync_threads()
+
+            # 2. X10 and X32: T1 = diag(beta) blockdiag(S10, S32) blockdiag(D0, D2); then -blockdiag(D1, D3) T1.
+            # Row i of the 32-row tiles is matrix row 16 + i (i < 16) or 48 + (i - 16) = 32 + i (i >= 16).
+            for h in T.serial(G):
+                T.gemm(sbd, d02[h, :, :], f, clear_accum=True)
+                for i, j in T.Parallel(HALF, HALF):
+                    t_sh[h, i, j] = T.cast(f[i, j] * b_sh[h, PANEL + i + i // PANEL * PANEL], "float16")
+                T.sync_threads()
+                T.gemm(d13[h, :, :], t_sh[h, :, :], f, clear_accum=True)
+                for i, j in T.Parallel(HALF, HALF):
+                    if i // PANEL == j // PANEL:
+                        if i < PANEL:
+                            xaa[h, PANEL + i, j] = T.cast(-f[i, j], "float16")
+                        else:
+                            xbb[h, i, j - PANEL] = T.cast(-f[i, j], "float16")
+                        if gated:
+                            out_sh[h, PANEL + i + i // PANEL * PANEL, j + j // PANEL * PANEL] = T.cast(
+                                -f[i, j] * T.exp2((gm_sh[h, PANEL + i + i // PANEL * PANEL]
+                                                   - gm_sh[h, j + j // PANEL * PANEL]) * LOG2E)
+                                * b_sh[h, j + j // PANEL * PANEL], "float16")
+                        else:
+                            out_sh[h, PANEL + i + i // PANEL * PANEL, j + j // PANEL * PANEL] = T.cast(
+                                -f[i, j], "float16")
+                T.sync_threads()
+
+            # 3. X[B, A] = -X[B, B] (diag(beta_B) S[B, A] X[A, A])
+            for h in T.serial(G):
+                T.gemm(sba, xaa[h, :, :], f, clear_accum=True)
+                for i, j in T.Parallel(HALF, HALF):
+                    t_sh[h, i, j] = T.cast(f[i, j] * b_sh[h, HALF + i], "float16")
+                T.sync_threads()
+                T.gemm(xbb[h, :, :], t_sh[h, :, :], f, clear_accum=True)
+                for i, j in T.Parallel(HALF, HALF):
+                    if gated:
+                        out_sh[h, HALF + i, j] = T.cast(
+                            -f[i, j] * T.exp2((gm_sh[h, HALF + i] - gm_sh[h, j]) * LOG2E) * b_sh[h, j], "float16")
+                    else:
+                        out_sh[h, HALF + i, j] = T.cast(-f[i, j], "float16")
+            T.sync_threads()
+
+            # the tiles to HBM: 16 bytes (8 fp16 of a row) a thread per step, a row of one head in 8 threads
+            for it in T.unroll(C // 8):
+                idx = it * C * G + tx
+                h = idx // (C * 8)
+                r = idx // 8 % C
+                seg = idx % 8 * 8
+                if r < n:
+                    for v in T.vectorized(8):
+                        a0[s0 + r, hk * group + bg * G + h, seg + v] = out_sh[h, r, seg + v]
+
+    return gdn_prep_tc
+
+
+def prep_tc(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: torch.Tensor, Hv: int, gated: bool = False):
+    """Run the prep stage with tensor-core block merges; same contract as ``prep_v2.prep_v2``.
+
+    Args:
+        k: [T, Hk, K] bf16/fp16 contiguous. g, beta: [T, Hv] fp32 contiguous. chunks: [NC, 2] int32 (start, end).
+        Hv: value heads. gated: write Ag = Gamma * A0 * beta_col instead of A0.
+
+    Returns:
+        gamma [T, Hv] fp32 (chunk-local cumsum of g) and A0 (or Ag) [T, Hv, 64] fp16.
+    """
+    Tn, Hk, K = k.shape
+    args = (Hk, Hv, K, tl_dtype(k.dtype)) + ((True,) if gated else ())
+    kernel = compile_kernel(build_prep_tc, *args)
+    gamma = torch.empty((Tn, Hv), dtype=torch.float32, device=k.device)
+    a0 = torch.empty((Tn, Hv, CHUNK), dtype=torch.float16, device=k.device)
+    if chunks.shape[0] > 0:
+        kernel(k, g, beta, chunks, gamma, a0)
+    return gamma, a0
