@@ -45,42 +45,94 @@ def _union_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
+from qwen_scope.collect_loop import STEP_MARK  # noqa: E402 - one profiler range a launched step
+
+
+def _steady_window(cpu_ops) -> tuple[float, float, int] | None:
+    """(start, end, steps) between the second and the last step launch of a collect call: the steady state, with
+    the call's set-up (store, SAE to the device) and drain left out; None without at least three launches."""
+    starts = sorted(e.time_range.start for e in cpu_ops if e.name == STEP_MARK)
+    if len(starts) < 3:
+        return None
+    return starts[1], starts[-1], len(starts) - 2
+
+
+def _repo_frames(stack: list[str], root: str, depth: int = 3) -> str:
+    """The innermost ``depth`` frames of a profiler stack that lie in this repository (no site-packages)."""
+    frames = [f.replace(root + "/", "") for f in stack if f.startswith(root) and "site-packages" not in f]
+    return " <- ".join(frames[:depth]) or (stack[0] if stack else "?")
+
+
+def _memcpy_sites(cpu_ops, lo: float, hi: float, steps: int, root: str) -> list[dict]:
+    """Each cudaMemcpy* runtime call in [lo, hi): the innermost enclosing op with a Python stack, grouped."""
+    with_stack = [c for c in cpu_ops if c.stack and not c.name.startswith("cudaMemcpy")]
+    sites: dict[str, dict] = {}
+    for e in cpu_ops:
+        if not e.name.startswith("cudaMemcpy") or not lo <= e.time_range.start < hi:
+            continue
+        outer = [c for c in with_stack if c.thread == e.thread and c.time_range.start <= e.time_range.start
+                 and e.time_range.end <= c.time_range.end]
+        inner = min(outer, key=lambda c: c.time_range.end - c.time_range.start) if outer else None
+        key = f"{inner.name} @ {_repo_frames(inner.stack, root)}" if inner else "(no enclosing op)"
+        site = sites.setdefault(key, {"site": key, "count": 0, "host_ms": 0.0, "max_ms": 0.0})
+        ms = (e.time_range.end - e.time_range.start) / 1e3
+        site["count"] += 1 / steps
+        site["host_ms"] += ms / steps
+        site["max_ms"] = max(site["max_ms"], ms)
+    return sorted(sites.values(), key=lambda s: -s["host_ms"])[:12]
+
+
 def summarise(prof, steps: int, wall_s: float) -> dict:
-    """Busy / idle, blocking runtime calls, long GPU gaps and top host ops from a finished profiler."""
+    """Busy / idle, blocking runtime calls, long GPU gaps and top host ops from a finished profiler; when the run was
+    a collect call (step markers), also the same measures over its steady window alone and the call sites of its
+    host-device copies."""
     events = prof.events()
     gpu = [(e.time_range.start, e.time_range.end) for e in events
            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
     cpu_ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    blocking: dict[str, list[float]] = {}
-    for e in cpu_ops:
-        name = e.name
-        if any(name == b or name.startswith(b + "_") or name.startswith(b + "Async") for b in BLOCKING):
-            blocking.setdefault(name, []).append((e.time_range.end - e.time_range.start) / 1e3)
-    gaps = []
-    merged = sorted(gpu)
-    end = merged[0][1] if merged else 0.0
-    for s, e in merged[1:]:
-        if s - end > 1000:
-            running = [c.name for c in cpu_ops if c.time_range.start <= end <= c.time_range.end
-                       and not c.name.startswith("ProfilerStep")]
-            gaps.append({"gap_ms": (s - end) / 1e3, "host_op_at_start": running[-1] if running else None})
-        end = max(end, e)
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    root = str(Path(__file__).resolve().parents[1])
+
+    def window(lo: float, hi: float, n: int) -> dict:
+        blocking: dict[str, list[float]] = {}
+        inside = [e for e in cpu_ops if lo <= e.time_range.start < hi]
+        for e in inside:
+            name = e.name
+            if any(name == b or name.startswith(b + "_") or name.startswith(b + "Async") for b in BLOCKING):
+                blocking.setdefault(name, []).append((e.time_range.end - e.time_range.start) / 1e3)
+        spans = sorted((max(s, lo), min(e, hi)) for s, e in gpu if e > lo and s < hi)
+        gaps, end = [], lo
+        for s, e in spans + [(hi, hi)]:
+            if s - end > 1000:
+                running = [c for c in inside if c.time_range.start <= end <= c.time_range.end
+                           and not c.name.startswith("ProfilerStep") and c.name != STEP_MARK]
+                at = min(running, key=lambda c: c.time_range.end - c.time_range.start) if running else None
+                gaps.append({"gap_ms": (s - end) / 1e3, "host_op_at_start": at.name if at else None,
+                             "where": _repo_frames(at.stack, root) if at is not None and at.stack else None})
+            end = max(end, e)
+        busy = _union_ms(spans)
+        return {"wall_ms_per_step": (hi - lo) / 1e3 / n, "gpu_busy_ms_per_step": busy / n,
+                "gpu_idle_share": max(0.0, 1 - busy / ((hi - lo) / 1e3)),
+                "blocking_calls_per_step": {k: {"count": len(v) / n, "host_ms": sum(v) / n}
+                                            for k, v in sorted(blocking.items())},
+                "gpu_gaps_over_1ms": sorted(gaps, key=lambda g: -g["gap_ms"])[:20],
+                "gpu_gaps_total_ms_per_step": sum(g["gap_ms"] for g in gaps) / n}
+
+    lo = min((s for s, _ in gpu), default=0.0)
+    hi = max([e.time_range.end for e in cpu_ops] + [e for _, e in gpu] + [lo])
+    out = window(lo, hi, steps)
+    out["wall_ms_per_step"] = 1e3 * wall_s / steps
+    out["gpu_idle_share"] = max(0.0, 1 - out["gpu_busy_ms_per_step"] * steps / (1e3 * wall_s))
+    steady = _steady_window(cpu_ops)
+    if steady is not None:
+        out["steady"] = window(*steady)
+        out["steady"]["steps"] = steady[2]
+        out["steady"]["memcpy_sites"] = _memcpy_sites(cpu_ops, *steady, root)
     threads: dict[int, float] = {}
     for e in cpu_ops:
         threads[e.thread] = threads.get(e.thread, 0.0) + e.self_cpu_time_total / 1e3
-    busy = _union_ms(gpu)
-    return {
-        "wall_ms_per_step": 1e3 * wall_s / steps,
-        "gpu_busy_ms_per_step": busy / steps,
-        "gpu_idle_share": max(0.0, 1 - busy / (1e3 * wall_s)),
-        "blocking_calls_per_step": {k: {"count": len(v) / steps, "host_ms": sum(v) / steps}
-                                    for k, v in sorted(blocking.items())},
-        "gpu_gaps_over_1ms": sorted(gaps, key=lambda g: -g["gap_ms"])[:20],
-        "gpu_gaps_total_ms_per_step": sum(g["gap_ms"] for g in gaps) / steps,
-        "host_self_ms_per_step_by_thread": {str(k): v / steps for k, v in sorted(threads.items())},
-        "top_host_ops": table,
-    }
+    out["host_self_ms_per_step_by_thread"] = {str(k): v / steps for k, v in sorted(threads.items())}
+    out["top_host_ops"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    return out
 
 
 def profile(fn, steps: int) -> dict:
@@ -89,7 +141,7 @@ def profile(fn, steps: int) -> dict:
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     ct.sync()
-    with torch_profile(activities=acts) as prof:
+    with torch_profile(activities=acts, with_stack=True) as prof:
         t = time.perf_counter()
         fn()
         ct.sync()
@@ -149,6 +201,21 @@ def markdown(result: dict) -> str:
             "Host threads' self ms per step: " + ", ".join(
                 f"{k}: {ms:.1f}" for k, ms in r["host_self_ms_per_step_by_thread"].items()), "",
             "```", r["top_host_ops"], "```", ""]
+        if r.get("steady"):
+            st = r["steady"]
+            lines += [f"Steady window ({st['steps']} steps between the second and the last launch, set-up and drain "
+                      f"left out): {st['wall_ms_per_step']:.1f} ms/step, GPU busy {st['gpu_busy_ms_per_step']:.1f}, "
+                      f"idle {100 * st['gpu_idle_share']:.1f}%, gaps > 1 ms {st['gpu_gaps_total_ms_per_step']:.1f} "
+                      "ms/step. Blocking calls per step: " + ", ".join(
+                          f"{k} {c['count']:.1f} ({c['host_ms']:.2f} ms)" for k, c in st["blocking_calls_per_step"].items()),
+                      "", "Its longest GPU gaps: " + "; ".join(
+                          f"{g['gap_ms']:.1f} ms (host in {g['host_op_at_start']} at {g['where']})"
+                          for g in st["gpu_gaps_over_1ms"][:6]), "",
+                      "| host-device copies per step | host ms per step | longest ms | op @ repository frames |",
+                      "|---|---|---|---|"]
+            lines += [f"| {m['count']:.1f} | {m['host_ms']:.2f} | {m['max_ms']:.2f} | {m['site']} |"
+                      for m in st["memcpy_sites"]]
+            lines.append("")
         if r.get("sync_sites"):
             lines += ["Where the host waited for the GPU (torch's sync debug mode, one more run): the frame of the sync "
                       "itself where it lies outside the repository, then the repository frames, innermost first.", "",

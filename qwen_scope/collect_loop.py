@@ -140,9 +140,18 @@ class Step:
     pending: list = dataclasses.field(default_factory=list)
 
 
+STEP_MARK = "qwen_scope.collect.launch"  # a profiler range per launched step (benchmarks/collect_profile.py)
+
+
 def launch(adapter, batch: Batch, device: torch.device, dense: list[str], encoders: dict, saes: dict,
            store_dtype: torch.dtype) -> Step:
     """Queue one batch on the device: forward (stopping after the deepest requested block), encodes, copies."""
+    with torch.profiler.record_function(STEP_MARK):
+        return _launch(adapter, batch, device, dense, encoders, saes, store_dtype)
+
+
+def _launch(adapter, batch: Batch, device: torch.device, dense: list[str], encoders: dict, saes: dict,
+            store_dtype: torch.dtype) -> Step:
     B, L = batch.ids.shape
     ids = batch.ids.to(device, non_blocking=True)
     # batches are right-padded, never packed: the text model runs without masks where it takes them as a mapping

@@ -21,6 +21,34 @@ def test_gpu_busy_time_is_the_union_of_overlapping_intervals():
     assert collect_profile._union_ms([]) == 0.0
 
 
+def _op(name, start, end, thread=1, stack=()):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), thread=thread,
+                           stack=list(stack))
+
+
+def test_steady_window_and_copy_sites_come_from_the_step_marks():
+    """The steady window runs from the second to the last step launch; each copy is named by the innermost
+    enclosing op with a Python stack (repository frames only), per step of the window."""
+    import collect_profile
+
+    root = str(REPO)
+    mark = collect_profile.STEP_MARK
+    ops = [_op(mark, 0, 10), _op(mark, 100, 110), _op(mark, 200, 210), _op(mark, 300, 310)]
+    assert collect_profile._steady_window(ops) == (100, 300, 2)
+    assert collect_profile._steady_window(ops[:2]) is None
+    frames = [f"{root}/saes/fused_encode.py(42): f", "/x/site-packages/torch/a.py(1): g", f"{root}/q.py(7): h"]
+    ops += [_op("aten::copy_", 120, 130, stack=frames), _op("aten::to", 119, 131, stack=frames[1:]),
+            _op("cudaMemcpyAsync", 121, 129), _op("cudaMemcpyAsync", 221, 223), _op("cudaMemcpyAsync", 20, 21),
+            _op("aten::copy_", 220, 224, thread=2, stack=frames)]
+    sites = collect_profile._memcpy_sites(ops, 100, 300, 2, root)
+    assert sites == [{"site": "aten::copy_ @ saes/fused_encode.py(42): f <- q.py(7): h", "count": 0.5,
+                      "host_ms": pytest.approx(0.004), "max_ms": pytest.approx(0.008)},
+                     {"site": "(no enclosing op)", "count": 0.5, "host_ms": pytest.approx(0.001),
+                      "max_ms": pytest.approx(0.002)}]
+
+
 @pytest.mark.slow
 def test_profile_dry_run_reports_both_arms(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "collect_profile.py"), "--tiny", "--steps", "2",
