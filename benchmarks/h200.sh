@@ -98,7 +98,8 @@ for p in "$@"; do
                      --budget-s "$(( ${COLLECT_S:-300} - 60 ))" ;;
         layer-tests) phase layer-tests "${LAYER_TESTS_S:-200}" python3 benchmarks/gdn_layer.py --gpu-tests --out "$OUT" \
                          --only "${LAYER_TESTS_ONLY:-}" ;;
-        collect-profile) phase collect-profile "${PROFILE_S:-150}" python3 benchmarks/collect_profile.py --out "$OUT" ;;
+        collect-profile) phase collect-profile "${PROFILE_S:-150}" python3 benchmarks/collect_profile.py --out "$OUT" \
+                             --steps "${PROFILE_STEPS:-5}" ;;
         ws-trace) phase ws-trace "${TRACE_S:-120}" python3 benchmarks/gdn_ws_trace.py --out "$OUT" ;;
         layer) phase layer "${LAYER_S:-400}" python3 benchmarks/gdn_layer.py --arms "${LAYER_ARMS:-ours,qla_op,fla,torch,compile,ours+compile}" \
                    --out "$OUT" ;;
