@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -339,21 +340,17 @@ def write(out: Path, result: dict) -> None:
 def precompile() -> None:
     """Compile (sm_90a, no GPU needed) the TileLang kernels the arms use into tilelang's cache
     (``TILELANG_CACHE_DIR``), so the timed run on the GPU loads them instead of JIT-compiling for minutes."""
-    from flashqla_kernels.gated_delta_rule.hopper import (_common, fused_fwd_ws, plan, prep_v2, segment_states,
-                                                          state_scan)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gdn_forward
+
     from saes import hopper_topk
 
-    # the package default variant (ws16+prep2) at Hk = Hv = 16
-    _common.compile_kernel(prep_v2.build_prep_v2, 16, 16, 128, "bfloat16")
-    # The V-slice width depends on the number of sequences (1 in the checks, B in the arms) and the H200's 132 SMs;
-    # 128 also where the warp-specialised stage widens it for split sequences (plan.wide_slices_pay)
-    for bdv in sorted({plan.choose_block_v(n, 16, 128, 128, 132) for n in (1, B)} | {128}):
-        for store_final in (False, True):
-            _common.compile_kernel(fused_fwd_ws.build_fused_fwd_ws, 16, 16, 128, 128, bdv, "bfloat16", 128 ** -0.5,
-                                   store_final, "float16")
-        _common.compile_kernel(segment_states.build_segment_states, 16, 16, 128, 128, bdv, "bfloat16")
-    for has_h0 in (False, True):
-        _common.compile_kernel(state_scan.build_state_scan, 16, 128, 128, has_h0)
+    # the package default variant's chunk kernels at Hk = Hv = 16: 1 sequence (the checks) and B (the arms)
+    for spec in gdn_forward.variant_specs(["default"], {(16, 16, 128, "bfloat16", n) for n in (1, B)}, 132,
+                                          final=(False, True)):
+        _, _, err = gdn_forward._build_one(spec)
+        if err:
+            raise RuntimeError(f"{spec}: {err}")
     hopper_topk.compile_topk_candidates(2048, D_SAE, hopper_topk.candidates_per_tile(K, D_SAE), "bfloat16")
     print("precompiled the GDN (Hk = Hv = 16, K = V = 128, bf16) and fused-encode (2048 -> 32768, k = 100) kernels")
 

@@ -238,16 +238,28 @@ def smoke_in_subprocess(variant, timeout):
 
 def kernel_specs(variant_names, configs, sms):
     """(stage, builder args) of every kernel the suite (and the smoke cases) need in these variants on ``sms`` SMs."""
-    from flashqla_kernels.gated_delta_rule.hopper import plan, variants
-
-    forced = int(os.environ.get("FLASHQLA_KERNELS_BLOCK_V", "0"))
-    parsed = [variants.parse_variant(v) for v in variant_names]
     layouts = {(Hk, Hv, K, "bfloat16", nseq) for Hk, Hv, _, nseq in configs}
     layouts |= {(Hk, Hv, Kd, dt, len(lens)) for Hk, Hv, Kd, lens, dt, _ in SMOKE_CASES}
     layouts |= gpu_test_layouts()
-    specs = set()
+    specs = set(variant_specs(variant_names, layouts, sms))
+    if gpu_test_layouts():
+        # test_hopper_no_final_state_returns_none (the package default): scale 0.5, no final state, one sequence
+        specs |= set(variant_specs(["default"], [(1, 2, 128, "bfloat16", 1)], sms, scale=0.5, final=(False,),
+                                   scans=False))
+    return sorted(specs)
 
+
+def variant_specs(variant_names, layouts, sms, *, scale=None, final=(True,), scans=True):
+    """(stage, builder args) of the chunk kernels the variants launch on ``layouts`` ``(Hk, Hv, K, dtype, N
+    sequences)`` (every V slice the plan may pick for them on ``sms`` SMs); ``scale`` (default K^-0.5) and ``final``
+    (store the final state or not) as the launcher passes them. The collection and whole-model benchmarks take
+    their chunk kernels from here too."""
+    from flashqla_kernels.gated_delta_rule.hopper import plan, variants
     from flashqla_kernels.gated_delta_rule.hopper._common import trailing_flags
+
+    forced = int(os.environ.get("FLASHQLA_KERNELS_BLOCK_V", "0"))
+    parsed = [variants.parse_variant(v) for v in variant_names]
+    specs = set()
 
     def add(var, Hk, Hv, Kd, dt, bdv, sc, final):
         # the argument tuples exactly as the launchers pass them (prep_v2 / prep_tc, fused_fwd_ws, segment_states)
@@ -273,12 +285,10 @@ def kernel_specs(variant_names, configs, sms):
             if var.fused != "base" and not forced and not var.block_v and plan_bdv == 64 and Hv >= 16 and Kd == 128:
                 widths.add(128)  # plan.wide_slices_pay: 128 where the sequences are split into segments
             for bdv in widths:
-                add(var, Hk, Hv, Kd, dt, bdv, float(Kd ** -0.5), True)
-        specs |= {("scan", (Hv, Kd, Kd, True)), ("scan", (Hv, Kd, Kd, False))}
-    if gpu_test_layouts():
-        # test_hopper_no_final_state_returns_none (the package default): scale 0.5, no final state, one sequence
-        add(variants.parse_variant("default"), 1, 2, 128, "bfloat16", plan.choose_block_v(1, 2, 128, 128, sms), 0.5,
-            False)
+                for fin in final:
+                    add(var, Hk, Hv, Kd, dt, bdv, float(Kd ** -0.5) if scale is None else scale, fin)
+        if scans:
+            specs |= {("scan", (Hv, Kd, Kd, True)), ("scan", (Hv, Kd, Kd, False))}
     return sorted(specs)
 
 
@@ -294,16 +304,24 @@ def gpu_test_layouts():
             for Hk, Hv, Kd, _, lens, dt, extra in CASES.values()}
 
 
-def _build_one(spec):
-    from flashqla_kernels.gated_delta_rule.hopper import (_common, fused_fwd, fused_fwd_ws, prep, prep_tc, prep_v2,
-                                                          segment_states, state_scan)
+_HOPPER = "flashqla_kernels.gated_delta_rule.hopper."
+# stage name of a spec -> (module, builder)
+STAGE_BUILDERS = {"prep": (_HOPPER + "prep", "build_prep"), "prep2": (_HOPPER + "prep_v2", "build_prep_v2"),
+                  "prep4": (_HOPPER + "prep_tc", "build_prep_tc"), "fused": (_HOPPER + "fused_fwd", "build_fused_fwd"),
+                  "ws": (_HOPPER + "fused_fwd_ws", "build_fused_fwd_ws"),
+                  "segment": (_HOPPER + "segment_states", "build_segment_states"),
+                  "scan": (_HOPPER + "state_scan", "build_state_scan")}
 
-    builders = {"prep": prep.build_prep, "prep2": prep_v2.build_prep_v2, "prep4": prep_tc.build_prep_tc,
-                "fused": fused_fwd.build_fused_fwd, "ws": fused_fwd_ws.build_fused_fwd_ws, "segment": segment_states.build_segment_states,
-                "scan": state_scan.build_state_scan}
+
+def _build_one(spec):
+    import importlib
+
+    from flashqla_kernels.gated_delta_rule.hopper import _common
+
+    module, builder = STAGE_BUILDERS[spec[0]]
     t0 = time.time()
     try:
-        _common.compile_kernel(builders[spec[0]], *spec[1])
+        _common.compile_kernel(getattr(importlib.import_module(module), builder), *spec[1])
         return spec, round(time.time() - t0, 1), None
     except Exception as e:  # noqa: BLE001 - reported, the run goes on
         return spec, round(time.time() - t0, 1), repr(e)[-500:]
@@ -331,6 +349,9 @@ def main():
     ap.add_argument("--skip-fla", action="store_true",
                     help="do not time FLA (its autotune costs ~40 s a shape); x FLA anchor still compares")
     ap.add_argument("--render", metavar="JSON", help="only re-render the markdown table of a results JSON")
+    ap.add_argument("--merge", metavar="JSON", nargs="+",
+                    help="join the rows of runs over disjoint configs (e.g. one half per GPU of one host) into "
+                         "--out/gdn_forward.{json,md}")
     ap.add_argument("--variants", default="default",
                     help="comma-separated kernel variants to check and time beside FLA/FlashQLA ('all' = every one)")
     ap.add_argument("--configs", default="", help="comma-separated SUITE row indices (default: all 10)")
@@ -345,6 +366,14 @@ def main():
     if args.render:
         result = json.loads(Path(args.render).read_text())
         Path(args.render).with_suffix(".md").write_text(markdown(result))
+        print(markdown(result))
+        return
+    if args.merge:
+        result = merge([json.loads(Path(p).read_text()) for p in args.merge])
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gdn_forward.json").write_text(json.dumps(result, indent=1))
+        (out / "gdn_forward.md").write_text(markdown(result))
         print(markdown(result))
         return
     if args.smoke:
@@ -483,6 +512,32 @@ def run_suite(idx, active, skip=(), stages=False, on_row=None):
                 on_row(rows)
             torch.cuda.empty_cache()
     return rows
+
+
+def merge(parts: list[dict]) -> dict:
+    """One result from runs over disjoint configs of the suite (same GPU model, commit and variants): rows in suite
+    order, geomeans over all of them; each part's date, commit and ceilings kept under ``parts``.
+
+    Raises:
+        ValueError: the parts overlap, or differ in GPU, commit or variants.
+    """
+    for key in ("gpu", "commit", "variants"):
+        if len({json.dumps(p[key]) for p in parts}) > 1:
+            raise ValueError(f"cannot merge runs with different {key}: {[p[key] for p in parts]}")
+    order = {cfg: i for i, cfg in enumerate(SUITE)}
+    rows = sorted((r for p in parts for r in p["rows"]), key=lambda r: order[(r["Hk"], r["Hv"], r["seqlen"], r["nseq"])])
+    keys = [(r["Hk"], r["Hv"], r["seqlen"], r["nseq"]) for r in rows]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"the runs overlap: configs {sorted(k for k in set(keys) if keys.count(k) > 1)}")
+    result = dict(parts[0])
+    result.update(rows=rows, configs_planned=sum(p["configs_planned"] for p in parts),
+                  geomean_speedup_vs_fla=geomean([r["speedup_vs_fla"] for r in rows]),
+                  geomean_ratio_vs_flashqla=geomean([r["ratio_vs_flashqla"] for r in rows]),
+                  parts=[{k: p[k] for k in ("date", "commit", "bf16_matmul_tflops", "copy_tbps")} | {
+                      "configs": [f"{r['Hk']}/{r['Hv']} {r['seqlen']}x{r['nseq']}" for r in p["rows"]]}
+                      for p in parts],
+                  method=parts[0]["method"] + f"; {len(parts)} processes on GPUs of one host, disjoint configs")
+    return result
 
 
 def markdown(r):

@@ -307,26 +307,21 @@ def write(out: Path, result: dict) -> None:
 
 def kernel_specs() -> list[tuple[str, str, tuple]]:
     """(module, builder, args) of every TileLang kernel the arms and the GPU tests use."""
-    from flashqla_kernels.gated_delta_rule.hopper import plan
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gdn_forward
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.flashqla_kernels import test_gdn_layer_gpu as gpu_tests
 
-    chunk, glue = "flashqla_kernels.gated_delta_rule.hopper.", "flashqla_kernels.gdn_layer.hopper."
+    glue = "flashqla_kernels.gdn_layer.hopper."
     bf16, names = "bfloat16", {torch.bfloat16: "bfloat16", torch.float16: "float16"}
     specs = []
-    for Hv in (16, 32):  # the benchmark (Hv = 16; 1 and 8 sequences) and the layer tests (2 sequences)
-        specs.append((chunk + "prep", "build_prep", (16, Hv, 128, bf16)))
-        specs.append((chunk + "prep_v2", "build_prep_v2", (16, Hv, 128, bf16)))  # the default variant's prep
-        # widths of 1, 2 and 8 sequences on 132 SMs, and 128 where the ws stage widens split sequences
-        for bdv in sorted({plan.choose_block_v(n, Hv, 128, 128, 132) for n in (1, 2, 8)} | {128}):
-            for final in (False, True):
-                args = (16, Hv, 128, 128, bdv, bf16, 128 ** -0.5, final)
-                specs.append((chunk + "fused_fwd", "build_fused_fwd", args))
-                specs.append((chunk + "fused_fwd_ws", "build_fused_fwd_ws", (*args, "float16")))  # default: ws16
-            specs.append((chunk + "segment_states", "build_segment_states", (16, Hv, 128, 128, bdv, bf16)))
-        for has_h0 in (False, True):
-            specs.append((chunk + "state_scan", "build_state_scan", (Hv, 128, 128, has_h0)))
+    # the chunk kernels of the package default and the base path: the benchmark (Hv = 16; 1 and 8 sequences) and
+    # the layer tests (Hv = 32, 2 sequences), as benchmarks/gdn_forward.py names them
+    layouts = {(16, Hv, 128, bf16, n) for Hv in (16, 32) for n in (1, 2, 8)}
+    for stage, args in gdn_forward.variant_specs(["default", "base"], layouts, 132, final=(False, True)):
+        specs.append((*gdn_forward.STAGE_BUILDERS[stage], args))
+    for Hv in (16, 32):
         for has_prefix in (False, True):
             specs.append((glue + "conv_gates", "build_conv_qkv_gates", (16, Hv, 128, 4, bf16, has_prefix, False)))
     for B, T, Hk, Hv, D, Kc, dtype, prefix, bias in gpu_tests.CONV_CASES.values():

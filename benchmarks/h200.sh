@@ -18,7 +18,9 @@
 #                variants.ALL_VARIANTS in its own pytest process
 #   gdn-bench    benchmarks/gdn_forward.py, every variant, stages timed alone too (narrow with GDN_VARIANTS=ws16,...
 #                and GDN_CONFIGS=0,7,8,9; GDN_BENCH_ARGS="--skip-fla --skip-torch" times ours and FlashQLA only;
-#                GDN_TESTS_S / GDN_BENCH_S override the phase limits; GDN_TEST_VARIANTS narrows gdn-tests)
+#                GDN_TESTS_S / GDN_BENCH_S override the phase limits; GDN_TEST_VARIANTS narrows gdn-tests;
+#                gdn-bench:0,1,2 runs those configs, e.g. half the suite per GPU of a --split, joined afterwards by
+#                gdn_forward.py --merge)
 #   encode       benchmarks/topk_encode.py (fused TopK SAE encode vs torch)
 #   collect      benchmarks/collect_throughput.py (bare forward / capture / SAE codes; ours vs FLA vs torch GDN)
 #   layer-tests  benchmarks/gdn_layer.py --gpu-tests (the fused GDN layer against transformers' layer; LAYER_TESTS_ONLY=
@@ -86,8 +88,10 @@ fi
 for p in "$@"; do
     case $p in
         gdn-tests) phase gdn-tests "${GDN_TESTS_S:-330}" gdn_tests ;;
-        gdn-bench) phase gdn-bench "${GDN_BENCH_S:-420}" python3 benchmarks/gdn_forward.py --variants "${GDN_VARIANTS:-all}" \
-                       --configs "${GDN_CONFIGS:-}" --stages --precompile 14 --out "$OUT" ${GDN_BENCH_ARGS:-} ;;
+        gdn-bench|gdn-bench:*)  # gdn-bench:0,1,2 names the configs of this GPU (a --split half of the suite)
+                   cfg=${p#gdn-bench}; cfg=${cfg#:}
+                   phase gdn-bench "${GDN_BENCH_S:-420}" python3 benchmarks/gdn_forward.py --variants "${GDN_VARIANTS:-all}" \
+                       --configs "${cfg:-${GDN_CONFIGS:-}}" --stages --precompile 14 --out "$OUT" ${GDN_BENCH_ARGS:-} ;;
         gdn-segments) for seg in ${GDN_SEGMENTS:-16 32 64 128}; do  # the context-parallel rows at forced segment lengths
                           FLASHQLA_KERNELS_SEGMENT_CHUNKS=$seg phase "gdn-segments-$seg" "${GDN_SEGMENT_S:-60}" \
                               python3 benchmarks/gdn_forward.py --variants default --configs "${GDN_CONFIGS:-0,2,3,5,6}" \

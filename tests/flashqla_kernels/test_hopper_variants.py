@@ -53,7 +53,7 @@ EXTRA = [
 
 
 def test_variant_names_parse():
-    default = variants.Variant(fused="ws16", prep2=True, inverse="blocks", w_in_registers=True, a_gated=True,
+    default = variants.Variant(fused="ws16", prep2=True, inverse="mma", w_in_registers=True, a_gated=True,
                                p_in_registers=True, starts_in_kernel=True)
     assert variants.parse_variant("default") == variants.parse_variant("") == default
     assert variants.parse_variant(variants.DEFAULT_VARIANT) == default
@@ -798,3 +798,30 @@ def test_precompile_specs_are_the_kernels_the_launcher_compiles(variant, monkeyp
                                     "scan"}
     specs = set(gdn_forward.kernel_specs([variant], [(Hk, Hv, seqlen, 1)], 132))
     assert seen <= specs, f"compiled but not precompiled: {seen - specs}"
+
+
+def test_benchmark_merges_runs_over_disjoint_configs():
+    """gdn_forward.py --merge: rows of two half-suite runs (one per GPU) in suite order, geomeans over all rows,
+    overlapping or mismatched runs refused."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gdn_forward
+
+    def row(i, ours, fla):
+        Hk, Hv, seqlen, nseq = gdn_forward.SUITE[i]
+        return {"Hk": Hk, "Hv": Hv, "seqlen": seqlen, "nseq": nseq, "speedup_vs_fla": fla / ours,
+                "ratio_vs_flashqla": 1.0}
+
+    def part(rows, date):
+        return {"gpu": "H200", "commit": "c", "variants": ["default"], "date": date, "bf16_matmul_tflops": 790.0,
+                "copy_tbps": 4.2, "method": "m", "configs_planned": len(rows), "rows": rows}
+
+    a, b = part([row(5, 1.0, 2.0), row(0, 1.0, 8.0)], "d1"), part([row(3, 1.0, 4.0)], "d2")
+    merged = gdn_forward.merge([a, b])
+    assert [(r["Hk"], r["Hv"], r["seqlen"], r["nseq"]) for r in merged["rows"]] == [gdn_forward.SUITE[i]
+                                                                                      for i in (0, 3, 5)]
+    assert merged["geomean_speedup_vs_fla"] == pytest.approx(4.0)
+    assert merged["configs_planned"] == 3 and [p["date"] for p in merged["parts"]] == ["d1", "d2"]
+    with pytest.raises(ValueError, match="overlap"):
+        gdn_forward.merge([a, a])
+    with pytest.raises(ValueError, match="commit"):
+        gdn_forward.merge([a, {**b, "commit": "other"}])

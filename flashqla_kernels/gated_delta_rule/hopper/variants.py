@@ -22,14 +22,15 @@ A variant name joins parts with ``+``. ``base`` is the first verified path (``fo
     bv32, bv64, bv128   force the V slice per CTA (the plan's rules were tuned on the base fused stage; the
             warp-specialised one holds one 512-thread CTA per SM, so wider slices and more segments may pay)
 
-``DEFAULT_VARIANT = "ws16+prep3+wreg+agp+prs+cpk"``: on the H200 (2026-11-30, third run,
-benchmarks/results/gdn_forward.md) it passed the whole GPU suite (rel-L2 vs float64 2.0e-3 o / 1.7e-3 state, as
-``ws16+prep2``) and was the fastest variant, or within 0.2% of it, on 9 of the 10 configs (``+bv128`` won 2/8
-32768x1, 0.383 vs 0.410 ms): geomean 2.07x the anchor FLA times where ``ws16+prep2`` ran 1.40x. agp + prs made the
-fused stage 1.5-2.1x faster; cpk took 16/32 8192x1 (context-parallel) from 1.19 to 0.38 ms. The previous default
-``ws16+prep2`` (first verified warp-specialised path) stays selectable. Every warp-specialised variant takes
-128-wide V slices where the plan splits long sequences and Hv >= 16 (``plan.wide_slices_pay``: forcing ``bv128``
-won exactly those rows on the H200 and lost the others), ``bv*`` still forces a width.
+``DEFAULT_VARIANT = "ws16+prep4+wreg+agp+prs+cpk"`` (since the fifth session, 2026-11-30): on the H200 it passed
+the whole GPU suite (rel-L2 vs float64 2.0e-3 o / 1.7e-3 state, the same as the prep3 default) and was faster on all
+10 configs of benchmarks/results/gdn_forward.md: geomean 2.96x the anchor FLA times where the same run measured the
+prep3 default at 2.45x, and 1.03x that run's FlashQLA. Its prep stage alone went from 0.376 to 0.170 ms on 16/32
+8192x4 (the tensor-core merges). Before it, ``ws16+prep3+wreg+agp+prs+cpk`` (fourth session: agp + prs made the
+fused stage 1.5-2.1x faster, cpk took 16/32 8192x1 from 1.19 to 0.38 ms), and before that ``ws16+prep2`` (the first
+verified warp-specialised path); both stay selectable. Every warp-specialised variant takes 128-wide V slices where
+the plan splits long sequences and Hv >= 16 (``plan.wide_slices_pay``: forcing ``bv128`` won exactly those rows on
+the H200 and lost the others), ``bv*`` still forces a width.
 
 Select per call (``variant=``) or process-wide with the environment variable FLASHQLA_KERNELS_VARIANT (read on every
 call with ``variant=None``; ``base`` restores the first path). The context-parallel stages (``segment_states``,
@@ -47,13 +48,14 @@ from flashqla_kernels.gated_delta_rule.hopper import forward
 
 ENV_VAR = "FLASHQLA_KERNELS_VARIANT"
 PARTS = ("ws", "ws16", "prep2", "prep3", "prep4", "wreg", "agp", "prs", "cpk", "bv32", "bv64", "bv128")
-DEFAULT_VARIANT = "ws16+prep3+wreg+agp+prs+cpk"
-# what benchmarks/gdn_forward.py --variants all and the GPU variant tests run beside the default: the previous
-# default, the default without cpk, and the default with 128-wide slices everywhere. Measured and retired from this
-# list on 2026-11-30 (benchmarks/README.md): ws, ws16, prep2, ws+prep2, ws16+prep2+bv128, ws16+prep3,
-# ws16+prep2+wreg, ws16+prep3+wreg(+bv128), ws16+prep3+agp+prs, ws16+prep3+wreg+agp+prs+bv128.
-ALL_VARIANTS = ("base", "ws16+prep2", "ws16+prep3+wreg+agp+prs", "ws16+prep3+wreg+agp+prs+cpk+bv128",
-                "ws16+prep4+wreg+agp+prs+cpk", "ws16+prep4+wreg+prs+cpk")
+DEFAULT_VARIANT = "ws16+prep4+wreg+agp+prs+cpk"
+# what benchmarks/gdn_forward.py --variants all and the GPU variant tests run beside the default: the first path, the
+# two previous defaults, the default writing A0 instead of Ag (prep4 without agp), and the default with 128-wide
+# slices everywhere. Measured and retired from this list on 2026-11-30 (benchmarks/README.md): ws, ws16, prep2,
+# ws+prep2, ws16+prep2+bv128, ws16+prep3, ws16+prep2+wreg, ws16+prep3+wreg(+bv128), ws16+prep3+agp+prs,
+# ws16+prep3+wreg+agp+prs(+bv128), ws16+prep3+wreg+agp+prs+cpk+bv128.
+ALL_VARIANTS = ("base", "ws16+prep2", "ws16+prep3+wreg+agp+prs+cpk", "ws16+prep4+wreg+prs+cpk",
+                "ws16+prep4+wreg+agp+prs+cpk+bv128")
 
 
 @dataclass(frozen=True)
