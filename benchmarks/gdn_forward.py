@@ -94,7 +94,13 @@ def runners(q, k, v, g, beta, h0, cu, Hk, Hv, nseq, variant_names=("default",)):
     except Exception as e:  # noqa: BLE001
         print(f"FlashQLA unavailable: {e!r}")
     try:
+        import inspect
+
         from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+        # transformers (5.x) decorates the torch function to dispatch to FLA when FLA is importable: time the
+        # function itself (its __wrapped__), not FLA a second time
+        torch_chunk_gated_delta_rule = inspect.unwrap(torch_chunk_gated_delta_rule)
         T = q.shape[1] // nseq
         rep = Hv // Hk
         qd, kd = (x.view(nseq, T, Hk, K).repeat_interleave(rep, dim=2) for x in (q, k))
