@@ -6,8 +6,9 @@ with Hk = Hv = 16, K = V = 128, and 6 full attention, vocab 248320), forward of 
 Arms (one run, one process):
   ours           ``patch_transformers(backend="tilelang", fused_layer=True)``: the fused GDN layer (token-major conv +
                  gates + l2norm kernel, our chunk kernels, gated-RMSNorm kernel), the one-pass zero-centred
-                 RMSNorm kernel for every decoder / final / q-k norm and the one-pass ``silu(gate) * up`` kernel in
-                 every MLP (``patch_gdn_layers``' defaults ``rms_norms=True, mlp=True``);
+                 RMSNorm kernel for every decoder / final / q-k norm, the one-pass ``silu(gate) * up`` kernel in
+                 every MLP and the attention layers' q/k norm + RoPE and gate kernels (``patch_gdn_layers``' defaults
+                 ``rms_norms=True, mlp=True, attention=True``);
   ours+graph     ``ours`` captured once into a CUDA graph and replayed (same static input ids, the kept outputs are the
                  graph's): what the forward costs with no host launch overhead at all, i.e. how much of the gap
                  between wall time and CUDA time is the host's (the hooks ran at capture);
@@ -123,9 +124,9 @@ class Arms:
         if name in ("ours", "ours+graph"):
             patch_transformers(backend=self.backend, fused_layer=True)
         elif name == "ours+compile":
-            # the norms and the MLP are left to inductor here: compilation against hand fusion
+            # the norms, the MLP and the attention glue are left to inductor here: compilation against hand fusion
             patch_transformers(backend=self.backend)
-            layer_patch.patch_gdn_layers(self.backend, rms_norms=False, mlp=False)
+            layer_patch.patch_gdn_layers(self.backend, rms_norms=False, mlp=False, attention=False)
         elif base in ("qla_op", "compile"):
             patch_transformers(backend=self.backend)
         elif base == "torch":
@@ -331,6 +332,13 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
     for D, dtype in ((2048, bf16), (256, bf16), (2048, "float16"), (64, bf16)):
         specs.append((glue + "rms_norm", "build_rms_norm", (D, dtype, 1e-6)))
     specs.append((glue + "silu_mul", "build_silu_mul", (6144, bf16)))  # the 2B model's MLP (intermediate 6144)
+    # the gated attention layers' glue: the 2B model (8 query heads, 2 key heads, head dim 256, 64 rotary channels)
+    # and the GPU tests' cases
+    attn = {(8, 2, 256, 64, bf16)} | {(H, Hkv, D, R, names[dtype]) for _, _, H, Hkv, D, R, dtype, _
+                                      in gpu_tests.ATTN_CASES.values()}
+    for H, Hkv, D, R, dtype in sorted(attn):
+        specs.append((glue + "attn_glue", "build_qk_norm_rope", (H, Hkv, D, R, dtype, 1e-6)))
+        specs.append((glue + "attn_glue", "build_gate_mul", (H, D, dtype)))
     for shape, dtype in gpu_tests.SILU_CASES.values():
         specs.append((glue + "silu_mul", "build_silu_mul", (shape[-1], names[dtype])))
     return list(dict.fromkeys(specs))

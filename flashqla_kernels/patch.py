@@ -185,6 +185,7 @@ def patched_transformers(backend: str | None = None, model: torch.nn.Module | No
     ops_were_patched, previous = bool(_saved_globals or _saved_attrs), _current_backend()
     layer_was_patched, previous_layer = _layer_patch.gdn_layers_patched(), _layer_patch._current_backend()
     previous_norms, previous_mlps = _layer_patch._norms_patched(), _layer_patch._mlps_patched()
+    previous_attention = _layer_patch._attention_patched()
     try:
         yield patch_transformers(backend, model, fused_layer)
     finally:
@@ -192,4 +193,4 @@ def patched_transformers(backend: str | None = None, model: torch.nn.Module | No
         if ops_were_patched:
             patch_transformers(previous, model)
         if layer_was_patched:
-            _layer_patch.patch_gdn_layers(previous_layer, previous_norms, previous_mlps)
+            _layer_patch.patch_gdn_layers(previous_layer, previous_norms, previous_mlps, previous_attention)

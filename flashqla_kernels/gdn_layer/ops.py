@@ -1,8 +1,9 @@
 """The GDN layer's glue stages with backend dispatch: TileLang kernels for CUDA sm_90 tensors, torch elsewhere.
 
 ``conv_qkv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates), ``gated_norm`` (gated RMSNorm),
-``rms_norm`` (Qwen's zero-centred RMSNorm: the decoder / final / q-k norms around the layers) and ``silu_mul`` (the
-dense MLP's ``silu(gate) * up``) have one signature each across the torch formulation (``torch_path``) and the
+``rms_norm`` (Qwen's zero-centred RMSNorm: the decoder / final / q-k norms around the layers), ``silu_mul`` (the
+dense MLP's ``silu(gate) * up``), and the gated full-attention layers' ``qk_norm_rope`` (q/k norms + partial rotary
+embedding, into the attention kernels' layout) and ``gate_mul`` (``attn * sigmoid(gate)``) have one signature each across the torch formulation (``torch_path``) and the
 kernels (``hopper``). ``backend=None`` picks the kernels when ``glue_kernel_reason`` (and the stage's shape check)
 returns None, else torch; ``"torch"`` forces torch; ``"tilelang"`` forces the kernels or raises the reason.
 Importing this module touches neither CUDA nor tilelang.
@@ -15,7 +16,8 @@ import torch
 
 from flashqla_kernels.gdn_layer import torch_path
 
-__all__ = ["conv_qkv_gates", "gated_norm", "rms_norm", "silu_mul", "glue_kernel_reason", "KERNEL_DTYPES"]
+__all__ = ["conv_qkv_gates", "gated_norm", "rms_norm", "silu_mul", "qk_norm_rope", "gate_mul", "glue_kernel_reason",
+           "KERNEL_DTYPES"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _HOPPER = "flashqla_kernels.gdn_layer.hopper"
@@ -126,3 +128,45 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None
         hopper = importlib.import_module(_HOPPER)
         return hopper.silu_mul_fwd(gate, up)
     return torch_path.silu_mul(gate, up)
+
+
+def qk_norm_rope(qg: torch.Tensor, kx: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor, *, backend: str | None = None):
+    """The gated attention layers' q/k preparation: zero-centred RMSNorm of each head row, then the rotary
+    embedding on the first R channels, written in the attention kernels' ``[B, heads, L, D]`` layout.
+
+    Args:
+        qg: [B, L, H, 2 D] (``q_proj``'s output per head: query, gate). kx: [B, L, Hkv, D]. wq, wk: [D]. eps: float.
+        cos, sin: [B or 1, L, R] (R even, <= D; the kernel needs D in (64, 128, 256)). backend: see module doc.
+
+    Returns:
+        q [B, H, L, D] and k [B, Hkv, L, D], contiguous, in qg's dtype.
+
+    Example:
+        >>> q, k = qk_norm_rope(attn.q_proj(h).view(B, L, -1, 2 * D), attn.k_proj(h).view(B, L, -1, D),
+        ...                     attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin)
+    """
+    hopper = importlib.import_module(_HOPPER)
+
+    def shape_reason():
+        return hopper.attention_shape_reason(qg.shape[-1] // 2, cos.shape[-1], cos.shape[0], qg.shape[0])
+
+    if _use_kernels(backend, "qk_norm_rope", qg, kx, shape_reason=shape_reason):
+        return hopper.qk_norm_rope_fwd(qg, kx, wq, wk, eps, cos, sin)
+    return torch_path.qk_norm_rope(qg, kx, wq, wk, eps, cos, sin)
+
+
+def gate_mul(attn: torch.Tensor, qg: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """The gated attention output ``attn * sigmoid(gate)``, the gate read in place from ``q_proj``'s output.
+
+    Args:
+        attn: [..., H * D]. qg: [..., H, 2 D], the same tokens. backend: see module doc.
+
+    Returns:
+        attn's shape and dtype.
+    """
+    hopper = importlib.import_module(_HOPPER)
+    if _use_kernels(backend, "gate_mul", attn, qg, shape_reason=lambda: hopper.attention_shape_reason(
+            qg.shape[-1] // 2, 0, 1, 1)):
+        return hopper.gate_mul_fwd(attn, qg)
+    return torch_path.gate_mul(attn, qg)

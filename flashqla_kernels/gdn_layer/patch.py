@@ -11,6 +11,11 @@ With ``mlp=True`` (default) it replaces ``forward`` of the families' dense gate/
 and the MoE blocks' shared expert; the routed experts are another module, left alone):
 ``down_proj(silu_mul(gate_proj(x), up_proj(x)))`` with the one-pass ``silu(gate) * up`` kernel on CUDA sm_90
 bf16/fp16 tensors when ``act_fn`` is SiLU, transformers' own forward otherwise.
+With ``attention=True`` (default) it replaces ``forward`` of the families' gated full-attention classes: q/k norms
+and the partial rotary embedding in one kernel that writes the attention kernels' layout (``ops.qk_norm_rope``), the
+attention itself through transformers' own attention interface, and ``attn * sigmoid(gate)`` reading the gate in place
+(``ops.gate_mul``). Calls with a KV cache (generation) and layers whose q/k norms carry hooks go to transformers'
+forward.
 
 Explicit, idempotent and restorable: importing this module changes nothing.
 """
@@ -26,7 +31,7 @@ from flashqla_kernels.gdn_layer import ops
 from flashqla_kernels.gdn_layer.layer import gdn_layer_forward, layer_unsupported_reason
 
 __all__ = ["patch_gdn_layers", "unpatch_gdn_layers", "patched_gdn_layers", "gdn_layers_patched", "GDN_CLASSES",
-           "NORM_CLASSES", "MLP_CLASSES"]
+           "NORM_CLASSES", "MLP_CLASSES", "ATTENTION_CLASSES", "attention_fallback_reason"]
 
 GDN_CLASSES = (
     ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),
@@ -44,6 +49,12 @@ MLP_CLASSES = (
     ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextMLP"),
     ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5MLP"),
     ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeMLP"),
+)
+# the gated full-attention layers: q_proj -> (query, gate) per head, q/k zero-centred norms, partial RoPE
+ATTENTION_CLASSES = (
+    ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextAttention"),
+    ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5Attention"),
+    ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeAttention"),
 )
 _SILU_TYPES = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers' ACT2FN["silu"]
 _MARK = "_flashqla_fused_backend"
@@ -110,6 +121,66 @@ def _make_mlp_forward(original, backend: str | None):
     return forward
 
 
+def attention_fallback_reason(attn, hidden_states, position_embeddings, cache) -> str | None:
+    """Why a gated attention layer's call goes to transformers' forward instead of the fused glue, or None."""
+    if cache is not None:
+        return "a KV cache is passed (generation): transformers' forward updates it"
+    if position_embeddings is None:
+        return "no position embeddings passed"
+    if attn.training and attn.attention_dropout:
+        return "attention dropout in training mode"
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(attn, name, None)
+        if norm is None or not hasattr(norm, "weight"):
+            return f"no {name} with a weight"
+        if norm._forward_hooks or norm._forward_pre_hooks:
+            return f"{name} has hooks, which the fused q/k preparation would skip"
+        if type(norm).__name__ not in {c for _, c in NORM_CLASSES}:
+            return f"{name} is {type(norm).__name__}, not a zero-centred RMSNorm"
+    if _norm_eps(attn.q_norm) != _norm_eps(attn.k_norm):
+        return "q_norm and k_norm have different eps"
+    if attn.q_proj.out_features != 2 * attn.config.num_attention_heads * attn.head_dim:
+        return "q_proj does not output a gate beside the query"
+    return None
+
+
+def _norm_eps(norm) -> float:
+    return float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
+
+
+def _make_attention_forward(original, backend: str | None):
+    cache_name = "cache" if "cache" in inspect.signature(original).parameters else "past_key_values"
+    module = importlib.import_module(original.__module__)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                past_key_values=None, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        if attention_fallback_reason(self, hidden_states, position_embeddings, cache) is not None:
+            return original(self, hidden_states, position_embeddings, attention_mask, **{cache_name: cache},
+                            **kwargs)
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        input_shape, D = hidden_states.shape[:-1], self.head_dim
+        qg = self.q_proj(hidden_states).view(*input_shape, -1, 2 * D)
+        kx = self.k_proj(hidden_states).view(*input_shape, -1, D)
+        v = self.v_proj(hidden_states).view(*input_shape, -1, D).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = ops.qk_norm_rope(qg, kx, self.q_norm.weight, self.k_norm.weight, _norm_eps(self.q_norm), cos, sin,
+                                backend=backend)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                          module.eager_attention_forward)
+        out, weights = interface(self, q, k, v, attention_mask, dropout=0.0 if not self.training
+                                 else self.attention_dropout, scaling=self.scaling, **kwargs)
+        out = ops.gate_mul(out.reshape(*input_shape, -1), qg, backend=backend)
+        return self.o_proj(out), weights
+
+    forward.__doc__ = (f"flashqla_kernels gated attention (backend={backend!r}): fused q/k norm + RoPE and gate; "
+                       "transformers' forward with a KV cache.")
+    forward.__wrapped__ = original
+    setattr(forward, _MARK, backend)
+    return forward
+
+
 def _load(module_name: str, class_name: str):
     try:
         return getattr(importlib.import_module(module_name), class_name, None)
@@ -117,7 +188,8 @@ def _load(module_name: str, class_name: str):
         return None
 
 
-def patch_gdn_layers(backend: str | None = None, rms_norms: bool = True, mlp: bool = True) -> list[str]:
+def patch_gdn_layers(backend: str | None = None, rms_norms: bool = True, mlp: bool = True,
+                     attention: bool = True) -> list[str]:
     """Run the GDN layers of Qwen3-Next / Qwen3.5 / Qwen3.5-MoE on the fused layer path.
 
     Args:
@@ -126,6 +198,8 @@ def patch_gdn_layers(backend: str | None = None, rms_norms: bool = True, mlp: bo
         rms_norms: also put the zero-centred RMSNorm classes on the RMSNorm kernel (a no-op off Hopper).
         mlp: also put the dense SiLU MLP classes (``MLP_CLASSES``) on the fused ``silu(gate) * up`` kernel (a no-op
             off Hopper).
+        attention: also put the gated full-attention classes (``ATTENTION_CLASSES``) on the fused q/k norm + RoPE
+            and gate kernels (off Hopper: the same wiring with transformers' operations, equal to its forward).
 
     Returns:
         The patched targets, e.g. ``["transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet.forward"]``.
@@ -141,7 +215,8 @@ def patch_gdn_layers(backend: str | None = None, rms_norms: bool = True, mlp: bo
     unpatch_gdn_layers()
     patched = []
     targets = ([(c, _make_forward) for c in GDN_CLASSES] + [(c, _make_norm_forward) for c in NORM_CLASSES if rms_norms]
-               + [(c, _make_mlp_forward) for c in MLP_CLASSES if mlp])
+               + [(c, _make_mlp_forward) for c in MLP_CLASSES if mlp]
+               + [(c, _make_attention_forward) for c in ATTENTION_CLASSES if attention])
     for (module_name, class_name), make in targets:
         cls = _load(module_name, class_name)
         if cls is None:
@@ -188,8 +263,13 @@ def _mlps_patched() -> bool:
     return any(key in _saved for key in MLP_CLASSES)
 
 
+def _attention_patched() -> bool:
+    return any(key in _saved for key in ATTENTION_CLASSES)
+
+
 @contextlib.contextmanager
-def patched_gdn_layers(backend: str | None = None, rms_norms: bool = True, mlp: bool = True) -> Iterator[list[str]]:
+def patched_gdn_layers(backend: str | None = None, rms_norms: bool = True, mlp: bool = True,
+                       attention: bool = True) -> Iterator[list[str]]:
     """Context manager form of ``patch_gdn_layers``; on exit restores the state found on entry.
 
     Example:
@@ -197,9 +277,10 @@ def patched_gdn_layers(backend: str | None = None, rms_norms: bool = True, mlp: 
         ...     out = model.generate(ids, max_new_tokens=8)
     """
     was, previous, norms, mlps = gdn_layers_patched(), _current_backend(), _norms_patched(), _mlps_patched()
+    attn = _attention_patched()
     try:
-        yield patch_gdn_layers(backend, rms_norms, mlp)
+        yield patch_gdn_layers(backend, rms_norms, mlp, attention)
     finally:
         unpatch_gdn_layers()
         if was:
-            patch_gdn_layers(previous, norms, mlps)
+            patch_gdn_layers(previous, norms, mlps, attn)

@@ -9,6 +9,8 @@ channels-first and no whole tensor makes an fp32 round trip through memory beyon
     gates:  g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)               (fp32, [B, T, Hv])
     norm:   out = o * rsqrt(mean(o^2) + eps) * weight * silu(z)                      (fp32 math, o's dtype out)
     mlp:    out = silu(gate) * up                  (the MLP's gated activation; fp32 math, gate's dtype out)
+    attn:   q, k = rope(rms_norm(q_proj(x)[..., :D])), rope(rms_norm(k_proj(x)))  -> [B, H, T, D] (the gated
+            full-attention layers: transformers' own operations); out = attn * sigmoid(q_proj(x)[..., D:])
 
 Compute: fp32 (fp64 for fp64 inputs); outputs in the input dtype except the gates (fp32, as the op wants them).
 """
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["causal_conv1d_silu", "conv_split_l2norm_gates", "gdn_gates", "gated_rms_norm", "l2norm_fp32",
-           "rms_norm_zero_centred", "silu_mul"]
+           "rms_norm_zero_centred", "silu_mul", "qk_norm_rope", "gate_mul"]
 
 
 def _math_dtype(x: torch.Tensor) -> torch.dtype:
@@ -143,3 +145,42 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """
     dt = _math_dtype(gate)
     return (F.silu(gate.to(dt)) * up.to(dt)).to(gate.dtype)
+
+
+def qk_norm_rope(qg: torch.Tensor, kx: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated attention layers' q/k preparation with transformers' operations: the zero-centred RMSNorm of each
+    head row (rounded to the input dtype), then the rotary embedding on the first R = cos.shape[-1] channels.
+
+    Args:
+        qg: [B, L, H, 2 D] (``q_proj``'s output per head: query, gate). kx: [B, L, Hkv, D]. wq, wk: [D]. eps: float.
+        cos, sin: [B or 1, L, R].
+
+    Returns:
+        q [B, H, L, D] and k [B, Hkv, L, D], contiguous, in qg's dtype.
+    """
+    D = qg.shape[-1] // 2
+    q = rms_norm_zero_centred(qg[..., :D], wq, eps).transpose(1, 2)
+    k = rms_norm_zero_centred(kx, wk, eps).transpose(1, 2)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    R = cos.shape[-1]
+
+    def rope(x):
+        xr, xp = x[..., :R], x[..., R:]
+        rotated = torch.cat((-xr[..., R // 2:], xr[..., :R // 2]), dim=-1)
+        return torch.cat(((xr * cos) + (rotated * sin), xp), dim=-1)
+
+    return rope(q).contiguous(), rope(k).contiguous()
+
+
+def gate_mul(attn: torch.Tensor, qg: torch.Tensor) -> torch.Tensor:
+    """The gated attention output, ``attn * sigmoid(gate)`` as transformers computes it.
+
+    Args:
+        attn: [..., H * D] (the attention output, token-major). qg: [..., H, 2 D], the same tokens.
+
+    Returns:
+        attn's shape and dtype.
+    """
+    D = qg.shape[-1] // 2
+    return attn * torch.sigmoid(qg[..., D:].reshape(attn.shape))

@@ -391,3 +391,99 @@ def test_a_cache_without_the_hybrid_cache_api_is_refused_by_name():
         layer, OldCache())
     with pytest.raises(ValueError, match=r"OldCache \(transformers .*\) lacks get_conv_state.*patch_gdn_layers"):
         gdn_layer_forward(layer, torch.randn(1, 3, layer.hidden_size), cache=OldCache())
+
+
+def _attn_call(model, ids):
+    """The first gated attention layer and the (args, kwargs) its decoder layer calls it with in a cache-less
+    forward of ``ids`` (the real call convention of this transformers version)."""
+    attn = next(layer.self_attn for layer in _text_model(model).layers if hasattr(layer, "self_attn"))
+    seen = []
+    handle = attn.register_forward_pre_hook(lambda m, a, kw: seen.append((a, dict(kw))), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        handle.remove()
+    return attn, seen[0]
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_patch_is_transformers_bit_for_bit_off_hopper(family, dtype, monkeypatch):
+    """The gated attention forward on the fused wiring (q/k norm + RoPE in one op, the gate read in place) with the
+    torch formulation equals transformers' forward bit for bit, called as the decoder layer calls it; the whole
+    model's logits too."""
+    from flashqla_kernels.gdn_layer import ops
+
+    model = tiny_model(family, dtype=dtype)
+    ids = torch.randint(0, 256, (2, 13))
+    attn, (args, kwargs) = _attn_call(model, ids)
+    cls = type(attn)
+    original = cls.__dict__["forward"]
+    calls = []
+    real = ops.qk_norm_rope
+    monkeypatch.setattr(ops, "qk_norm_rope", lambda *a, **kw: calls.append(kw["backend"]) or real(*a, **kw))
+    with torch.no_grad():
+        want = attn(*args, **kwargs)[0]
+        with patched_gdn_layers(backend="torch", attention=False):
+            assert cls.__dict__["forward"] is original
+            base_logits = model(ids, use_cache=False).logits
+        for backend in ("torch", None):
+            with patched_gdn_layers(backend=backend) as targets:
+                assert f"{cls.__module__}.{cls.__name__}.forward" in targets
+                assert cls.__dict__["forward"].__wrapped__ is original
+                got = attn(*args, **kwargs)[0]
+                assert torch.equal(got, want)
+                if backend == "torch":
+                    logits = model(ids, use_cache=False).logits
+    assert cls.__dict__["forward"] is original
+    # the fused wiring ran: the direct call and the model forward's layers with "torch", the direct call with None
+    assert calls[0] == "torch" and calls[-1] is None and calls.count("torch") >= 2
+    assert torch.equal(logits, base_logits)
+
+
+def test_attention_calls_with_a_cache_or_hooked_norms_go_to_transformers(monkeypatch):
+    from flashqla_kernels.gdn_layer import ops
+
+    model = tiny_model("qwen3_5")
+    ids = torch.randint(0, 256, (1, 9))
+    attn, (args, kwargs) = _attn_call(model, ids)
+    fused = []
+    real = ops.qk_norm_rope
+    monkeypatch.setattr(ops, "qk_norm_rope", lambda *a, **kw: fused.append(1) or real(*a, **kw))
+    assert gdn_patch.attention_fallback_reason(attn, None, kwargs.get("position_embeddings"), None) is None
+    assert "KV cache" in gdn_patch.attention_fallback_reason(attn, None, kwargs.get("position_embeddings"), object())
+    assert "position embeddings" in gdn_patch.attention_fallback_reason(attn, None, None, None)
+    with torch.no_grad(), patched_gdn_layers(backend="torch"):
+        want = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert not fused  # generation runs with a cache: every attention call took transformers' forward
+        handle = attn.q_norm.register_forward_hook(lambda m, i, o: None)
+        try:
+            assert "hooks" in gdn_patch.attention_fallback_reason(attn, None, kwargs.get("position_embeddings"), None)
+            attn(*args, **kwargs)
+            assert not fused
+        finally:
+            handle.remove()
+        attn(*args, **kwargs)
+        assert fused
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0), want)
+
+
+def test_attention_glue_formulation_rotates_only_the_first_r_channels():
+    """qk_norm_rope by hand: with cos = 1, sin = 0 it is the norm alone; with cos = 0, sin = 1 the first R channels
+    are the rotated half (-x2, x1) and the rest untouched; gate_mul is attn * sigmoid(gate)."""
+    torch.manual_seed(0)
+    B, L, H, Hkv, D, R = 2, 5, 4, 2, 16, 8
+    qg, kx = torch.randn(B, L, H, 2 * D), torch.randn(B, L, Hkv, D)
+    wq, wk = torch.randn(D) * 0.1, torch.randn(D) * 0.1
+    nq = torch_path.rms_norm_zero_centred(qg[..., :D], wq, 1e-6).transpose(1, 2)
+    nk = torch_path.rms_norm_zero_centred(kx, wk, 1e-6).transpose(1, 2)
+    q, k = torch_path.qk_norm_rope(qg, kx, wq, wk, 1e-6, torch.ones(1, L, R), torch.zeros(1, L, R))
+    assert torch.equal(q, nq) and torch.equal(k, nk) and q.is_contiguous() and q.shape == (B, H, L, D)
+    q, _ = torch_path.qk_norm_rope(qg, kx, wq, wk, 1e-6, torch.zeros(B, L, R), torch.ones(B, L, R))
+    assert torch.equal(q[..., :R // 2], -nq[..., R // 2:R]) and torch.equal(q[..., R // 2:R], nq[..., :R // 2])
+    assert torch.equal(q[..., R:], nq[..., R:])
+    attn = torch.randn(B, L, H * D)
+    want = attn * torch.sigmoid(qg[..., D:].reshape(B, L, H * D))
+    assert torch.equal(torch_path.gate_mul(attn, qg), want)

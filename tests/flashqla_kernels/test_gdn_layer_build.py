@@ -22,12 +22,15 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exi
                                 reason="needs nvcc to compile for sm_90a")
 
 # conv: (Hk, Hv, D, Kc, dtype, has_prefix, has_bias); norm (gated): (V, dtype, eps); rms: (D, dtype, eps);
-# silu (the MLP's silu(gate) * up): (D, dtype)
+# silu (the MLP's silu(gate) * up): (D, dtype); qkrope (attention q/k norm + partial RoPE): (H, Hkv, D, R, dtype,
+# eps); gate (attention output * sigmoid(gate)): (H, D, dtype)
 CORE = [
     ("conv", (16, 16, 128, 4, "bfloat16", False, False)),
     ("norm", (128, "bfloat16", 1e-6)),
     ("rms", (2048, "bfloat16", 1e-6)),
     ("silu", (6144, "bfloat16")),
+    ("qkrope", (8, 2, 256, 64, "bfloat16", 1e-6)),
+    ("gate", (8, 256, "bfloat16")),
 ]
 EXTRA = [
     ("conv", (16, 16, 128, 4, "bfloat16", True, False)),
@@ -40,18 +43,28 @@ EXTRA = [
     ("rms", (64, "float16", 1e-5)),
     ("silu", (64, "float16")),
     ("silu", (1472, "bfloat16")),
+    ("qkrope", (16, 2, 256, 64, "bfloat16", 1e-6)),
+    ("qkrope", (4, 4, 128, 128, "float16", 1e-5)),
+    ("qkrope", (4, 1, 64, 32, "bfloat16", 1e-6)),
+    ("gate", (16, 256, "bfloat16")),
+    ("gate", (4, 64, "float16")),
 ]
 
 
 def _compile(stage, args):
     pytest.importorskip("tilelang")
     from flashqla_kernels.gated_delta_rule.hopper import _common
-    from flashqla_kernels.gdn_layer.hopper import conv_gates, gated_norm, rms_norm, silu_mul
+    from flashqla_kernels.gdn_layer.hopper import attn_glue, conv_gates, gated_norm, rms_norm, silu_mul
 
     builder = {"conv": conv_gates.build_conv_qkv_gates, "norm": gated_norm.build_gated_rms_norm,
-               "rms": rms_norm.build_rms_norm, "silu": silu_mul.build_silu_mul}[stage]
+               "rms": rms_norm.build_rms_norm, "silu": silu_mul.build_silu_mul,
+               "qkrope": attn_glue.build_qk_norm_rope, "gate": attn_glue.build_gate_mul}[stage]
     src = _common.compile_kernel(builder, *args).get_kernel_source()
-    assert "__global__" in src and ("rsqrtf" in src or stage == "silu"), f"{stage}{args}: unexpected generated CUDA"
+    assert "__global__" in src and ("rsqrtf" in src or stage in ("silu", "gate")), f"{stage}{args}: unexpected CUDA"
+    if stage == "qkrope":
+        # one kernel: the norm's reduction, both q and k outputs, and the rotary products with cos and sin
+        assert "AllReduce" in src and "q[" in src or "(q + " in src
+        assert "cos" in src and "sin" in src and ("k[" in src or "(k + " in src)
     if stage == "conv":
         # the gates (softplus, exp) and the q/k/v stores are in the same kernel as the conv
         assert "log1pf" in src and "beta[" in src and "(q + " in src and "(v + " in src
@@ -93,7 +106,7 @@ def test_importing_the_glue_hopper_package_does_not_import_tilelang():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert all(name in out.stdout for name in ("conv_qkv_gates_fwd", "gated_rms_norm_fwd", "rms_norm_fwd",
-                                               "silu_mul_fwd"))
+                                               "silu_mul_fwd", "qk_norm_rope_fwd", "gate_mul_fwd"))
 
 
 def test_dispatch_uses_torch_off_hopper_and_forced_kernels_raise_the_reason():

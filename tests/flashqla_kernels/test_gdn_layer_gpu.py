@@ -166,6 +166,65 @@ def test_patched_mlp_runs_the_kernel_and_matches_transformers_within_bf16(monkey
     assert ours.dtype == torch.bfloat16 and e_ours <= 1.05 * e_theirs
 
 
+ATTN_CASES = {
+    # name: (B, L, H, Hkv, D, R, dtype, cos batch rows); the first is Qwen3.5-2B's attention at 8 x 4096
+    "qwen35_2b_8x4096": (8, 4096, 8, 2, 256, 64, torch.bfloat16, 8),
+    "tail_L77_shared_cos": (2, 77, 8, 2, 256, 64, torch.bfloat16, 1),
+    "d128_full_rotary_fp16": (1, 33, 4, 4, 128, 128, torch.float16, 1),
+    "d64_L1": (3, 1, 4, 1, 64, 32, torch.bfloat16, 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ATTN_CASES))
+def test_attention_glue_kernels_match_the_torch_formulation(name):
+    from flashqla_kernels.gdn_layer import hopper
+
+    B, L, H, Hkv, D, R, dtype, Bc = ATTN_CASES[name]
+    g = torch.Generator(device=DEV).manual_seed(4)
+    qg = (3 * torch.randn(B, L, H, 2 * D, generator=g, device=DEV)).to(dtype)
+    kx = (3 * torch.randn(B, L, Hkv, D, generator=g, device=DEV)).to(dtype)
+    wq, wk = (0.1 * torch.randn(2, D, generator=g, device=DEV)).to(dtype)
+    ang = torch.rand(Bc, L, R // 2, generator=g, device=DEV) * 6.3
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+    q, k = hopper.qk_norm_rope_fwd(qg, kx, wq, wk, 1e-6, cos, sin)
+    ref_q, ref_k = torch_path.qk_norm_rope(qg.float(), kx.float(), wq.float(), wk.float(), 1e-6, cos.float(),
+                                           sin.float())
+    theirs_q, theirs_k = torch_path.qk_norm_rope(qg, kx, wq, wk, 1e-6, cos, sin)  # transformers' ops in the dtype
+    assert q.shape == (B, H, L, D) and k.shape == (B, Hkv, L, D) and q.is_contiguous() and k.is_contiguous()
+    for got, ref, theirs in ((q, ref_q, theirs_q), (k, ref_k, theirs_k)):
+        assert not got.isnan().any()
+        assert _rel(got, ref) <= max(1.5 * _rel(theirs, ref), 4e-3), (name, _rel(got, ref), _rel(theirs, ref))
+    attn = torch.randn(B, L, H * D, generator=g, device=DEV).to(dtype)
+    got = hopper.gate_mul_fwd(attn, qg)
+    ref = torch_path.gate_mul(attn.float(), qg.float())
+    assert not got.isnan().any() and got.shape == attn.shape
+    assert _rel(got, ref) <= max(1.05 * _rel(torch_path.gate_mul(attn, qg), ref), 4e-3)
+    print(f"attention glue {name}: rel-L2 vs fp32 q {_rel(q, ref_q):.2e} (transformers' ops {_rel(theirs_q, ref_q):.2e}),"
+          f" gate {_rel(got, ref):.2e}")
+
+
+def test_patched_attention_runs_the_kernels_and_matches_transformers_within_bf16(monkeypatch):
+    """A Qwen3.5-2B-shaped attention layer, fp32 transformers as the truth: the patched bf16 forward (q/k glue and
+    gate on the kernels, transformers' attention interface) is as close to it as transformers' own bf16 forward."""
+    from flashqla_kernels.gdn_layer.hopper import attn_glue
+
+    model32 = _qwen35_layer(layers=("full_attention",))
+    model = _qwen35_layer(layers=("full_attention",)).to(torch.bfloat16)
+    calls = []
+    kernel = attn_glue.qk_norm_rope
+    monkeypatch.setattr(attn_glue, "qk_norm_rope", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    ids = torch.randint(0, 1024, (2, 777), device=DEV)
+    with torch.no_grad():
+        truth = model32.model(ids, use_cache=False).last_hidden_state
+        theirs = model.model(ids, use_cache=False).last_hidden_state
+        with patched_gdn_layers():
+            ours = model.model(ids, use_cache=False).last_hidden_state
+    assert calls, "the patched attention did not run the q/k kernel"
+    e_ours, e_theirs = _rel(ours, truth), _rel(theirs, truth)
+    print(f"attention layer: rel-L2 vs fp32 transformers: ours {e_ours:.2e}, transformers bf16 {e_theirs:.2e}")
+    assert e_ours <= max(1.2 * e_theirs, 1e-2)
+
+
 def _qwen35_layer(Hk=16, Hv=16, layers=("linear_attention",), vocab=1024, n=None):
     import transformers as tf
 

@@ -1,6 +1,7 @@
 """TileLang kernels for sm_90a for the GDN layer's glue, one stage per file (a builder and its launcher):
 ``conv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates, token-major), ``gated_norm`` (gated RMSNorm),
-``rms_norm`` (Qwen's zero-centred RMSNorm around the layers) and ``silu_mul`` (the MLP's ``silu(gate) * up``).
+``rms_norm`` (Qwen's zero-centred RMSNorm around the layers), ``silu_mul`` (the MLP's ``silu(gate) * up``) and
+``attn_glue`` (the gated attention layers' q/k norm + partial RoPE, and ``attn * sigmoid(gate)``).
 
 Importing this package does not import tilelang: the stage modules load on the first kernel call. The compile cache
 is the chunk kernels' (``gated_delta_rule.hopper._common.compile_kernel``: once per specialisation per process, and
@@ -10,8 +11,8 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["conv_qkv_gates_fwd", "gated_rms_norm_fwd", "rms_norm_fwd", "silu_mul_fwd", "conv_shape_reason",
-           "HEAD_DIMS"]
+__all__ = ["conv_qkv_gates_fwd", "gated_rms_norm_fwd", "rms_norm_fwd", "silu_mul_fwd", "qk_norm_rope_fwd",
+           "gate_mul_fwd", "conv_shape_reason", "attention_shape_reason", "HEAD_DIMS"]
 
 HEAD_DIMS = (64, 128, 256)
 
@@ -63,3 +64,37 @@ def silu_mul_fwd(gate, up):
                          f"up {tuple(up.shape)} {up.dtype}")
     stage = importlib.import_module("flashqla_kernels.gdn_layer.hopper.silu_mul")
     return stage.silu_mul(gate, up)
+
+
+def attention_shape_reason(D: int, R: int, cos_batch: int, batch: int) -> str | None:
+    """Why the attention glue kernels cannot take head dim D, R rotary channels and cos/sin of ``cos_batch`` rows
+    for a batch of ``batch``, or None."""
+    if D not in HEAD_DIMS:
+        return f"attention head dim {D} unsupported by the attention glue kernels (supported: {HEAD_DIMS})"
+    if R % 2 or R > D:
+        return f"rotary dim {R} must be even and at most the head dim {D}"
+    if cos_batch not in (1, batch):
+        return f"cos/sin have {cos_batch} batch rows for a batch of {batch} (1 or the batch needed)"
+    return None
+
+
+def qk_norm_rope_fwd(qg, kx, wq, wk, eps, cos, sin):
+    """q/k norm + partial RoPE on the kernel (see ``attn_glue.qk_norm_rope``); same Args/Returns as
+    ``flashqla_kernels.gdn_layer.ops.qk_norm_rope``. Raises ValueError for shapes the kernel lacks."""
+    reason = attention_shape_reason(qg.shape[-1] // 2, cos.shape[-1], cos.shape[0], qg.shape[0])
+    if reason is None and (kx.shape[-1] != qg.shape[-1] // 2 or cos.shape != sin.shape):
+        reason = (f"k rows of {kx.shape[-1]} channels for q rows of {qg.shape[-1] // 2}, or cos {tuple(cos.shape)} "
+                  f"unlike sin {tuple(sin.shape)}")
+    if reason is not None:
+        raise ValueError(reason)
+    stage = importlib.import_module("flashqla_kernels.gdn_layer.hopper.attn_glue")
+    return stage.qk_norm_rope(qg, kx, wq, wk, eps, cos, sin)
+
+
+def gate_mul_fwd(attn, qg):
+    """``attn * sigmoid(gate)`` on the kernel (see ``attn_glue.gate_mul``): attn [..., H * D], qg [..., H, 2 D]."""
+    reason = attention_shape_reason(qg.shape[-1] // 2, 0, 1, 1)
+    if reason is not None:
+        raise ValueError(reason)
+    stage = importlib.import_module("flashqla_kernels.gdn_layer.hopper.attn_glue")
+    return stage.gate_mul(attn, qg)
