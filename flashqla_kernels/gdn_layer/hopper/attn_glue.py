@@ -71,17 +71,24 @@ def build_qk_norm_rope(H: int, Hkv: int, D: int, R: int, dtype: str, eps: float)
                 w = T.if_then_else(hh < H, wq[d], wk[d])
                 ys[i, d] = T.cast(T.cast(xf[i, d] * ss[i] * (1.0 + w), dtype), "float32")
             T.sync_threads()
-            for i, d in T.Parallel(BT, D):
+            # the rotary channels, then the rest: every index in range as written (TileLang evaluates both arms of
+            # a select and may drop a clamp, so no arm may index past a row)
+            for i, d in T.Parallel(BT, R):
                 if t0 + i < L:
-                    dc = T.min(d, R - 1)
-                    rot = T.if_then_else(d < half, -ys[i, T.min(d + half, D - 1)], ys[i, T.max(d - half, 0)])
-                    val = T.if_then_else(
-                        d < R, ys[i, d] * T.cast(cos[cb, t0 + i, dc], "float32")
-                        + rot * T.cast(sin[cb, t0 + i, dc], "float32"), ys[i, d])
+                    sign = T.if_then_else(d < half, -1.0, 1.0)
+                    val = ys[i, d] * T.cast(cos[cb, t0 + i, d], "float32") + sign * ys[i, (d + half) % R] * T.cast(
+                        sin[cb, t0 + i, d], "float32")
                     if hh < H:
                         q[b, hh, t0 + i, d] = T.cast(val, dtype)
                     else:
                         k[b, hh - H, t0 + i, d] = T.cast(val, dtype)
+            if R < D:
+                for i, d in T.Parallel(BT, D - R):
+                    if t0 + i < L:
+                        if hh < H:
+                            q[b, hh, t0 + i, R + d] = T.cast(ys[i, R + d], dtype)
+                        else:
+                            k[b, hh - H, t0 + i, R + d] = T.cast(ys[i, R + d], dtype)
 
     return qwen_qk_norm_rope
 
