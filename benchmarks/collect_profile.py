@@ -87,8 +87,9 @@ def summarise(prof, steps: int, wall_s: float) -> dict:
     a collect call (step markers), also the same measures over its steady window alone and the call sites of its
     host-device copies."""
     events = prof.events()
-    gpu = [(e.time_range.start, e.time_range.end) for e in events
-           if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    kernels = [e for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    gpu = [(e.time_range.start, e.time_range.end) for e in kernels]
     cpu_ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     root = str(Path(__file__).resolve().parents[1])
 
@@ -110,7 +111,12 @@ def summarise(prof, steps: int, wall_s: float) -> dict:
                              "where": _repo_frames(at.stack, root) if at is not None and at.stack else None})
             end = max(end, e)
         busy = _union_ms(spans)
-        return {"wall_ms_per_step": (hi - lo) / 1e3 / n, "gpu_busy_ms_per_step": busy / n,
+        per_kernel: dict[str, float] = {}
+        for e in kernels:
+            if lo <= e.time_range.start < hi:
+                per_kernel[e.name[:90]] = per_kernel.get(e.name[:90], 0.0) + (e.time_range.end - e.time_range.start)
+        top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
+        return {"top_kernels_ms_per_step": {name: us / 1e3 / n for name, us in top},"wall_ms_per_step": (hi - lo) / 1e3 / n, "gpu_busy_ms_per_step": busy / n,
                 "gpu_idle_share": max(0.0, 1 - busy / ((hi - lo) / 1e3)),
                 "blocking_calls_per_step": {k: {"count": len(v) / n, "host_ms": sum(v) / n}
                                             for k, v in sorted(blocking.items())},
@@ -215,6 +221,12 @@ def markdown(result: dict) -> str:
                       "|---|---|---|---|"]
             lines += [f"| {m['count']:.1f} | {m['host_ms']:.2f} | {m['max_ms']:.2f} | {m['site']} |"
                       for m in st["memcpy_sites"]]
+            lines += ["", "| GPU kernel (steady window) | ms per step |", "|---|---|"]
+            lines += [f"| `{k}` | {ms:.2f} |" for k, ms in st["top_kernels_ms_per_step"].items()]
+            lines.append("")
+        else:
+            lines += ["| GPU kernel | ms per step |", "|---|---|"]
+            lines += [f"| `{k}` | {ms:.2f} |" for k, ms in r["top_kernels_ms_per_step"].items()]
             lines.append("")
         if r.get("sync_sites"):
             lines += ["Where the host waited for the GPU (torch's sync debug mode, one more run): the frame of the sync "

@@ -259,8 +259,10 @@ def correctness(model, backends: Backends, names: list[str]) -> dict:
         outs[name] = forward_collect(model, [last], input_ids=ids)[last].float()
     ref = outs.get("fla", outs.get("torch"))
     for name, o in outs.items():
-        result[f"gdn {name} vs {'fla' if 'fla' in outs else 'torch'} rel-L2 (last resid_post)"] = float(
-            (o - ref).norm() / ref.norm())
+        vs = "fla" if "fla" in outs else "torch"
+        result[f"gdn {name} vs {vs} rel-L2 (last resid_post)"] = float((o - ref).norm() / ref.norm())
+        result[f"gdn {name} vs {vs} max |difference| (last resid_post; max |value| {ref.abs().max():.3g})"] = float(
+            (o - ref).abs().max())
     from saes.fused_encode import explain_backend, fused_encode
 
     sae = random_sae(0)

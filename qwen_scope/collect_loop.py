@@ -6,7 +6,8 @@ forward's ~1000 kernel launches, and collection with one SAE layer ran at 87% of
 - a prefetch thread tokenizes and packs the next batches, in pinned memory when the model is on CUDA, so the
   host-to-device copies are asynchronous;
 - a step launches the forward, the SAE encodes (``saes.fused_encode_async``: no host sync) and asynchronous copies of
-  the results into pinned memory; it is *finished* one step later, when the next step is already queued on the GPU:
+  the results into pinned memory, on a copy stream of their own so they overlap the next step's forward instead of
+  queueing in front of it; it is *finished* one step later, when the next step is already queued on the GPU:
   its copies are complete by then, and the rare encode that could not certify every row in place (``overflow``) is
   recomputed exactly from the activations kept for that one step;
 - shards are written, fsynced and hashed by ``ShardWriter``'s writer threads; when the loop stops on an error (or
@@ -129,6 +130,36 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return out.copy_(t, non_blocking=True)
 
 
+_COPY_STREAMS: dict = {}
+
+
+def copy_stream(device: torch.device):
+    """The side stream a CUDA device's device-to-host copies run on (one per device, made on first use)."""
+    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    if key not in _COPY_STREAMS:
+        _COPY_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _COPY_STREAMS[key]
+
+
+def copy_out(device: torch.device, tensors: dict[str, torch.Tensor]) -> tuple[dict, torch.cuda.Event | None]:
+    """``to_host`` of every tensor, on CUDA on the copy stream once the compute stream has produced them; returns
+    the host tensors and the event that completes them (None on CPU). Each source is marked used by the copy stream,
+    so the caching allocator does not hand its memory to the next step before the copy has read it."""
+    if device.type != "cuda":
+        return {k: to_host(t) for k, t in tensors.items()}, None
+    stream = copy_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        out = {}
+        for k, t in tensors.items():
+            out[k] = to_host(t)
+            if t.device.type == "cuda":
+                t.record_stream(stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return out, done
+
+
 @dataclasses.dataclass
 class Step:
     """One launched batch: host columns (copies possibly in flight), the event that completes them, and the encodes
@@ -168,21 +199,23 @@ def _launch(adapter, batch: Batch, device: torch.device, dense: list[str], encod
     else:
         token_ids, positions = batch.ids[batch.keep].int(), torch.arange(L).expand(B, -1)[batch.keep].int()
     step = Step(batch, {"token_ids": token_ids, "doc_index": batch.doc_index, "positions": positions}, None)
+    results, flags = {}, []
     with torch.no_grad():
         acts = {name: cap[name].reshape(-1, adapter.d_model) if index is None else
                 cap[name].reshape(-1, adapter.d_model).index_select(0, index)
                 for name in dict.fromkeys(dense + list(encoders))}
         for name in dense:
-            step.out[f"dense.{name}"] = to_host(acts[name].to(store_dtype))
+            results[f"dense.{name}"] = acts[name].to(store_dtype)
         for name, encode in encoders.items():
             codes, overflow = encode(acts[name])
-            step.out[f"sae.{name}.values"] = to_host(codes.values.to(store_dtype))
-            step.out[f"sae.{name}.indices"] = to_host(codes.indices.int())
+            results[f"sae.{name}.values"] = codes.values.to(store_dtype)
+            results[f"sae.{name}.indices"] = codes.indices.int()
             if overflow is not None:
-                step.pending.append((name, to_host(overflow.reshape(1)), acts[name], saes[name]))
-    if device.type == "cuda":
-        step.event = torch.cuda.Event()
-        step.event.record()
+                results[f"overflow.{name}"] = overflow.reshape(1)
+                flags.append(name)
+    host, step.event = copy_out(device, results)
+    step.out.update({k: v for k, v in host.items() if not k.startswith("overflow.")})
+    step.pending = [(name, host[f"overflow.{name}"], acts[name], saes[name]) for name in flags]
     return step
 
 
