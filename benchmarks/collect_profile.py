@@ -113,7 +113,7 @@ def summarise(prof, steps: int, wall_s: float) -> dict:
         busy = _union_ms(spans)
         per_kernel: dict[str, float] = {}
         for e in kernels:
-            if lo <= e.time_range.start < hi:
+            if lo <= e.time_range.start < hi and e.name != STEP_MARK:  # the step range's GPU-side twin
                 per_kernel[e.name[:90]] = per_kernel.get(e.name[:90], 0.0) + (e.time_range.end - e.time_range.start)
         top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
         return {"top_kernels_ms_per_step": {name: us / 1e3 / n for name, us in top},"wall_ms_per_step": (hi - lo) / 1e3 / n, "gpu_busy_ms_per_step": busy / n,
