@@ -343,14 +343,14 @@ def precompile() -> None:
     """Compile (sm_90a, no GPU needed) the TileLang kernels the arms use into tilelang's cache
     (``TILELANG_CACHE_DIR``), so the timed run on the GPU loads them instead of JIT-compiling for minutes."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import gdn_forward
+    import chunk_kernels
 
     from saes import hopper_topk
 
     # the package default variant's chunk kernels at Hk = Hv = 16: 1 sequence (the checks) and B (the arms)
-    for spec in gdn_forward.variant_specs(["default"], {(16, 16, 128, "bfloat16", n) for n in (1, B)}, 132,
+    for spec in chunk_kernels.variant_specs(["default"], {(16, 16, 128, "bfloat16", n) for n in (1, B)}, 132,
                                           final=(False, True)):
-        _, _, err = gdn_forward._build_one(spec)
+        _, _, err = chunk_kernels.build_one(spec)
         if err:
             raise RuntimeError(f"{spec}: {err}")
     hopper_topk.compile_topk_candidates(2048, D_SAE, hopper_topk.candidates_per_tile(K, D_SAE), "bfloat16")

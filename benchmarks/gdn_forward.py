@@ -31,6 +31,10 @@ os.environ["FLA_FLASH_QLA"] = "0"
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chunk_kernels import compile_all, variant_specs  # noqa: E402
+from gdn_forward_report import geomean, markdown, merge  # noqa: E402
+
 # (Hk, Hv, tokens per sequence, sequences) — anchors-h200.md, in its order
 SUITE = [(16, 32, 32768, 1), (16, 32, 8192, 4), (16, 32, 8192, 1), (16, 64, 32768, 1), (16, 64, 8192, 4),
          (2, 8, 32768, 1), (16, 16, 32768, 1), (16, 16, 2048, 1), (4, 16, 1024, 8), (16, 32, 4096, 16)]
@@ -173,11 +177,6 @@ def commit():
         return None
 
 
-def geomean(xs):
-    xs = [x for x in xs if x]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
-
-
 # Awkward inputs a new kernel must get right before it is timed: ragged varlen (length 1, 47, chunk boundaries) with
 # and without context parallelism, fp16 GVA 4, head dims 64 and 256, no h0. (Hk, Hv, K, lens, dtype, segment_chunks)
 SMOKE_CASES = [(2, 4, 128, [1, 47, 300, 64, 1000, 130], "bfloat16", None),
@@ -255,49 +254,6 @@ def kernel_specs(variant_names, configs, sms):
     return sorted(specs)
 
 
-def variant_specs(variant_names, layouts, sms, *, scale=None, final=(True,), scans=True):
-    """(stage, builder args) of the chunk kernels the variants launch on ``layouts`` ``(Hk, Hv, K, dtype, N
-    sequences)`` (every V slice the plan may pick for them on ``sms`` SMs); ``scale`` (default K^-0.5) and ``final``
-    (store the final state or not) as the launcher passes them. The collection and whole-model benchmarks take
-    their chunk kernels from here too."""
-    from flashqla_kernels.gated_delta_rule.hopper import plan, variants
-    from flashqla_kernels.gated_delta_rule.hopper._common import trailing_flags
-
-    forced = int(os.environ.get("FLASHQLA_KERNELS_BLOCK_V", "0"))
-    parsed = [variants.parse_variant(v) for v in variant_names]
-    specs = set()
-
-    def add(var, Hk, Hv, Kd, dt, bdv, sc, final):
-        # the argument tuples exactly as the launchers pass them (prep_v2 / prep_tc, fused_fwd_ws, segment_states)
-        tail = (Hk, Hv, Kd, Kd, bdv, dt)
-        if var.inverse == "mma":
-            specs.add(("prep4", (Hk, Hv, Kd, dt) + ((True,) if var.a_gated else ())))
-        else:
-            prep_args = (Hk, Hv, Kd, dt) + ((var.inverse, True) if var.a_gated else
-                                            (var.inverse,) if var.inverse != "substitution" else ())
-            specs.add(("prep2" if var.prep2 else "prep", prep_args))
-        if var.fused == "base":
-            specs.add(("fused", (*tail, sc, final)))
-        else:
-            inner = "float16" if var.fused == "ws16" and dt == "bfloat16" else ""
-            specs.add(("ws", (*tail, sc, final, inner) + trailing_flags(False, var.w_in_registers, var.a_gated,
-                                                                var.p_in_registers)))
-        specs.add(("segment", tail + trailing_flags(var.a_gated, var.starts_in_kernel)))
-
-    for Hk, Hv, Kd, dt, N in layouts:
-        plan_bdv = min(Kd, forced) if forced else plan.choose_block_v(N, Hv, Kd, Kd, sms)
-        for var in parsed:
-            widths = {min(Kd, var.block_v)} if var.block_v and Kd <= 128 else {plan_bdv}
-            if var.fused != "base" and not forced and not var.block_v and plan_bdv == 64 and Hv >= 16 and Kd == 128:
-                widths.add(128)  # plan.wide_slices_pay: 128 where the sequences are split into segments
-            for bdv in widths:
-                for fin in final:
-                    add(var, Hk, Hv, Kd, dt, bdv, float(Kd ** -0.5) if scale is None else scale, fin)
-        if scans:
-            specs |= {("scan", (Hv, Kd, Kd, True)), ("scan", (Hv, Kd, Kd, False))}
-    return sorted(specs)
-
-
 def gpu_test_layouts():
     """(Hk, Hv, K, dtype, N) of tests/flashqla_kernels/test_hopper_gpu.py's cases (empty if it cannot be imported:
     run from the repo root with it on PYTHONPATH), so a precompile also serves the GPU tests."""
@@ -310,39 +266,12 @@ def gpu_test_layouts():
             for Hk, Hv, Kd, _, lens, dt, extra in CASES.values()}
 
 
-_HOPPER = "flashqla_kernels.gated_delta_rule.hopper."
-# stage name of a spec -> (module, builder)
-STAGE_BUILDERS = {"prep": (_HOPPER + "prep", "build_prep"), "prep2": (_HOPPER + "prep_v2", "build_prep_v2"),
-                  "prep4": (_HOPPER + "prep_tc", "build_prep_tc"), "fused": (_HOPPER + "fused_fwd", "build_fused_fwd"),
-                  "ws": (_HOPPER + "fused_fwd_ws", "build_fused_fwd_ws"),
-                  "segment": (_HOPPER + "segment_states", "build_segment_states"),
-                  "scan": (_HOPPER + "state_scan", "build_state_scan")}
-
-
-def _build_one(spec):
-    import importlib
-
-    from flashqla_kernels.gated_delta_rule.hopper import _common
-
-    module, builder = STAGE_BUILDERS[spec[0]]
-    t0 = time.time()
-    try:
-        _common.compile_kernel(getattr(importlib.import_module(module), builder), *spec[1])
-        return spec, round(time.time() - t0, 1), None
-    except Exception as e:  # noqa: BLE001 - reported, the run goes on
-        return spec, round(time.time() - t0, 1), repr(e)[-500:]
-
-
 def precompile(variant_names, configs, workers, sms):
     """Compile every needed kernel on ``workers`` processes (TileLang's disk cache then serves the run); works
     without a GPU given ``sms`` (132 on an H200), e.g. to fill a TILELANG_CACHE_DIR that travels to the GPU."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-
     specs = kernel_specs(variant_names, configs, sms)
     t0 = time.time()
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        failed = [(spec, err) for spec, _, err in ex.map(_build_one, specs) if err]
+    failed = compile_all(specs, workers)
     print(f"precompiled {len(specs)} kernels in {time.time() - t0:.0f} s on {workers} processes", flush=True)
     for spec, err in failed:
         print(f"  FAILED {spec}: {err}", flush=True)
@@ -375,7 +304,7 @@ def main():
         print(markdown(result))
         return
     if args.merge:
-        result = merge([json.loads(Path(p).read_text()) for p in args.merge])
+        result = merge([json.loads(Path(p).read_text()) for p in args.merge], SUITE)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "gdn_forward.json").write_text(json.dumps(result, indent=1))
@@ -518,107 +447,6 @@ def run_suite(idx, active, skip=(), stages=False, on_row=None):
                 on_row(rows)
             torch.cuda.empty_cache()
     return rows
-
-
-def merge(parts: list[dict]) -> dict:
-    """One result from runs over disjoint configs of the suite (same GPU model, commit and variants): rows in suite
-    order, geomeans over all of them; each part's date, commit and ceilings kept under ``parts``.
-
-    Raises:
-        ValueError: the parts overlap, or differ in GPU, commit or variants.
-    """
-    for key in ("gpu", "commit", "variants"):
-        if len({json.dumps(p[key]) for p in parts}) > 1:
-            raise ValueError(f"cannot merge runs with different {key}: {[p[key] for p in parts]}")
-    order = {cfg: i for i, cfg in enumerate(SUITE)}
-    rows = sorted((r for p in parts for r in p["rows"]), key=lambda r: order[(r["Hk"], r["Hv"], r["seqlen"], r["nseq"])])
-    keys = [(r["Hk"], r["Hv"], r["seqlen"], r["nseq"]) for r in rows]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"the runs overlap: configs {sorted(k for k in set(keys) if keys.count(k) > 1)}")
-    result = dict(parts[0])
-    result.update(rows=rows, configs_planned=sum(p["configs_planned"] for p in parts),
-                  geomean_speedup_vs_fla=geomean([r["speedup_vs_fla"] for r in rows]),
-                  geomean_ratio_vs_flashqla=geomean([r["ratio_vs_flashqla"] for r in rows]),
-                  parts=[{k: p[k] for k in ("date", "commit", "bf16_matmul_tflops", "copy_tbps")} | {
-                      "configs": [f"{r['Hk']}/{r['Hv']} {r['seqlen']}x{r['nseq']}" for r in p["rows"]]}
-                      for p in parts],
-                  method=parts[0]["method"] + f"; {len(parts)} processes on GPUs of one host, disjoint configs")
-    return result
-
-
-def markdown(r):
-    f = (lambda x, p=3: "-" if x is None else f"{x:.{p}f}")
-    lines = [
-        "# Gated DeltaNet forward, " + r["gpu"],
-        "",
-        f"{r['date']} · commit {r['commit']} · " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()),
-        f"Ceilings measured in this run: bf16 matmul {r['bf16_matmul_tflops']:.0f} TFLOP/s, "
-        f"copy {r['copy_tbps']:.2f} TB/s. Method: {r['method']}.",
-        "",
-        "| Hk/Hv | seqs | ours ms | FLA ms | FlashQLA ms | torch ms | x FLA | x FLA anchor | x FlashQLA | x FlashQLA anchor | bytes floor "
-        "| FLOP floor | rel-L2 o / state vs fp64 | o vs FLA |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for x in r["rows"]:
-        ms = x["ms"]
-        lines.append(
-            f"| {x['Hk']}/{x['Hv']} | {x['seqlen']}x{x['nseq']} | {f(ms.get('ours'))} | {f(ms.get('fla'))} | "
-            f"{f(ms.get('flashqla'))} | {f(ms.get('torch'), 1)} | {f(x['speedup_vs_fla'], 2)} | "
-            f"{f(x['anchor_fla_ms'] / ms['ours'], 2)} | "
-            f"{f(x['ratio_vs_flashqla'], 2)} | {f(x['anchor_flashqla_ms'] / ms['ours'], 2)} | "
-            f"{f(x['bytes_floor_ms'])} | {f(x['flop_floor_ms'])} | "
-            f"{x['rel_l2_o_vs_ref']:.1e} / {x['rel_l2_state_vs_ref']:.1e} | {f(x['rel_l2_o_vs_fla'] or 0, 4)} |")
-    anchor = geomean([x["anchor_fla_ms"] / x["ms"]["ours"] for x in r["rows"]])
-    qla_anchor = geomean([x["anchor_flashqla_ms"] / x["ms"]["ours"] for x in r["rows"]])
-    lines += ["", f"Geomean speedup vs FLA: {f(r['geomean_speedup_vs_fla'], 2)}x (this run), {f(anchor, 2)}x against "
-              f"the anchor FLA times of shared/reference/anchors-h200.md; vs FlashQLA: "
-              f"{f(r['geomean_ratio_vs_flashqla'], 2)}x (this run), {f(qla_anchor, 2)}x against its anchors "
-              "(>1 = ours faster).", ""]
-    if len(r["rows"]) < r.get("configs_planned", len(r["rows"])):
-        lines += [f"Partial run: {len(r['rows'])} of the {r['configs_planned']} planned configs finished within the "
-                  "time limit.", ""]
-    if r.get("note"):
-        lines += [r["note"], ""]
-    lines += variants_markdown(r)
-    return "\n".join(lines)
-
-
-def variants_markdown(r):
-    """Per-variant table: ms, ratios to the anchor FLA and to this run's FlashQLA, errors vs fp64 and vs default."""
-    names = [v for v in r.get("variants", []) if v != "default"]
-    dropped = r.get("dropped_variants") or {}
-    if not names and not dropped and not any(x.get("stages_ms") for x in r["rows"]):
-        return []
-    f = (lambda x, p=3: "-" if x is None else f"{x:.{p}f}")
-    cols = ["default", *names]
-    lines = ["## Kernel variants (hopper/variants.py)", "",
-             "| Hk/Hv | seqs | " + " | ".join(f"{v} ms (x FLA anchor, x FlashQLA)" for v in cols)
-             + " | rel-L2 o / state vs fp64 | o vs default |",
-             "|---|---|" + "---|" * len(cols) + "---|---|"]
-    for x in r["rows"]:
-        var, qla = x["variants"], x["ms"].get("flashqla")
-        cells = [f"{f(var[v]['ms'])} ({f(x['anchor_fla_ms'] / var[v]['ms'], 2)}, "
-                 f"{f(qla / var[v]['ms'] if qla else None, 2)})" for v in cols]
-        errs = ", ".join(f"{v} {var[v]['rel_l2_o_vs_ref']:.1e}/{var[v]['rel_l2_state_vs_ref']:.1e}"
-                         + (" NaN" if var[v]["nan"] else "") for v in cols)
-        diffs = ", ".join(f"{v} {var[v]['rel_l2_o_vs_default']:.1e}" for v in names) or "-"
-        lines.append(f"| {x['Hk']}/{x['Hv']} | {x['seqlen']}x{x['nseq']} | " + " | ".join(cells)
-                     + f" | {errs} | {diffs} |")
-    lines.append("")
-    for v in cols:
-        fla = geomean([x["anchor_fla_ms"] / x["variants"][v]["ms"] for x in r["rows"]])
-        qla = geomean([x["ms"]["flashqla"] / x["variants"][v]["ms"] for x in r["rows"] if x["ms"].get("flashqla")])
-        lines.append(f"- {v}: geomean {f(fla, 2)}x the anchor FLA times, {f(qla, 2)}x this run's FlashQLA")
-    for v, why in dropped.items():
-        lines.append(f"- {v}: dropped before timing: {why}")
-    staged = [x for x in r["rows"] if x.get("stages_ms")]
-    if staged:
-        lines += ["", "Stages alone, ms (prep / CP maps + scan / fused; bDV, segment chunks):", ""]
-        for x in staged:
-            cells = [f"{v} {st['prep']:.3f} / {st['cp']:.3f} / {st['fused']:.3f} ({st['bDV']}, {st['segment_chunks']})"
-                     for v, st in x["stages_ms"].items()]
-            lines.append(f"- {x['Hk']}/{x['Hv']} {x['seqlen']}x{x['nseq']}: " + "; ".join(cells))
-    return lines + [""]
 
 
 if __name__ == "__main__":

@@ -309,7 +309,7 @@ def write(out: Path, result: dict) -> None:
 def kernel_specs() -> list[tuple[str, str, tuple]]:
     """(module, builder, args) of every TileLang kernel the arms and the GPU tests use."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import gdn_forward
+    import chunk_kernels
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.flashqla_kernels import test_gdn_layer_gpu as gpu_tests
@@ -318,10 +318,10 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
     bf16, names = "bfloat16", {torch.bfloat16: "bfloat16", torch.float16: "float16"}
     specs = []
     # the chunk kernels of the package default and the base path: the benchmark (Hv = 16; 1 and 8 sequences) and
-    # the layer tests (Hv = 32, 2 sequences), as benchmarks/gdn_forward.py names them
+    # the layer tests (Hv = 32, 2 sequences), as benchmarks/chunk_kernels.py names them
     layouts = {(16, Hv, 128, bf16, n) for Hv in (16, 32) for n in (1, 2, 8)}
-    for stage, args in gdn_forward.variant_specs(["default", "base"], layouts, 132, final=(False, True)):
-        specs.append((*gdn_forward.STAGE_BUILDERS[stage], args))
+    for stage, args in chunk_kernels.variant_specs(["default", "base"], layouts, 132, final=(False, True)):
+        specs.append((*chunk_kernels.STAGE_BUILDERS[stage], args))
     for Hv in (16, 32):
         for has_prefix in (False, True):
             specs.append((glue + "conv_gates", "build_conv_qkv_gates", (16, Hv, 128, 4, bf16, has_prefix, False)))

@@ -805,6 +805,7 @@ def test_benchmark_merges_runs_over_disjoint_configs():
     overlapping or mismatched runs refused."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import gdn_forward
+    from gdn_forward_report import merge
 
     def row(i, ours, fla):
         Hk, Hv, seqlen, nseq = gdn_forward.SUITE[i]
@@ -816,12 +817,12 @@ def test_benchmark_merges_runs_over_disjoint_configs():
                 "copy_tbps": 4.2, "method": "m", "configs_planned": len(rows), "rows": rows}
 
     a, b = part([row(5, 1.0, 2.0), row(0, 1.0, 8.0)], "d1"), part([row(3, 1.0, 4.0)], "d2")
-    merged = gdn_forward.merge([a, b])
+    merged = merge([a, b], gdn_forward.SUITE)
     assert [(r["Hk"], r["Hv"], r["seqlen"], r["nseq"]) for r in merged["rows"]] == [gdn_forward.SUITE[i]
                                                                                       for i in (0, 3, 5)]
     assert merged["geomean_speedup_vs_fla"] == pytest.approx(4.0)
     assert merged["configs_planned"] == 3 and [p["date"] for p in merged["parts"]] == ["d1", "d2"]
     with pytest.raises(ValueError, match="overlap"):
-        gdn_forward.merge([a, a])
+        merge([a, a], gdn_forward.SUITE)
     with pytest.raises(ValueError, match="commit"):
-        gdn_forward.merge([a, {**b, "commit": "other"}])
+        merge([a, {**b, "commit": "other"}], gdn_forward.SUITE)
