@@ -70,7 +70,7 @@ def _select_top_c(T, block_m: int, c: int, n_tok):
 
 def build_topk_candidates(d_model: int, d_sae: int, c: int, dtype: str = "bfloat16",
                           config: tuple[int, int] = DEFAULT_CONFIG):
-    """The fused prim_func ``kernel(X [N, d_model], W_enc [d_sae, d_model], b_enc fp32 [d_sae], cand int32 [N, NT, c])``.
+    """The fused prim_func ``sae_topk_candidates(X [N, d_model], W_enc [d_sae, d_model], b_enc fp32 [d_sae], cand int32 [N, NT, c])``.
 
     N (tokens) is dynamic; d_model must be a multiple of BLOCK_K and d_sae of BLOCK_N. ``config`` = (block_K, stages).
     """
@@ -83,7 +83,7 @@ def build_topk_candidates(d_model: int, d_sae: int, c: int, dtype: str = "bfloat
     select = _select_top_c(T, BLOCK_M, c, n_tok)
 
     @T.prim_func
-    def kernel(X: T.Tensor((n_tok, d_model), dtype), W: T.Tensor((d_sae, d_model), dtype),
+    def sae_topk_candidates(X: T.Tensor((n_tok, d_model), dtype), W: T.Tensor((d_sae, d_model), dtype),
                Bias: T.Tensor((d_sae,), "float32"), Cand: T.Tensor((n_tok, n_tiles, c), "int32")):
         with T.Kernel(n_tiles, T.ceildiv(n_tok, BLOCK_M), threads=THREADS) as (bx, by):
             x_s = T.alloc_shared((BLOCK_M, block_k), dtype)
@@ -105,14 +105,14 @@ def build_topk_candidates(d_model: int, d_sae: int, c: int, dtype: str = "bfloat
                 keys[i, j] = T.cast(T.bitwise_or(T.bitwise_and(bits, keep_mask), BLOCK_N - 1 - j), "uint32")
             select(keys, step, last, Cand, bx, by)
 
-    return kernel
+    return sae_topk_candidates
 
 
 SPLIT_BLOCK_M, SPLIT_THREADS = 64, 256
 
 
 def build_topk_candidates_from_preacts(d_sae: int, c: int, dtype: str = "bfloat16"):
-    """The unfused prim_func ``kernel(Pre [N, d_sae], cand int32 [N, NT, c])``: the same epilogue on pre-activations
+    """The unfused prim_func ``sae_topk_epilogue(Pre [N, d_sae], cand int32 [N, NT, c])``: the same epilogue on pre-activations
     already in memory (``addmm`` output, bias included). Same keys up to the rounding of ``Pre``."""
     import tilelang.language as T
 
@@ -122,7 +122,7 @@ def build_topk_candidates_from_preacts(d_sae: int, c: int, dtype: str = "bfloat1
     select = _select_top_c(T, SPLIT_BLOCK_M, c, n_tok)
 
     @T.prim_func
-    def kernel(Pre: T.Tensor((n_tok, d_sae), dtype), Cand: T.Tensor((n_tok, n_tiles, c), "int32")):
+    def sae_topk_epilogue(Pre: T.Tensor((n_tok, d_sae), dtype), Cand: T.Tensor((n_tok, n_tiles, c), "int32")):
         with T.Kernel(n_tiles, T.ceildiv(n_tok, SPLIT_BLOCK_M), threads=SPLIT_THREADS) as (bx, by):
             tile = T.alloc_fragment((SPLIT_BLOCK_M, BLOCK_N), dtype)
             keys = T.alloc_fragment((SPLIT_BLOCK_M, BLOCK_N), "uint32")
@@ -134,7 +134,7 @@ def build_topk_candidates_from_preacts(d_sae: int, c: int, dtype: str = "bfloat1
                 keys[i, j] = T.cast(T.bitwise_or(T.bitwise_and(bits, keep_mask), BLOCK_N - 1 - j), "uint32")
             select(keys, step, last, Cand, bx, by)
 
-    return kernel
+    return sae_topk_epilogue
 
 
 @functools.lru_cache(maxsize=None)
