@@ -56,6 +56,7 @@ MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
 ARMS = ("ours", "qla_op", "fla", "torch", "compile", "ours+compile", "ours+graph")
 ANCHOR_TOKENS_PER_S = {"qla_op": 99.7e3, "fla": 96.9e3, "torch": 41.6e3}  # anchors-h200.md (FlashQLA / FLA / torch)
 CATEGORIES = [  # (bucket, kernel-name pattern), first match wins
+    ("elementwise", r"attention_gate_mul"),  # the attention layers' glue kernel, not attention itself
     ("conv", r"gdn_conv|conv1d|convolution|conv_depthwise|depthwise|causal_conv|cudnn.*conv|im2col"),
     ("norms", r"gated_rms|rms_?norm|layer_?norm|triton_(red|per)_|reduce_kernel|reduce|welford|norm"),
     ("GDN op", r"gdn_|chunk_|recompute_w_u|solve_tril|kkt|fused_recurrent|gated_delta|cumsum_|l2norm_fwd"),
@@ -303,7 +304,38 @@ def write(out: Path, result: dict) -> None:
     if first is not None:  # where the glue of the first arm comes from
         lines += ["", f"Torch ops of {first['arm']} by the device time of their kernels (GEMMs left out):", ""]
         lines += [f"- {x}" for x in first["breakdown"]["top_torch_ops"]]
+    for r in result["arms"]:
+        if r.get("profile"):  # --profile: where the wall time beyond the CUDA time goes
+            pr = r["profile"]
+            lines += ["", f"Profile of {r['arm']} ({pr['steps']} forwards under torch.profiler with Python stacks): "
+                      f"wall {pr['wall_ms_per_step']:.1f} ms a forward, GPU busy {pr['gpu_busy_ms_per_step']:.1f}, "
+                      f"idle {100 * pr['gpu_idle_share']:.1f}%; gaps > 1 ms {pr['gpu_gaps_total_ms_per_step']:.1f} "
+                      "ms a forward. Blocking calls a forward: " + (", ".join(
+                          f"{k} {c['count']:.1f} ({c['host_ms']:.2f} ms)"
+                          for k, c in pr["blocking_calls_per_step"].items()) or "none"), ""]
+            lines += [f"- gap {g['gap_ms']:.1f} ms: host in {g['host_op_at_start']} at {g['where']}"
+                      for g in pr["gpu_gaps_over_1ms"][:8]]
+            lines += [f"- host waited for the GPU {e['count']}x at {e['site']}" for e in pr.get("sync_sites", [])]
     (out / "gdn_layer.md").write_text("\n".join(lines) + "\n")
+
+
+def profile_arm(fwd, steps: int) -> dict:
+    """``collect_profile``'s analysis of ``steps`` forwards: GPU busy / idle, the GPU gaps over 1 ms with the host op
+    and repository frames at their start, blocking runtime calls, and (one more run) torch's sync sites."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import collect_profile
+
+    collect_profile.ct.DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # its syncs follow the device
+
+    def run():
+        for _ in range(steps):
+            fwd()
+
+    out = collect_profile.profile(run, steps)
+    out = {k: v for k, v in out.items() if k != "top_host_ops"}
+    out["steps"] = steps
+    out["sync_sites"] = collect_profile.sync_sites(run)
+    return out
 
 
 def kernel_specs() -> list[tuple[str, str, tuple]]:
@@ -479,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="processes for --precompile")
     parser.add_argument("--gpu-tests", action="store_true", help="only run the GDN-layer GPU tests (plain calls)")
     parser.add_argument("--only", default="", help="with --gpu-tests: comma-separated substrings of the case ids")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile N forwards of each arm: GPU idle, its gaps and the host op at each")
     parser.add_argument("--merge", action="store_true",
                         help="keep the other arms of an existing gdn_layer.json in --out (runs split across calls)")
     args = parser.parse_args(argv)
@@ -529,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
                     fwd = (graphed_forward_fn if arm.endswith("+graph") else forward_fn)(run, ids, keep)
                     sec = time_forward(fwd, args.steps, args.warmup, device)
                     row["breakdown"] = breakdown(fwd, device)
+                    if args.profile:
+                        row["profile"] = profile_arm(fwd, args.profile)
             finally:
                 for h in handles:
                     h.remove()

@@ -25,7 +25,8 @@
 #   collect      benchmarks/collect_throughput.py (bare forward / capture / SAE codes; ours vs FLA vs torch GDN)
 #   layer-tests  benchmarks/gdn_layer.py --gpu-tests (the fused GDN layer against transformers' layer; LAYER_TESTS_ONLY=
 #                silu_mul,mlp runs only the cases whose ids contain one of those)
-#   layer        benchmarks/gdn_layer.py, every arm (ours, qla_op, fla, torch, compile, ours+compile)
+#   layer        benchmarks/gdn_layer.py, every arm (ours, qla_op, fla, torch, compile, ours+compile); LAYER_PROFILE=N
+#                also profiles N forwards of each arm (GPU idle, its gaps and the host op at each, sync sites)
 #   collect-profile  benchmarks/collect_profile.py: torch.profiler of (a) and a steady (c1) step: GPU idle, blocking calls
 #   ws-trace     benchmarks/gdn_ws_trace.py: clock64 timeline of the default fused stage's chunk step
 set -o pipefail
@@ -106,7 +107,7 @@ for p in "$@"; do
                              --steps "${PROFILE_STEPS:-5}" ;;
         ws-trace) phase ws-trace "${TRACE_S:-120}" python3 benchmarks/gdn_ws_trace.py --out "$OUT" ;;
         layer) phase layer "${LAYER_S:-400}" python3 benchmarks/gdn_layer.py --arms "${LAYER_ARMS:-ours,qla_op,fla,torch,compile,ours+compile}" \
-                   --out "$OUT" ;;
+                   --profile "${LAYER_PROFILE:-0}" --out "$OUT" ;;
         *) echo "unknown phase $p" | tee -a "$OUT/phases.log" ;;
     esac
 done

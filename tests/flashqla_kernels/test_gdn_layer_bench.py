@@ -44,12 +44,14 @@ def test_kernel_names_fall_in_the_issue_buckets(bench):
         "triton_poi_fused_add_mul_silu_0": "elementwise",
         "mlp_silu_mul_kernel": "elementwise",
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3": "attention",
+        "attention_gate_mul_kernel": "elementwise",
+        "qwen_qk_norm_rope_kernel": "norms",
     }
     assert {n: bench.categorize(n) for n in names} == names
 
 
 def test_tiny_dry_run_writes_checked_results(tmp_path, bench):
-    assert bench.main(["--tiny", "--arms", "ours,qla_op,torch", "--steps", "1", "--warmup", "0",
+    assert bench.main(["--tiny", "--arms", "ours,qla_op,torch", "--steps", "1", "--warmup", "0", "--profile", "1",
                        "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "gdn_layer.json").read_text())
     rows = {r["arm"]: r for r in result["arms"]}
@@ -58,6 +60,9 @@ def test_tiny_dry_run_writes_checked_results(tmp_path, bench):
     for arm in ("ours", "qla_op"):
         assert max(result["checks"][arm].values()) < 1e-5, result["checks"][arm]
     assert rows["ours"]["breakdown"]["total_ms"] > 0
+    # --profile: the idle analysis of each arm, rendered
+    assert rows["ours"]["profile"]["steps"] == 1 and "gpu_idle_share" in rows["ours"]["profile"]
+    assert "Profile of ours (1 forwards" in (tmp_path / "gdn_layer.md").read_text()
     md = (tmp_path / "gdn_layer.md").read_text()
     assert "| ours |" in md and "x qla_op" in md
     from flashqla_kernels import is_patched
