@@ -121,3 +121,12 @@ def test_padded_batches_store_exactly_the_real_tokens(setup, tmp_path):  # noqa:
         with capture(setup["model"], ["resid_post.2"]) as cap:
             setup["model"](input_ids=store.token_ids()[a:b][None], use_cache=False)
         torch.testing.assert_close(store.dense("resid_post.2", a, b), cap["resid_post.2"][0], rtol=1e-5, atol=1e-5)
+
+
+def test_copy_out_hands_back_host_copies_and_no_event_on_cpu():
+    """On CPU the step's results are the tensors themselves (contiguous) and nothing is waited for; on CUDA they go
+    through the copy stream (covered by the GPU collection benchmark's stored-equals-direct checks)."""
+    t = torch.arange(12.0).reshape(3, 4).t()
+    host, event = collect_loop.copy_out(torch.device("cpu"), {"a": t, "b": torch.ones(2, dtype=torch.int32)})
+    assert event is None and set(host) == {"a", "b"}
+    assert host["a"].is_contiguous() and torch.equal(host["a"], t) and torch.equal(host["b"], torch.ones(2).int())
