@@ -33,19 +33,15 @@ which writes ``gdn_layer.json`` and ``gdn_layer.md`` to ``--out`` after every ar
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import importlib
 import importlib.metadata as md
-import inspect
-import io
 import json
 import os
 import re
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("FLA_FLASH_QLA", "0")
@@ -405,96 +401,18 @@ def precompile(jobs: int = 1) -> int:
     return len(errors)
 
 
-def test_cases(module) -> list[tuple[str, object, dict]]:
-    """Every (id, function, kwargs) of a pytest module's ``test_*`` functions, parametrize marks expanded."""
-    cases = []
-    for name, fn in vars(module).items():
-        if not (name.startswith("test_") and callable(fn)):
-            continue
-        combos: list[dict] = [{}]
-        for mark in reversed(getattr(fn, "pytestmark", [])):
-            if mark.name != "parametrize":
-                continue
-            names = [a.strip() for a in mark.args[0].split(",")] if isinstance(mark.args[0], str) else mark.args[0]
-            combos = [dict(c, **dict(zip(names, v if len(names) > 1 else (v,)))) for c in combos for v in mark.args[1]]
-        cases += [(f"{name}[{','.join(map(str, c.values()))}]" if c else name, fn, c) for c in combos]
-    return cases
-
-
-class _Mark:
-    def __init__(self, name: str, args: tuple):
-        self.name, self.args = name, args
-
-
-class _MarkFactory:
-    """``pytest.mark`` for hosts without pytest: records marks the way pytest does (``fn.pytestmark``)."""
-
-    def __getattr__(self, name: str):
-        def mark(*args):
-            if len(args) == 1 and callable(args[0]) and name != "parametrize":
-                return mark()(args[0])
-
-            def decorate(fn):
-                fn.pytestmark = [*getattr(fn, "pytestmark", []), _Mark(name, args)]
-                return fn
-            return decorate
-        return mark
-
-
-class _MonkeyPatch:
-    def __init__(self):
-        self._undo: list = []
-
-    def setattr(self, obj, name, value):
-        self._undo.append((obj, name, getattr(obj, name)))
-        setattr(obj, name, value)
-
-    def undo(self):
-        for obj, name, value in reversed(self._undo):
-            setattr(obj, name, value)
-        self._undo.clear()
-
-
 def run_gpu_tests(out: Path, only: str = "") -> int:
-    """Run the GDN-layer GPU tests as plain calls (pytest itself optional); returns the number of failures.
-    ``only``: comma-separated substrings; then just the cases whose id contains one of them."""
-    try:
-        import pytest  # noqa: F401
-    except ImportError:
-        import types
-
-        sys.modules["pytest"] = types.SimpleNamespace(mark=_MarkFactory())
+    """Run the GDN-layer GPU tests as plain calls (``plain_tests``: pytest itself optional); returns the number of
+    failures. ``only``: comma-separated substrings; then just the cases whose id contains one of them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.flashqla_kernels import test_gdn_layer_gpu as module
+    import plain_tests
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    lines, failures = [f"# {module.__name__} on {gpu} (commit {versions('cpu')['commit']})"], 0
-    keys = [x for x in only.split(",") if x]
-    for case_id, fn, kwargs in test_cases(module):
-        if keys and not any(x in case_id for x in keys):
-            continue
-        mp, buf = _MonkeyPatch(), io.StringIO()
-        if "monkeypatch" in inspect.signature(fn).parameters:
-            kwargs = dict(kwargs, monkeypatch=mp)
-        try:
-            torch.manual_seed(0)
-            with contextlib.redirect_stdout(buf):
-                fn(**kwargs)
-            lines.append(f"PASS {case_id} {buf.getvalue().strip()}".rstrip())
-        except BaseException as err:  # noqa: BLE001 - pytest.skip raises a BaseException subclass
-            if type(err).__name__ == "Skipped":
-                lines.append(f"SKIP {case_id} {buf.getvalue().strip()} ({err})")
-            elif isinstance(err, Exception):
-                failures += 1
-                lines.append(f"FAIL {case_id} {buf.getvalue().strip()}\n{traceback.format_exc(limit=4)}")
-            else:
-                raise
-        finally:
-            mp.undo()
-        print(lines[-1], flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gdn_layer_gpu_tests.txt").write_text("\n".join(lines) + "\n")
-    return failures
+    name = "tests.flashqla_kernels.test_gdn_layer_gpu"
+    return plain_tests.run_module(name, out / "gdn_layer_gpu_tests.txt",
+                                  f"# {name} on {gpu} (commit {versions('cpu')['commit']})", only,
+                                  before_each=lambda: torch.manual_seed(0))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,7 +79,10 @@ def test_tiny_dry_run_writes_checked_results(tmp_path, bench):
 def test_gpu_test_runner_expands_every_parametrized_case(bench):
     from tests.flashqla_kernels import test_gdn_layer_gpu as gpu_tests
 
-    cases = bench.test_cases(gpu_tests)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plain_tests
+
+    cases = plain_tests.test_cases(gpu_tests)
     ids = [case_id for case_id, _, _ in cases]
     assert len(ids) == len(set(ids)) == 6 + 3 + 4 + 6 + 1 + 2 + 1 + 4 + 1
     conv = [kw for case_id, _, kw in cases if case_id.startswith("test_conv_gates")]
@@ -92,7 +95,10 @@ def test_gpu_test_runner_expands_every_parametrized_case(bench):
 
 
 def test_gpu_test_runner_works_without_pytest(bench, monkeypatch):
-    marks = bench._MarkFactory()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plain_tests
+
+    marks = plain_tests.MarkFactory()
 
     @marks.parametrize("a,b", [(1, 2), (3, 4)])
     @marks.parametrize("c", ["x"])
@@ -102,9 +108,9 @@ def test_gpu_test_runner_works_without_pytest(bench, monkeypatch):
 
     fake = type(sys)("fake_tests")
     fake.test_fake = test_fake
-    assert [(i, kw) for i, _, kw in bench.test_cases(fake)] == [
+    assert [(i, kw) for i, _, kw in plain_tests.test_cases(fake)] == [
         ("test_fake[1,2,x]", {"a": 1, "b": 2, "c": "x"}), ("test_fake[3,4,x]", {"a": 3, "b": 4, "c": "x"})]
-    mp = bench._MonkeyPatch()
+    mp = plain_tests.MonkeyPatch()
     mp.setattr(bench, "ARMS", ())
     assert bench.ARMS == ()
     mp.undo()
