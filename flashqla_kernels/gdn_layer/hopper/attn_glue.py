@@ -141,17 +141,15 @@ def gate_mul(attn: torch.Tensor, qg: torch.Tensor) -> torch.Tensor:
     """Run ``attn * sigmoid(gate)``.
 
     Args:
-        attn: [..., H * D] (the attention output, token-major). qg: [..., H, 2 D] or [..., H * 2 D], the same tokens.
+        attn: [..., H * D] (the attention output, token-major). qg: [..., H, 2 D], the same tokens.
 
     Returns:
         attn's shape and dtype.
     """
-    N = attn.numel() // attn.shape[-1]
-    D2 = qg.shape[-1] if qg.dim() == attn.dim() + 1 else None
-    H = attn.shape[-1] // (D2 // 2) if D2 else None
-    if H is None:
-        raise ValueError(f"qg must be [..., H, 2 D]; got {tuple(qg.shape)} for attn {tuple(attn.shape)}")
-    D = D2 // 2
+    if qg.dim() != attn.dim() + 1 or attn.shape[-1] != qg.shape[-2] * (qg.shape[-1] // 2):
+        raise ValueError(f"qg must be [..., H, 2 D] for attn [..., H * D]; got qg {tuple(qg.shape)}, "
+                         f"attn {tuple(attn.shape)}")
+    N, H, D = attn.numel() // attn.shape[-1], qg.shape[-2], qg.shape[-1] // 2
     kernel = compile_kernel(build_gate_mul, H, D, tl_dtype(attn.dtype))
     out = torch.empty_like(attn)
     if N > 0:
