@@ -358,7 +358,9 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
     for V, dtype in ((128, bf16), (64, "float16"), (256, bf16)):
         specs.append((glue + "gated_norm", "build_gated_rms_norm", (V, dtype, 1e-6)))
     for D, dtype in ((2048, bf16), (256, bf16), (2048, "float16"), (64, bf16)):
+        # the weight read in its own dtype: the model's (bf16 / fp16) and fp32 (the tests' reference weights)
         specs.append((glue + "rms_norm", "build_rms_norm", (D, dtype, 1e-6)))
+        specs.append((glue + "rms_norm", "build_rms_norm", (D, dtype, 1e-6, dtype)))
     specs.append((glue + "silu_mul", "build_silu_mul", (6144, bf16)))  # the 2B model's MLP (intermediate 6144)
     # the gated attention layers' glue: the 2B model (8 query heads, 2 key heads, head dim 256, 64 rotary channels)
     # and the GPU tests' cases
@@ -367,6 +369,7 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
     for H, Hkv, D, R, dtype in sorted(attn):
         specs.append((glue + "attn_glue", "build_qk_norm_rope", (H, Hkv, D, R, dtype, 1e-6)))
         specs.append((glue + "attn_glue", "build_gate_mul", (H, D, dtype)))
+        specs.append((glue + "attn_glue", "build_gate_mul_head_major", (H, D, dtype)))
     for shape, dtype in gpu_tests.SILU_CASES.values():
         specs.append((glue + "silu_mul", "build_silu_mul", (shape[-1], names[dtype])))
     return list(dict.fromkeys(specs))

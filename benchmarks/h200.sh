@@ -28,6 +28,7 @@
 #   layer        benchmarks/gdn_layer.py, every arm (ours, qla_op, fla, torch, compile, ours+compile); LAYER_PROFILE=N
 #                also profiles N forwards of each arm (GPU idle, its gaps and the host op at each, sync sites)
 #   collect-profile  benchmarks/collect_profile.py: torch.profiler of (a) and a steady (c1) step: GPU idle, blocking calls
+#   glue         benchmarks/glue_kernels.py: each glue kernel (and its CTA-shape variants) alone against the copy floor
 #   ws-trace     benchmarks/gdn_ws_trace.py: clock64 timeline of the default fused stage's chunk step
 set -o pipefail
 export PYTHONUNBUFFERED=1 FLA_FLASH_QLA=0 TILELANG_CACHE_DIR=/tmp/tlcache TRITON_CACHE_DIR=/tmp/triton_cache
@@ -54,6 +55,13 @@ save_caches() {  # TileLang's cache now also holds FlashQLA's JIT kernels; both 
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 } > "$OUT/machine.txt" 2>&1
 echo "setup $(( $(date +%s) - t0 )) s; cached kernels: $(find /tmp/tlcache -name executable.so | wc -l)" | tee "$OUT/phases.log"
+if [ -z "${NO_SAVE_CACHES:-}" ]; then  # the top-level call: SM clocks, power and throttle reasons every 250 ms
+    smi_q=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active
+    nvidia-smi --query-gpu=$smi_q --format=csv -c 1 > /dev/null 2>&1 || smi_q=timestamp,index,clocks.sm,power.draw
+    nvidia-smi --query-gpu=$smi_q --format=csv -lms 250 > "$OUT/smi.csv" 2>&1 &
+    smi_pid=$!
+    trap 'kill $smi_pid 2>/dev/null' EXIT
+fi
 
 phase() {  # phase NAME SECONDS COMMAND...: run with a limit, tee to $OUT/NAME.log, record status and time
     local name=$1 limit=$2 s=$(date +%s); shift 2
@@ -82,7 +90,8 @@ if [ "${1:-}" = --split ]; then  # --split "PHASES ON GPU 0" "PHASES ON GPU 1": 
     wait
     tail -n 4 "$OUT"/gpu*/phases.log
     # the device tool returns a limited number of files: one archive holds them all
-    tar czf "$OUT/results.tgz" -C "$OUT" gpu0 gpu1 gpu0.txt gpu1.txt && rm -rf "$OUT"/gpu0 "$OUT"/gpu1
+    kill $smi_pid 2>/dev/null
+    tar czf "$OUT/results.tgz" -C "$OUT" gpu0 gpu1 gpu0.txt gpu1.txt smi.csv && rm -rf "$OUT"/gpu0 "$OUT"/gpu1 "$OUT"/smi.csv
     save_caches
     exit 0
 fi
@@ -105,6 +114,7 @@ for p in "$@"; do
                          --only "${LAYER_TESTS_ONLY:-}" ;;
         collect-profile) phase collect-profile "${PROFILE_S:-150}" python3 benchmarks/collect_profile.py --out "$OUT" \
                              --steps "${PROFILE_STEPS:-5}" ;;
+        glue) phase glue "${GLUE_S:-120}" python3 benchmarks/glue_kernels.py --out "$OUT" ;;
         ws-trace) phase ws-trace "${TRACE_S:-120}" python3 benchmarks/gdn_ws_trace.py --out "$OUT" ;;
         layer) phase layer "${LAYER_S:-400}" python3 benchmarks/gdn_layer.py --arms "${LAYER_ARMS:-ours,qla_op,fla,torch,compile,ours+compile}" \
                    --profile "${LAYER_PROFILE:-0}" --out "$OUT" ;;

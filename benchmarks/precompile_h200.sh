@@ -24,6 +24,7 @@ $py benchmarks/topk_encode.py --precompile "$jobs" --precompile-only 2>&1 | quie
 $py benchmarks/collect_throughput.py --precompile 2>&1 | quiet
 $py benchmarks/gdn_layer.py --precompile --jobs "$jobs" 2>&1 | quiet
 $py benchmarks/gdn_ws_trace.py --precompile 2>&1 | quiet
+$py benchmarks/glue_kernels.py --precompile 2>&1 | quiet
 rm -rf "$TILELANG_CACHE_DIR"/*/*/.staging
 # only the built kernels travel: cuda-binaries/ is nvcc's output cache for compiles (a loaded kernel never reads it;
 # checked: a kernel loads in 0.13 s from kernels/ alone), and it is 40% of the archive

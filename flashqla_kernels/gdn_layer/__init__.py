@@ -11,7 +11,7 @@ Example:
 """
 from flashqla_kernels.gdn_layer.layer import explain_gdn_layer, gdn_layer_forward, layer_unsupported_reason
 from flashqla_kernels.gdn_layer.ops import (
-    conv_qkv_gates, gate_mul, gated_norm, glue_kernel_reason, qk_norm_rope, rms_norm, silu_mul,
+    conv_qkv_gates, gate_mul, gate_mul_head_major, gated_norm, glue_kernel_reason, qk_norm_rope, rms_norm, silu_mul,
 )
 from flashqla_kernels.gdn_layer.patch import (
     attention_fallback_reason, gdn_layers_patched, patch_gdn_layers, patched_gdn_layers, unpatch_gdn_layers,
@@ -19,6 +19,7 @@ from flashqla_kernels.gdn_layer.patch import (
 
 __all__ = [
     "gdn_layer_forward", "layer_unsupported_reason", "explain_gdn_layer",
-    "conv_qkv_gates", "gated_norm", "rms_norm", "silu_mul", "qk_norm_rope", "gate_mul", "glue_kernel_reason",
+    "conv_qkv_gates", "gated_norm", "rms_norm", "silu_mul", "qk_norm_rope", "gate_mul",
+    "gate_mul_head_major", "glue_kernel_reason",
     "patch_gdn_layers", "unpatch_gdn_layers", "patched_gdn_layers", "gdn_layers_patched", "attention_fallback_reason",
 ]

@@ -16,7 +16,8 @@ import torch
 
 from flashqla_kernels.gdn_layer import torch_path
 
-__all__ = ["conv_qkv_gates", "gated_norm", "rms_norm", "silu_mul", "qk_norm_rope", "gate_mul", "glue_kernel_reason",
+__all__ = ["conv_qkv_gates", "gated_norm", "rms_norm", "silu_mul", "qk_norm_rope", "gate_mul", "gate_mul_head_major",
+           "glue_kernel_reason",
            "KERNEL_DTYPES"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -170,3 +171,23 @@ def gate_mul(attn: torch.Tensor, qg: torch.Tensor, *, backend: str | None = None
             qg.shape[-1] // 2, 0, 1, 1)):
         return hopper.gate_mul_fwd(attn, qg)
     return torch_path.gate_mul(attn, qg)
+
+
+def gate_mul_head_major(attn: torch.Tensor, qg: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """``gate_mul`` on the attention output as SDPA returns it (head-major), written token-major for ``o_proj``:
+    transformers' transpose copy after SDPA and the gate's product in one pass.
+
+    Args:
+        attn: [B, H, L, D]. qg: [B, L, H, 2 D], the same tokens. backend: see module doc.
+
+    Returns:
+        [B, L, H * D] in attn's dtype.
+
+    Example:
+        >>> out = gate_mul_head_major(F.scaled_dot_product_attention(q, k, v, is_causal=True), qg)
+    """
+    hopper = importlib.import_module(_HOPPER)
+    if _use_kernels(backend, "gate_mul_head_major", attn, qg, shape_reason=lambda: hopper.attention_shape_reason(
+            attn.shape[-1], 0, 1, 1)):
+        return hopper.gate_mul_head_major_fwd(attn, qg)
+    return torch_path.gate_mul_head_major(attn, qg)

@@ -27,6 +27,8 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from flashqla_kernels.gdn_layer import ops
 from flashqla_kernels.gdn_layer.layer import gdn_layer_forward, layer_unsupported_reason
 
@@ -144,6 +146,24 @@ def attention_fallback_reason(attn, hidden_states, position_embeddings, cache) -
     return None
 
 
+# kwargs of an attention call that change what sdpa_attention_forward does beyond the plain causal SDPA call
+_SDPA_KWARGS_OFF_PATH = ("position_bias", "softcap", "output_attentions", "s_aux")
+
+
+def _plain_causal_sdpa(attn, q: torch.Tensor, attention_mask, kwargs: dict) -> bool:
+    """Whether transformers' SDPA interface would make exactly one causal, unmasked, dropout-free
+    ``scaled_dot_product_attention`` call (GQA in the kernel) for this call: prefill without padding."""
+    if attn.config._attn_implementation != "sdpa" or attention_mask is not None or q.shape[2] < 2:
+        return False
+    if attn.training and attn.attention_dropout:
+        return False
+    if kwargs.get("is_causal", getattr(attn, "is_causal", True)) is not True:
+        return False
+    if any(kwargs.get(name) for name in _SDPA_KWARGS_OFF_PATH):
+        return False
+    return q.shape[-1] <= 256 and q.device.type in ("cuda", "cpu")
+
+
 def _norm_eps(norm) -> float:
     return float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
 
@@ -167,6 +187,12 @@ def _make_attention_forward(original, backend: str | None):
         cos, sin = position_embeddings
         q, k = ops.qk_norm_rope(qg, kx, self.q_norm.weight, self.k_norm.weight, _norm_eps(self.q_norm), cos, sin,
                                 backend=backend)
+        if _plain_causal_sdpa(self, q, attention_mask, kwargs):
+            # transformers' sdpa_attention_forward makes this very call, then copies the output token-major; the
+            # gate kernel reads it head-major instead
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, scale=self.scaling, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+            return self.o_proj(ops.gate_mul_head_major(out, qg, backend=backend)), None
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                           module.eager_attention_forward)
         out, weights = interface(self, q, k, v, attention_mask, dropout=0.0 if not self.training

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["causal_conv1d_silu", "conv_split_l2norm_gates", "gdn_gates", "gated_rms_norm", "l2norm_fp32",
-           "rms_norm_zero_centred", "silu_mul", "qk_norm_rope", "gate_mul"]
+           "rms_norm_zero_centred", "silu_mul", "qk_norm_rope", "gate_mul",
+           "gate_mul_head_major"]
 
 
 def _math_dtype(x: torch.Tensor) -> torch.dtype:
@@ -184,3 +185,17 @@ def gate_mul(attn: torch.Tensor, qg: torch.Tensor) -> torch.Tensor:
     """
     D = qg.shape[-1] // 2
     return attn * torch.sigmoid(qg[..., D:].reshape(attn.shape))
+
+
+def gate_mul_head_major(attn: torch.Tensor, qg: torch.Tensor) -> torch.Tensor:
+    """``gate_mul`` on SDPA's head-major output, as transformers computes it: its transpose to token-major
+    (``sdpa_attention_forward``), then ``attn * sigmoid(gate)``.
+
+    Args:
+        attn: [B, H, L, D]. qg: [B, L, H, 2 D], the same tokens.
+
+    Returns:
+        [B, L, H * D] in attn's dtype.
+    """
+    B, H, L, D = attn.shape
+    return gate_mul(attn.transpose(1, 2).contiguous().reshape(B, L, H * D), qg)

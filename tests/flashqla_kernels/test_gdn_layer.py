@@ -442,6 +442,37 @@ def test_attention_patch_is_transformers_bit_for_bit_off_hopper(family, dtype, m
     assert torch.equal(logits, base_logits)
 
 
+def test_unpadded_sdpa_prefill_reads_the_attention_output_head_major(monkeypatch):
+    """Prefill without padding on SDPA: one causal GQA call, the gate op reading SDPA's [B, H, L, D] output (no
+    transpose copy); a padding mask, the eager implementation or output_attentions keep transformers' interface."""
+    from flashqla_kernels.gdn_layer import ops
+
+    model = tiny_model("qwen3_5")
+    ids = torch.randint(0, 256, (2, 11))
+    attn, (args, kwargs) = _attn_call(model, ids)
+    q = torch.zeros(2, attn.config.num_attention_heads, 11, attn.head_dim)
+    assert gdn_patch._plain_causal_sdpa(attn, q, None, kwargs)
+    assert not gdn_patch._plain_causal_sdpa(attn, q, torch.ones(2, 1, 11, 11, dtype=torch.bool), kwargs)
+    assert not gdn_patch._plain_causal_sdpa(attn, q[:, :, :1], None, kwargs)
+    assert not gdn_patch._plain_causal_sdpa(attn, q, None, {**kwargs, "output_attentions": True})
+    head_major = []
+    real = ops.gate_mul_head_major
+    monkeypatch.setattr(ops, "gate_mul_head_major", lambda *a, **kw: head_major.append(a[0].shape) or real(*a, **kw))
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[0, :3] = 0  # left padding: a 4-D mask reaches the layers, so the interface runs
+    with torch.no_grad():
+        # the reference: every other patch on, the attention layers on transformers' forward
+        with patched_gdn_layers(backend="torch", attention=False):
+            want = model(ids, use_cache=False).logits
+            want_masked = model(ids, attention_mask=mask, use_cache=False).logits
+        with patched_gdn_layers(backend="torch"):
+            assert torch.equal(model(ids, use_cache=False).logits, want)
+            assert head_major and head_major[0] == (2, attn.config.num_attention_heads, 11, attn.head_dim)
+            head_major.clear()
+            assert torch.equal(model(ids, attention_mask=mask, use_cache=False).logits, want_masked)
+            assert not head_major
+
+
 def test_attention_calls_with_a_cache_or_hooked_norms_go_to_transformers(monkeypatch):
     from flashqla_kernels.gdn_layer import ops
 
@@ -487,3 +518,5 @@ def test_attention_glue_formulation_rotates_only_the_first_r_channels():
     attn = torch.randn(B, L, H * D)
     want = attn * torch.sigmoid(qg[..., D:].reshape(B, L, H * D))
     assert torch.equal(torch_path.gate_mul(attn, qg), want)
+    head_major = attn.view(B, L, H, D).transpose(1, 2).contiguous()
+    assert torch.equal(torch_path.gate_mul_head_major(head_major, qg), want)

@@ -48,6 +48,10 @@ EXTRA = [
     ("qkrope", (4, 1, 64, 32, "bfloat16", 1e-6)),
     ("gate", (16, 256, "bfloat16")),
     ("gate", (4, 64, "float16")),
+    ("gate_hm", (8, 256, "bfloat16")),
+    ("rms", (2048, "bfloat16", 1e-6, "bfloat16")),
+    ("conv", (16, 16, 128, 4, "bfloat16", False, False, 32, 256)),
+    ("norm", (128, "bfloat16", 1e-6, 32, 128)),
 ]
 
 
@@ -58,9 +62,10 @@ def _compile(stage, args):
 
     builder = {"conv": conv_gates.build_conv_qkv_gates, "norm": gated_norm.build_gated_rms_norm,
                "rms": rms_norm.build_rms_norm, "silu": silu_mul.build_silu_mul,
-               "qkrope": attn_glue.build_qk_norm_rope, "gate": attn_glue.build_gate_mul}[stage]
+               "qkrope": attn_glue.build_qk_norm_rope, "gate": attn_glue.build_gate_mul,
+               "gate_hm": attn_glue.build_gate_mul_head_major}[stage]
     src = _common.compile_kernel(builder, *args).get_kernel_source()
-    assert "__global__" in src and ("rsqrtf" in src or stage in ("silu", "gate")), f"{stage}{args}: unexpected CUDA"
+    assert "__global__" in src and ("rsqrtf" in src or stage in ("silu", "gate", "gate_hm")), f"{stage}{args}: unexpected CUDA"
     if stage == "qkrope":
         # one kernel: the norm's reduction, both q and k outputs, and the rotary products with cos and sin
         assert "AllReduce" in src and "q[" in src or "(q + " in src

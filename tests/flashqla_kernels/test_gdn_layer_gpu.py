@@ -199,6 +199,12 @@ def test_attention_glue_kernels_match_the_torch_formulation(name):
     ref = torch_path.gate_mul(attn.float(), qg.float())
     assert not got.isnan().any() and got.shape == attn.shape
     assert _rel(got, ref) <= max(1.05 * _rel(torch_path.gate_mul(attn, qg), ref), 4e-3)
+    # SDPA's head-major output [B, H, L, D] into o_proj's token-major rows
+    attn_hm = torch.randn(B, H, L, D, generator=g, device=DEV).to(dtype)
+    got_hm = hopper.gate_mul_head_major_fwd(attn_hm, qg)
+    ref_hm = torch_path.gate_mul_head_major(attn_hm.float(), qg.float())
+    assert not got_hm.isnan().any() and got_hm.shape == (B, L, H * D)
+    assert _rel(got_hm, ref_hm) <= max(1.05 * _rel(torch_path.gate_mul_head_major(attn_hm, qg), ref_hm), 4e-3)
     print(f"attention glue {name}: rel-L2 vs fp32 q {_rel(q, ref_q):.2e} (transformers' ops {_rel(theirs_q, ref_q):.2e}),"
           f" gate {_rel(got, ref):.2e}")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 
 __all__ = ["conv_qkv_gates_fwd", "gated_rms_norm_fwd", "rms_norm_fwd", "silu_mul_fwd", "qk_norm_rope_fwd",
-           "gate_mul_fwd", "conv_shape_reason", "attention_shape_reason", "HEAD_DIMS"]
+           "gate_mul_fwd", "gate_mul_head_major_fwd", "conv_shape_reason", "attention_shape_reason", "HEAD_DIMS"]
 
 HEAD_DIMS = (64, 128, 256)
 
@@ -98,3 +98,13 @@ def gate_mul_fwd(attn, qg):
         raise ValueError(reason)
     stage = importlib.import_module("flashqla_kernels.gdn_layer.hopper.attn_glue")
     return stage.gate_mul(attn, qg)
+
+
+def gate_mul_head_major_fwd(attn, qg):
+    """``attn * sigmoid(gate)`` on SDPA's head-major output (see ``attn_glue.gate_mul_head_major``): attn
+    [B, H, L, D], qg [B, L, H, 2 D]; returns [B, L, H * D]."""
+    reason = attention_shape_reason(attn.shape[-1], 0, 1, 1)
+    if reason is not None:
+        raise ValueError(reason)
+    stage = importlib.import_module("flashqla_kernels.gdn_layer.hopper.attn_glue")
+    return stage.gate_mul_head_major(attn, qg)

@@ -14,6 +14,8 @@ half's slices, products and concatenations in bf16); here one read and one write
 
 ``gate_mul``: the attention output ``[N, H, D]`` times ``sigmoid(gate)``, the gate read in place from ``q_proj``'s
 output (transformers first copies the strided gate half, then runs sigmoid and the product as two more passes).
+``gate_mul_head_major`` takes the attention output as SDPA returns it, ``[B, H, L, D]``, and writes the token-major
+``[B, L, H * D]`` that ``o_proj`` reads: the transpose copy transformers makes after SDPA is folded into the product.
 """
 import tilelang.language as T
 import torch
@@ -115,6 +117,28 @@ def build_gate_mul(H: int, D: int, dtype: str):
     return attention_gate_mul
 
 
+def build_gate_mul_head_major(H: int, D: int, dtype: str):
+    """``attn * sigmoid(gate)`` with ``attn`` head-major ``[B, H, L, D]`` and the output token-major ``[B, L, H, D]``."""
+    BT = tokens_per_cta(D)
+    Bn = T.dynamic("B")
+    L = T.dynamic("L")
+
+    @T.prim_func
+    def attention_gate_mul_head_major(
+        attn: T.Tensor((Bn, H, L, D), dtype),
+        qg: T.Tensor((Bn, L, H, 2 * D), dtype),
+        out: T.Tensor((Bn, L, H, D), dtype),
+    ):
+        with T.Kernel(T.ceildiv(L, BT), H, Bn, threads=THREADS) as (bt, h, b):
+            for i, d in T.Parallel(BT, D):
+                if bt * BT + i < L:
+                    gate = T.cast(qg[b, bt * BT + i, h, D + d], "float32")
+                    out[b, bt * BT + i, h, d] = T.cast(
+                        T.cast(attn[b, h, bt * BT + i, d], "float32") / (1.0 + T.exp(-gate)), dtype)
+
+    return attention_gate_mul_head_major
+
+
 def qk_norm_rope(qg: torch.Tensor, kx: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,
                  cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the q/k norm + partial RoPE kernel.
@@ -155,3 +179,23 @@ def gate_mul(attn: torch.Tensor, qg: torch.Tensor) -> torch.Tensor:
     if N > 0:
         kernel(attn.reshape(N, H, D).contiguous(), qg.reshape(N, H, 2 * D).contiguous(), out.view(N, H, D))
     return out
+
+
+def gate_mul_head_major(attn: torch.Tensor, qg: torch.Tensor) -> torch.Tensor:
+    """Run ``attn * sigmoid(gate)`` on SDPA's head-major output.
+
+    Args:
+        attn: [B, H, L, D] (the attention output as SDPA returns it). qg: [B, L, H, 2 D], the same tokens.
+
+    Returns:
+        [B, L, H * D] in attn's dtype, token-major.
+    """
+    B, H, L, D = attn.shape
+    if qg.shape != (B, L, H, 2 * D):
+        raise ValueError(f"qg must be [B, L, H, 2 D] = {(B, L, H, 2 * D)} for attn [B, H, L, D] = "
+                         f"{tuple(attn.shape)}; got qg {tuple(qg.shape)}")
+    kernel = compile_kernel(build_gate_mul_head_major, H, D, tl_dtype(attn.dtype))
+    out = torch.empty((B, L, H, D), dtype=attn.dtype, device=attn.device)
+    if B * L > 0:
+        kernel(attn.contiguous(), qg.contiguous(), out)
+    return out.view(B, L, H * D)

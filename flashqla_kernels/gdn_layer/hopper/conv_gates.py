@@ -22,10 +22,11 @@ SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus's default: x above it 
 L2NORM_EPS = 1e-6
 
 
-def build_conv_qkv_gates(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_prefix: bool, has_bias: bool):
+def build_conv_qkv_gates(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_prefix: bool, has_bias: bool,
+                         BT: int = 0, threads: int = THREADS):
     """The conv + gates kernel for head dim D (= K = V) and conv width Kc >= 2."""
     # tokens per CTA: 64 keeps the (Kc-1)-token halo re-read small; D = 256 halves it to stay in registers
-    BT = 64 if D <= 128 else 32
+    BT = BT or (64 if D <= 128 else 32)
     NB = 2 * Hk + Hv
     C = NB * D
     P = Kc - 1
@@ -49,7 +50,7 @@ def build_conv_qkv_gates(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_pref
         g: T.Tensor((batch, seqlen, Hv), "float32"),
         beta: T.Tensor((batch, seqlen, Hv), "float32"),
     ):
-        with T.Kernel(T.ceildiv(seqlen, BT), NB, batch, threads=THREADS) as (bt, hb, bb):
+        with T.Kernel(T.ceildiv(seqlen, BT), NB, batch, threads=threads) as (bt, hb, bb):
             t0 = bt * BT
             c0 = hb * D
             x_sh = T.alloc_shared((BT + P, D), dtype)

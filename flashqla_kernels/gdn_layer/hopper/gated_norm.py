@@ -17,8 +17,9 @@ THREADS = 128
 POISON_OUTPUTS = False
 
 
-def build_gated_rms_norm(V: int, dtype: str, eps: float):
-    """The gated RMSNorm kernel for rows of V channels; ``eps`` is baked in (the model's ``rms_norm_eps``)."""
+def build_gated_rms_norm(V: int, dtype: str, eps: float, rows_per_cta: int = BR, threads: int = THREADS):
+    """The gated RMSNorm kernel for rows of V channels; ``eps`` is baked in (the model's ``rms_norm_eps``);
+    ``rows_per_cta`` / ``threads`` size the CTA."""
     rows = T.dynamic("rows")
     inv_v = 1.0 / V
 
@@ -29,18 +30,18 @@ def build_gated_rms_norm(V: int, dtype: str, eps: float):
         weight: T.Tensor((V,), dtype),
         y: T.Tensor((rows, V), dtype),
     ):
-        with T.Kernel(T.ceildiv(rows, BR), threads=THREADS) as br:
-            r0 = br * BR
-            x = T.alloc_fragment((BR, V), "float32")
-            sq = T.alloc_fragment((BR, V), "float32")
-            ss = T.alloc_fragment((BR,), "float32")
-            for i, d in T.Parallel(BR, V):
+        with T.Kernel(T.ceildiv(rows, rows_per_cta), threads=threads) as br:
+            r0 = br * rows_per_cta
+            x = T.alloc_fragment((rows_per_cta, V), "float32")
+            sq = T.alloc_fragment((rows_per_cta, V), "float32")
+            ss = T.alloc_fragment((rows_per_cta,), "float32")
+            for i, d in T.Parallel(rows_per_cta, V):
                 x[i, d] = T.if_then_else(r0 + i < rows, T.cast(o[T.min(r0 + i, rows - 1), d], "float32"), 0.0)
                 sq[i, d] = x[i, d] * x[i, d]
             T.reduce_sum(sq, ss, dim=1)
-            for i in T.Parallel(BR):
+            for i in T.Parallel(rows_per_cta):
                 ss[i] = T.rsqrt(ss[i] * inv_v + eps)
-            for i, d in T.Parallel(BR, V):
+            for i, d in T.Parallel(rows_per_cta, V):
                 if r0 + i < rows:
                     y[r0 + i, d] = T.cast(
                         x[i, d] * ss[i] * T.cast(weight[d], "float32")

@@ -17,23 +17,25 @@ TILE_ELEMS = 8192  # BR * D per CTA: 32 fp32 values per thread for x and 32 for 
 POISON_OUTPUTS = False
 
 
-def rows_per_cta(D: int) -> int:
-    return max(1, TILE_ELEMS // D)
+def rows_per_cta(D: int, tile_elems: int = TILE_ELEMS) -> int:
+    return max(1, tile_elems // D)
 
 
-def build_rms_norm(D: int, dtype: str, eps: float):
-    """The zero-centred RMSNorm kernel for rows of D channels (D a multiple of 64); eps baked in."""
-    BR = rows_per_cta(D)
+def build_rms_norm(D: int, dtype: str, eps: float, wdtype: str = "float32", tile_elems: int = TILE_ELEMS,
+                   threads: int = THREADS):
+    """The zero-centred RMSNorm kernel for rows of D channels (D a multiple of 64); eps baked in. The weight is read
+    in its own dtype ``wdtype`` (no cast kernel before each call); ``tile_elems`` / ``threads`` size the CTA."""
+    BR = rows_per_cta(D, tile_elems)
     rows = T.dynamic("rows")
     inv_d = 1.0 / D
 
     @T.prim_func
     def qwen_rms_norm(
         x: T.Tensor((rows, D), dtype),
-        weight: T.Tensor((D,), "float32"),
+        weight: T.Tensor((D,), wdtype),
         y: T.Tensor((rows, D), dtype),
     ):
-        with T.Kernel(T.ceildiv(rows, BR), threads=THREADS) as br:
+        with T.Kernel(T.ceildiv(rows, BR), threads=threads) as br:
             r0 = br * BR
             xf = T.alloc_fragment((BR, D), "float32")
             sq = T.alloc_fragment((BR, D), "float32")
@@ -46,7 +48,7 @@ def build_rms_norm(D: int, dtype: str, eps: float):
                 ss[i] = T.rsqrt(ss[i] * inv_d + eps)
             for i, d in T.Parallel(BR, D):
                 if r0 + i < rows:
-                    y[r0 + i, d] = T.cast(xf[i, d] * ss[i] * (1.0 + weight[d]), dtype)
+                    y[r0 + i, d] = T.cast(xf[i, d] * ss[i] * (1.0 + T.cast(weight[d], "float32")), dtype)
 
     return qwen_rms_norm
 
@@ -55,15 +57,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Run the zero-centred RMSNorm.
 
     Args:
-        x: [..., D] bf16/fp16. weight: [D] (any float dtype; used in fp32). eps: float.
+        x: [..., D] bf16/fp16. weight: [D] (fp32/bf16/fp16 read as is, other float dtypes cast; math in fp32).
+            eps: float.
 
     Returns:
         y with x's shape and dtype.
     """
     D = x.shape[-1]
-    kernel = compile_kernel(build_rms_norm, D, tl_dtype(x.dtype), float(eps))
+    w = weight if weight.dtype in (torch.float32, torch.bfloat16, torch.float16) else weight.float()
+    wdtype = tl_dtype(w.dtype)
+    # a float32 weight keeps the kernel's original compile-cache key
+    kernel = compile_kernel(build_rms_norm, D, tl_dtype(x.dtype), float(eps), *(() if wdtype == "float32" else (wdtype,)))
     x2 = x.reshape(-1, D).contiguous()
     y = torch.full_like(x2, float("nan")) if POISON_OUTPUTS else torch.empty_like(x2)
     if x2.shape[0] > 0:
-        kernel(x2, weight.to(torch.float32).contiguous(), y)
+        kernel(x2, w.contiguous(), y)
     return y.view(x.shape)
