@@ -29,13 +29,13 @@ BF16 = "bfloat16"
 VARIANTS = [
     ("conv", "conv_gates", "build_conv_qkv_gates", (HK, HV, D, KC, BF16, False, False)),
     *[("conv", "conv_gates", "build_conv_qkv_gates", (HK, HV, D, KC, BF16, False, False, bt, th))
-      for bt, th in ((32, 256), (16, 256), (32, 512), (16, 128), (8, 128), (64, 256))],
+      for bt, th in ((64, 128), (32, 256), (16, 256), (8, 128))],
     ("rms_norm", "rms_norm", "build_rms_norm", (D_MODEL, BF16, 1e-6, BF16)),
     *[("rms_norm", "rms_norm", "build_rms_norm", (D_MODEL, BF16, 1e-6, BF16, tile, th))
-      for tile, th in ((4096, 128), (16384, 512), (4096, 256), (2048, 128), (8192, 512))],
+      for tile, th in ((8192, 256), (4096, 256), (1024, 64), (16384, 512))],
     ("gated_norm", "gated_norm", "build_gated_rms_norm", (D, BF16, 1e-6)),
     *[("gated_norm", "gated_norm", "build_gated_rms_norm", (D, BF16, 1e-6, rows, th))
-      for rows, th in ((32, 128), (16, 128), (64, 256), (16, 64), (32, 256))],
+      for rows, th in ((64, 128), (32, 128), (8, 64), (16, 64))],
     ("silu_mul", "silu_mul", "build_silu_mul", (D_FF, BF16)),
     ("qk_norm_rope", "attn_glue", "build_qk_norm_rope", (H_ATT, HKV_ATT, D_ATT, R_ATT, BF16, 1e-6)),
     ("gate_mul", "attn_glue", "build_gate_mul", (H_ATT, D_ATT, BF16)),

@@ -86,8 +86,9 @@ print(','.join(x for x in v.ALL_VARIANTS if x != v.DEFAULT_VARIANT))")}
 export -f gdn_tests
 if [ "${1:-}" = --split ]; then  # --split "PHASES ON GPU 0" "PHASES ON GPU 1": both at once, outputs in gpu0/, gpu1/
     CUDA_VISIBLE_DEVICES=0 OUT=$OUT/gpu0 NO_SAVE_CACHES=1 bash "$0" $2 > "$OUT/gpu0.txt" 2>&1 &
+    gpu0_pid=$!
     CUDA_VISIBLE_DEVICES=1 OUT=$OUT/gpu1 NO_SAVE_CACHES=1 bash "$0" $3 > "$OUT/gpu1.txt" 2>&1
-    wait
+    wait $gpu0_pid  # not a bare wait: the nvidia-smi logger runs in the background until killed
     tail -n 4 "$OUT"/gpu*/phases.log
     # the device tool returns a limited number of files: one archive holds them all
     kill $smi_pid 2>/dev/null

@@ -1,6 +1,6 @@
 """Run a pytest module's test functions as plain calls, on a host where pytest may be missing (the GPU machine's
-bare image): parametrize marks expanded, a minimal ``monkeypatch``, ``pytest.skip`` reported as SKIP, each case's
-printed lines kept, PASS / SKIP / FAIL per case written to a text file.
+bare image): parametrize marks expanded, a minimal ``monkeypatch``, ``pytest.skip`` reported as SKIP and
+``pytest.xfail`` as XFAIL, each case's printed lines kept, PASS / SKIP / XFAIL / FAIL per case written to a file.
 """
 from __future__ import annotations
 
@@ -92,6 +92,8 @@ def run_module(module_name: str, out_file: Path, header: str, only: str = "", be
         except BaseException as err:  # noqa: BLE001 - pytest.skip raises a BaseException subclass
             if type(err).__name__ == "Skipped":
                 lines.append(f"SKIP {case_id} {buf.getvalue().strip()} ({err})")
+            elif type(err).__name__ == "XFailed":  # pytest.xfail: an expected failure, reported with its reason
+                lines.append(f"XFAIL {case_id} ({err})")
             elif isinstance(err, Exception):
                 failures += 1
                 lines.append(f"FAIL {case_id} {buf.getvalue().strip()}\n{traceback.format_exc(limit=4)}")

@@ -281,6 +281,11 @@ def test_fused_layer_matches_transformers_within_bf16(Hk, Hv):
 
 
 def test_patched_greedy_generation_is_identical_for_64_tokens():
+    """Greedy generation with and without the patch. Two bf16 paths that round differently can only be identical
+    while no step is a near-tie: where the tokens first differ, the unpatched top-2 margin is compared with how far
+    the two paths' logits are apart on that same prefix. A split at a margin above that distance is a bug and fails;
+    a split at a near-tie is the rounding of two equally accurate paths (both are compared with an fp32 copy of the
+    model there) and is reported as an expected failure, with the numbers."""
     model = _qwen35_layer(n=8, vocab=4096).to(torch.bfloat16)
     ids = torch.randint(0, 4096, (2, 37), device=DEV)
     kw = dict(max_new_tokens=64, do_sample=False, pad_token_id=0)
@@ -289,15 +294,22 @@ def test_patched_greedy_generation_is_identical_for_64_tokens():
         with patched_gdn_layers():
             got = model.generate(ids, **kw)
     same = (got == want).all(dim=0)
-    first_diff = int((~same).nonzero()[0]) - ids.shape[1] if not same.all() else None
-    detail = ""
-    if first_diff is not None:  # was it a near-tie? the reference's top-2 margin there against the paths' difference
-        prefix = want[:, :ids.shape[1] + first_diff]
-        with torch.no_grad():
-            ref = model(prefix).logits[:, -1].float()
-            with patched_gdn_layers():
-                ours = model(prefix).logits[:, -1].float()
-        top2 = ref.topk(2, dim=-1).values
-        detail = (f"; there the unpatched top-2 logit margins are {[f'{m:.3g}' for m in (top2[:, 0] - top2[:, 1])]}"
-                  f" and patched vs unpatched logits differ by up to {(ours - ref).abs().max():.3g} (same prefix)")
-    assert first_diff is None, f"greedy tokens differ from generated token {first_diff} on{detail}"
+    if same.all():
+        return
+    first_diff = int((~same).nonzero()[0]) - ids.shape[1]
+    prefix = want[:, :ids.shape[1] + first_diff]
+    with torch.no_grad():
+        ref = model(prefix).logits[:, -1].float()
+        with patched_gdn_layers():
+            ours = model(prefix).logits[:, -1].float()
+        truth = model.float()(prefix).logits[:, -1]
+    top2 = ref.topk(2, dim=-1).values
+    margin, gap = (top2[:, 0] - top2[:, 1]).min().item(), (ours - ref).abs().max().item()
+    e_ours, e_theirs = _rel(ours, truth), _rel(ref, truth)
+    detail = (f"greedy tokens differ from generated token {first_diff} on; there the unpatched top-2 logit margin is "
+              f"{margin:.3g} and the two paths' logits differ by up to {gap:.3g} on the same prefix; rel-L2 of the "
+              f"logits vs fp32: patched {e_ours:.2e}, unpatched {e_theirs:.2e}")
+    print(detail)
+    assert margin < gap, f"not a near-tie: {detail}"
+    assert e_ours < 1.5 * e_theirs + 1e-3, f"the patched path is further from fp32 than transformers': {detail}"
+    pytest.xfail(f"near-tie between two bf16 paths: {detail}")

@@ -11,8 +11,10 @@ import torch
 
 from flashqla_kernels.gated_delta_rule.hopper._common import compile_kernel, tl_dtype
 
-THREADS = 256
-TILE_ELEMS = 8192  # BR * D per CTA: 32 fp32 values per thread for x and 32 for its square
+# BR * D = 2048 per CTA of 128 threads (one 2048-wide row, 16 values a thread): 0.073 ms a [32768, 2048] bf16 norm
+# on the H200, 88% of a device copy's bandwidth, against 0.111 ms for 8192 / 256 (benchmarks/glue_kernels.py)
+THREADS = 128
+TILE_ELEMS = 2048
 # Tests set this to fill the output with NaN before the kernel runs, to prove every element is written.
 POISON_OUTPUTS = False
 
