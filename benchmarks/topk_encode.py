@@ -6,8 +6,10 @@ time with CUDA events (median of repeats after warm-up):
 
 - ``torch bf16``: ``TopKSAE(compute_dtype=bf16).encode_sparse`` = addmm + ReLU + topk in bf16 (the anchor's path);
 - ``torch fp32``: the default ``encode_sparse`` (bf16 operands computed in fp32), fewer repeats;
-- ``fused``: ``fused_encode(backend="tilelang")``; and its parts: the kernel alone, the merge alone, the kernel with
-  one candidate per tile (the matmul with the lightest epilogue), and cuBLAS ``addmm`` alone (the matmul floor).
+- ``fused``: ``fused_encode(backend="tilelang")`` (and ``fused_encode_async``, the collection loop's sync-free
+  call); and its parts: the kernel alone, the merge alone (the TileLang merge kernel that ``fused_encode`` runs, beside
+  the torch ``merge_candidates``; checked equal first), the kernel with one candidate per tile (the matmul with the
+  lightest epilogue), and cuBLAS ``addmm`` alone (the matmul floor).
 
 Usage: ``python benchmarks/topk_encode.py --out benchmarks/results`` (writes topk_encode.json and topk_encode.md).
 """
@@ -78,6 +80,20 @@ def check(codes, sae: TopKSAE, x: torch.Tensor, rows: int = 2048) -> dict:
             "max_rel_err_vs_true_topk": topk_err, "index_agreement_vs_encode_sparse": float(same)}
 
 
+def check_merge(cand: torch.Tensor, k: int) -> dict:
+    """The merge kernel against the torch merge on the same candidates: equal values and flags, the same keys (equal
+    keys may come from other tiles), distinct indices."""
+    values, indices, flagged = hk.merge_candidates_kernel(cand, k)
+    ref_values, ref_indices, ref_flagged = hk.merge_candidates(cand, k)
+    keys = values.view(torch.int32) | (hk.BLOCK_N - 1 - indices % hk.BLOCK_N).int()
+    ref_keys = ref_values.view(torch.int32) | (hk.BLOCK_N - 1 - ref_indices % hk.BLOCK_N).int()
+    same = {"values": torch.equal(values, ref_values), "flagged": torch.equal(flagged, ref_flagged),
+            "keys": torch.equal(keys.sort(dim=1).values, ref_keys.sort(dim=1).values),
+            "distinct": bool((indices.sort(dim=1).values.diff(dim=1) > 0).all()),
+            "same_indices": float((indices == ref_indices).float().mean())}
+    return {"ok": all(v for key, v in same.items() if key != "same_indices"), **same}
+
+
 def bench_shape(d_model: int, d_sae: int, k: int, configs: list[tuple[int, int]]) -> dict:
     sae, x = make_sae(d_model, d_sae, k)
     sae_bf16 = TopKSAE(sae.W_enc, sae.W_dec, sae.b_enc, sae.b_dec, k=k, compute_dtype=torch.bfloat16)
@@ -114,14 +130,17 @@ def bench_shape(d_model: int, d_sae: int, k: int, configs: list[tuple[int, int]]
         cand = hk.topk_candidates(x[:16384], sae.W_enc, sae.b_enc.float(), c)
         row["flagged_rows_per_16k"] = int(hk.merge_candidates(cand, k)[2].sum())
         row["fused_ms"] = time_ms(lambda: fe.fused_encode(x, sae, backend="tilelang"))
+        row["fused_async_ms"] = time_ms(lambda: fe.fused_encode_async(x, sae, backend="tilelang"))
         row["check_split"] = check(fe._encode_split(x, sae), sae, x)
         row["split_ms"] = time_ms(lambda: fe._encode_split(x, sae))
+        row["check_merge_kernel"] = check_merge(cand, k)
         row["merge_ms"] = time_ms(lambda: hk.merge_candidates(cand, k)) * n / 16384
+        row["merge_kernel_ms"] = time_ms(lambda: hk.merge_candidates_kernel(cand, k)) * n / 16384
         row["kernel_c1_ms"] = time_ms(lambda: hk.topk_candidates(x[:16384], sae.W_enc, sae.b_enc.float(), 1)) * n / 16384
         row["torch_bf16_ms"] = time_ms(lambda: sae_bf16.encode_sparse(x), reps=5)
         row["addmm_bf16_ms"] = time_ms(lambda: torch.addmm(sae.b_enc, x, sae.W_enc.T), reps=5)
         row["torch_fp32_ms"] = time_ms(lambda: sae.encode_sparse(x), reps=2, warmup=1)
-        del codes, cand
+        del codes
     row["speedup_vs_torch_bf16"] = row["torch_bf16_ms"] / row["fused_ms"]
     row["speedup_vs_torch_fp32"] = row["torch_fp32_ms"] / row["fused_ms"]
     row["split_speedup_vs_torch_bf16"] = row["torch_bf16_ms"] / row["split_ms"]
@@ -130,6 +149,17 @@ def bench_shape(d_model: int, d_sae: int, k: int, configs: list[tuple[int, int]]
     print(json.dumps(row), flush=True)
     torch.cuda.empty_cache()
     return row
+
+
+def merge_test_variants() -> list[tuple]:
+    """The merge kernels the GPU tests compile: (NT, c, k) of tests/saes/test_topk_merge.py, and the first pass of
+    fused_encode at the tests' (d_sae, k)."""
+    sizes = [(128, 8, 100), (7, 5, 33), (4, 8, 32), (16, 1, 10), (1, 8, 5), (256, 6, 100), (256, 5, 50),
+             (128, 32, 100)]
+    for d_sae, k in ((2048, 16), (32768, 100)):
+        c = hk.candidates_per_tile(k, d_sae)
+        sizes += [(d_sae // hk.BLOCK_N, c, k), (d_sae // hk.BLOCK_N, min(hk.BLOCK_N, 4 * c), k)]
+    return [("merge", n_tiles * c, c, k) for n_tiles, c, k in sizes if n_tiles * c <= hk.MERGE_MAX_SLOTS]
 
 
 def environment() -> dict:
@@ -156,15 +186,17 @@ def markdown(env: dict, rows: list[dict]) -> str:
         "32768 tokens; CUDA-event medians. Checked before timing: exact top-k (float64) on 2048 tokens.",
         "",
         "| d_model -> d_sae | k | torch bf16 (ms) | torch fp32 (ms) | fused (ms) | speedup vs bf16 | speedup vs fp32 "
-        "| kernel / merge / kernel c=1 / cuBLAS addmm (ms) | fused TFLOP/s | exact | unfused: addmm + TileLang top-c (ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| kernel / merge kernel (torch merge) / kernel c=1 / cuBLAS addmm (ms) | fused async (ms) | fused TFLOP/s "
+        "| exact | unfused: addmm + TileLang top-c (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['d_model']} -> {r['d_sae']} | {r['k']} | {r['torch_bf16_ms']:.2f} | {r['torch_fp32_ms']:.1f} | "
             f"{r['fused_ms']:.2f} | {r['speedup_vs_torch_bf16']:.2f}x | {r['speedup_vs_torch_fp32']:.1f}x | "
-            f"{r['kernel_ms']:.2f} / {r['merge_ms']:.2f} / "
-            f"{r['kernel_c1_ms']:.2f} / {r['addmm_bf16_ms']:.2f} | {r['fused_tflops']:.0f} | {r['check']['ok']} | "
+            f"{r['kernel_ms']:.2f} / {r['merge_kernel_ms']:.2f} ({r['merge_ms']:.2f}) / "
+            f"{r['kernel_c1_ms']:.2f} / {r['addmm_bf16_ms']:.2f} | {r['fused_async_ms']:.2f} | "
+            f"{r['fused_tflops']:.0f} | {r['check']['ok'] and r['check_merge_kernel']['ok']} | "
             f"{r['split_ms']:.2f} ({r['split_speedup_vs_torch_bf16']:.2f}x, exact {r['check_split']['ok']}) |")
     return "\n".join(lines) + "\n"
 
@@ -185,14 +217,18 @@ def main() -> None:
     env = environment()
     print(json.dumps(env), flush=True)
     if args.precompile:
-        # The GPU tests' kernels, then every shape x config with its c, 1 (timing) and 4c (re-run of flagged rows).
+        # The GPU tests' kernels, then every shape x config with its c, 1 (timing) and 4c (re-run of flagged rows),
+        # and the merge kernel of each first pass and of its 4c re-run where a row fits (MERGE_MAX_SLOTS).
         variants = [(256, 2048, c, "bfloat16", hk.DEFAULT_CONFIG) for c in (10, 40)]
         variants += [(2048, 32768, 32, "bfloat16", hk.DEFAULT_CONFIG), ("preacts", 2048, 10, "bfloat16")]
+        variants += merge_test_variants()
         for d_model, d_sae, k in SHAPES:
             c = hk.candidates_per_tile(k, d_sae)
             for cfg in configs:
                 variants += [(d_model, d_sae, cc, "bfloat16", cfg) for cc in (c, 1, min(hk.BLOCK_N, 4 * c))]
             variants.append(("preacts", d_sae, hk.candidates_per_tile(k, d_sae), "bfloat16"))
+            variants += [("merge", d_sae // hk.BLOCK_N * cc, cc, k) for cc in (c, min(hk.BLOCK_N, 4 * c))
+                         if d_sae // hk.BLOCK_N * cc <= hk.MERGE_MAX_SLOTS]
         hk.precompile(sorted(set(variants), key=str), workers=args.precompile)
         print(f"precompiled {len(set(variants))} variants", flush=True)
     if args.precompile_only:

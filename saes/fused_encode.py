@@ -3,11 +3,12 @@
 Two backends, one result (``SparseCodes`` equal to ``TopKSAE.encode_sparse`` up to ties):
 
 - ``"tilelang"`` (Hopper, sm_90): ``saes.hopper_topk`` computes the matmul with the ReLU and a per-tile top-c in the
-  epilogue, writing ``c`` candidates per 256 features instead of 256 pre-activations; a small torch pass merges them
-  into the top-k, re-runs the rare rows it cannot certify through the kernel with ``4 c`` candidates and hands any
-  still uncertain to ``encode_sparse`` (see ``hopper_topk.merge_candidates``). Values are the
-  fp32-accumulated pre-activations (the default fp32 compute of ``TopKSAE``) with the 8 low mantissa bits cleared,
-  returned in ``x.dtype``; features whose pre-activations agree to 2^-15 relative count as ties. No gradients.
+  epilogue, writing ``c`` candidates per 256 features instead of 256 pre-activations; a second small kernel
+  (``merge_candidates_kernel``) merges them into the top-k, the rare rows it cannot certify are re-run through the
+  kernel with ``4 c`` candidates and any still uncertain are recomputed as ``encode_sparse`` does (on CUDA through
+  one half-precision GEMM with fp32 output: ``_recompute``; see ``hopper_topk.merge_candidates``). Values are the fp32-accumulated pre-activations (the default fp32 compute of
+  ``TopKSAE``) with the 8 low mantissa bits cleared, returned in ``x.dtype``; features whose pre-activations agree to
+  2^-15 relative count as ties. No gradients.
 - ``"torch"`` (any device): ``encode_sparse`` over row blocks, so the pre-activations never take more than
   ``max_block_bytes`` at a time; bit-for-bit ``encode_sparse`` when the input fits one block, else equal to the last
   fp32 bits (BLAS may round a row differently inside a smaller matmul). Inference only: no gradients either way.
@@ -15,14 +16,16 @@ Two backends, one result (``SparseCodes`` equal to ``TopKSAE.encode_sparse`` up 
 ``backend=None`` picks ``"tilelang"`` where ``unsupported_reason`` returns None, else ``"torch"``;
 ``explain_backend`` says which and why.
 
-Host syncs. ``fused_encode_async`` never reads GPU data on the host: the uncertain rows are compacted into buffers of
-fixed capacity (``rerun_capacity(N)`` rows for the wider re-run, ``FALLBACK_ROWS`` for ``encode_sparse``) and written
-back by scatter, and it returns an ``overflow`` flag on the device that is True when either buffer was too small (the
-codes are then not certified). ``fused_encode`` runs it and reads the flag once, redoing the input with the unbounded
-multi-pass path in the rare overflow case; a loop that launches more GPU work behind the encode (activation collection)
-calls ``fused_encode_async`` and checks ``overflow`` where it syncs anyway.
+Host syncs. ``fused_encode`` synchronises to find the uncertain rows (``nonzero``) and re-runs only those.
+``fused_encode_async`` never reads GPU data on the host: the uncertain rows are compacted into buffers of fixed
+capacity (``rerun_capacity(N)`` rows for the wider re-run, ``FALLBACK_ROWS`` for ``encode_sparse``) and written back
+by scatter, and it returns an ``overflow`` flag on the device that is True when either buffer was too small (the codes
+are then not certified: encode again with ``fused_encode``). A loop that launches more GPU work behind the encode
+(activation collection) calls ``fused_encode_async`` and checks ``overflow`` where it syncs anyway.
 """
 from __future__ import annotations
+
+import importlib
 
 import torch
 
@@ -37,8 +40,8 @@ MAX_BLOCK_BYTES = 1 << 30
 # Sync-free path: rows re-run wider per CHUNK_TOKENS tokens, one kernel row block (128: 32x the ~4 flagged rows per
 # 16K tokens of real activations, 8x the 1e-3 rate candidates_per_tile aims for) ...
 RERUN_ROWS_PER_CHUNK = hopper_topk.BLOCK_M
-# ... and rows handed to encode_sparse when the wider re-run still cannot certify them (64 rows: 8 MiB of fp32
-# pre-activations at d_sae = 32K, computed on every call).
+# ... and rows recomputed (``_recompute``) when the wider re-run still cannot certify them (64 rows: 8 MiB of fp32
+# pre-activations at d_sae = 32K, computed on every call; 0.17 ms on an H200 at 2048 -> 32768).
 FALLBACK_ROWS = 64
 
 
@@ -70,7 +73,7 @@ def unsupported_reason(x: torch.Tensor, sae) -> str | None:
     if hopper_topk.candidates_per_tile(k, d_sae) * (d_sae // hopper_topk.BLOCK_N) < k:
         return f"k={k} is too large for d_sae={d_sae} (more than the per-tile candidates can hold)"
     try:
-        import tilelang  # noqa: F401
+        importlib.import_module("tilelang")
     except ImportError as err:
         return f"tilelang is not importable ({err}); pip install tilelang==0.1.15"
     return None
@@ -89,8 +92,9 @@ def explain_backend(x: torch.Tensor, sae, backend: str | None = None) -> str:
 def fused_encode(x: torch.Tensor, sae, *, backend: str | None = None) -> SparseCodes:
     """Top-k SAE codes of ``x``, as ``sae.encode_sparse(x)`` returns them, without the ``[N, d_sae]`` intermediate.
 
-    Always exact. On the TileLang backend it synchronises with the host once (to read ``fused_encode_async``'s overflow
-    flag) and, when the flag is set, encodes ``x`` again through the unbounded multi-pass path.
+    Always exact. On the TileLang backend it synchronises with the host once to find the rows the merge could not
+    certify (``nonzero``), re-runs only those through the kernel with ``4 c`` candidates per tile, and recomputes any
+    still uncertain as ``encode_sparse`` does (one more sync, only when some rows were flagged).
 
     Args:
         x: residual stream ``[..., d_model]``.
@@ -108,10 +112,7 @@ def fused_encode(x: torch.Tensor, sae, *, backend: str | None = None) -> SparseC
     x2, reason = _check_call("fused_encode", x, sae, backend)
     if reason is not None:
         return _shaped(_encode_torch(x2, sae), x, sae)
-    codes, overflow = _encode_tilelang_async(x2, sae)
-    if overflow.item():
-        codes = _encode_tilelang(x2, sae)
-    return _shaped(codes, x, sae)
+    return _shaped(_encode_tilelang(x2, sae), x, sae)
 
 
 def fused_encode_async(x: torch.Tensor, sae, *, backend: str | None = None) -> tuple[SparseCodes, torch.Tensor]:
@@ -119,10 +120,10 @@ def fused_encode_async(x: torch.Tensor, sae, *, backend: str | None = None) -> t
 
     On the TileLang backend nothing waits for the GPU (no ``.item()``, no data-dependent shape), so the host can queue
     the next kernels behind the encode. The rows the merge cannot certify go through fixed-capacity buffers:
-    ``rerun_capacity(N)`` rows for the wider kernel re-run and ``FALLBACK_ROWS`` for ``encode_sparse``. When more rows
-    need them, ``overflow`` is True and the codes of the rows left out are not certified: encode ``x`` again with
-    ``fused_encode``. When it is False the codes are those of ``fused_encode`` (rows recomputed by ``encode_sparse``
-    up to the last fp32 bits: cuBLAS may round a row differently in a batch of another size).
+    ``rerun_capacity(N)`` rows for the wider kernel re-run and ``FALLBACK_ROWS`` recomputed as ``encode_sparse`` does.
+    When more rows need them, ``overflow`` is True and the codes of the rows left out are not certified: encode ``x``
+    again with ``fused_encode``. When it is False the codes are those of ``fused_encode`` (recomputed rows up to the
+    last fp32 bits: cuBLAS may round a row differently in a batch of another size).
 
     Args:
         x: residual stream ``[..., d_model]``.
@@ -184,12 +185,24 @@ def _encode_torch(x: torch.Tensor, sae, max_block_bytes: int = MAX_BLOCK_BYTES) 
 
 
 def _kernel_operands(sae, c: int | None, candidates) -> tuple:
-    """``(candidates, W_enc, b_enc fp32, c)`` for the kernel: ``candidates`` defaults to ``hopper_topk.topk_candidates``
-    (tests pass its torch twin), ``c`` to ``candidates_per_tile``."""
+    """``(candidates, merge, W_enc, b_enc fp32, c)`` for the kernel: ``candidates`` defaults to
+    ``hopper_topk.topk_candidates`` merged by ``_merge_on_gpu``; an injected source (tests pass the kernel's torch twin)
+    is merged by the torch ``merge_candidates``. ``c`` defaults to ``candidates_per_tile``."""
     W_enc = sae.W_enc.detach().contiguous()
     b_enc = sae.b_enc.detach().float().contiguous()
     c = c or hopper_topk.candidates_per_tile(sae.k, W_enc.shape[0])
-    return candidates or hopper_topk.topk_candidates, W_enc, b_enc, c
+    if candidates is None:
+        return hopper_topk.topk_candidates, _merge_on_gpu, W_enc, b_enc, c
+    return candidates, hopper_topk.merge_candidates, W_enc, b_enc, c
+
+
+def _merge_on_gpu(cand: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``merge_candidates`` of kernel candidates: the TileLang merge kernel where the keys of a row fit its registers
+    (``NT * c <= MERGE_MAX_SLOTS``: every first pass of the shipped shapes, and the ``4 c`` re-run at d_sae = 32768),
+    else the torch merge (the ``4 c`` re-run of a few flagged rows at d_sae = 65536)."""
+    if cand.shape[1] * cand.shape[2] <= hopper_topk.MERGE_MAX_SLOTS:
+        return hopper_topk.merge_candidates_kernel(cand, k)
+    return hopper_topk.merge_candidates(cand, k)
 
 
 def _merged_chunks(x: torch.Tensor, operands: tuple, k: int, chunk_tokens: int,
@@ -200,14 +213,14 @@ def _merged_chunks(x: torch.Tensor, operands: tuple, k: int, chunk_tokens: int,
         ``(values [N + spare_rows, k] x.dtype, indices [N + spare_rows, k] int64, flagged [N] bool)``; the spare rows
         are left uninitialised.
     """
-    candidates, W_enc, b_enc, c = operands
+    candidates, merge, W_enc, b_enc, c = operands
     n = x.shape[0]
     values = torch.empty(n + spare_rows, k, device=x.device, dtype=x.dtype)
     indices = torch.empty(n + spare_rows, k, device=x.device, dtype=torch.long)
     flagged = torch.empty(n, device=x.device, dtype=torch.bool)
     for start in range(0, n, chunk_tokens):
         stop = min(start + chunk_tokens, n)
-        v, i, f = hopper_topk.merge_candidates(candidates(x[start:stop].contiguous(), W_enc, b_enc, c), k)
+        v, i, f = merge(candidates(x[start:stop].contiguous(), W_enc, b_enc, c), k)
         values[start:stop], indices[start:stop], flagged[start:stop] = v, i, f
     return values, indices, flagged
 
@@ -219,22 +232,23 @@ def _encode_tilelang(x: torch.Tensor, sae, chunk_tokens: int = CHUNK_TOKENS, *, 
 
     The chunks run without a host sync; finding the uncertain rows does not (``nonzero``). Rows the merge cannot
     certify are re-run through the kernel with ``4 c`` candidates per tile (few rows, so cheap), and those still
-    uncertain go to ``encode_sparse``. ``candidates`` replaces the kernel (tests pass its torch twin).
+    uncertain are recomputed (``_recompute``). ``candidates`` replaces the kernel (tests pass its torch twin; then the
+    torch ``merge_candidates`` merges).
     """
     operands = _kernel_operands(sae, c, candidates)
-    candidates, W_enc, b_enc, c = operands
+    candidates, merge, W_enc, b_enc, c = operands
     values, indices, flagged = _merged_chunks(x, operands, sae.k, chunk_tokens)
     rows = flagged.nonzero().squeeze(1)
     wider = min(hopper_topk.BLOCK_N, 4 * c)
     if rows.numel() and wider > c:
         still = []
         for part in rows.split(chunk_tokens):
-            v, i, f = hopper_topk.merge_candidates(candidates(x[part], W_enc, b_enc, wider), sae.k)
+            v, i, f = merge(candidates(x[part], W_enc, b_enc, wider), sae.k)
             values[part], indices[part] = v.to(values.dtype), i  # index_put does not cast: fp32 merge -> x.dtype
             still.append(part[f])
         rows = torch.cat(still)
     for part in rows.split(chunk_tokens) if rows.numel() else ():
-        exact = sae.encode_sparse(x[part])
+        exact = _recompute(x[part], sae)
         values[part], indices[part] = exact.values.to(values.dtype), exact.indices
     return SparseCodes(values, indices)
 
@@ -246,8 +260,8 @@ def _encode_tilelang_async(x: torch.Tensor, sae, chunk_tokens: int = CHUNK_TOKEN
     """``_encode_tilelang`` through fixed-capacity buffers: no host sync, and a device flag for rows left out.
 
     The first ``capacity`` flagged rows (in row order) are gathered into a fixed-size batch, padded with unflagged
-    rows, and re-run through the kernel with ``4 c`` candidates; the first ``capacity2`` of those still flagged go to
-    ``encode_sparse``. Results are scattered back into the output, whose one spare row takes the writes of the padding
+    rows, and re-run through the kernel with ``4 c`` candidates; the first ``capacity2`` of those still flagged are
+    recomputed (``_recompute``: ``encode_sparse``'s math). Results are scattered back into the output, whose one spare row takes the writes of the padding
     slots (so no two slots write one real row), and the spare row is dropped.
 
     Args:
@@ -257,14 +271,14 @@ def _encode_tilelang_async(x: torch.Tensor, sae, chunk_tokens: int = CHUNK_TOKEN
         c: candidates per tile of the first pass (None = ``candidates_per_tile``).
         candidates: the candidate source (None = the kernel; tests pass its torch twin).
         capacity: rows re-run wider (None = ``rerun_capacity(N)``); at most N.
-        capacity2: rows handed to ``encode_sparse`` (None = ``FALLBACK_ROWS``); at most ``capacity``.
+        capacity2: rows recomputed (None = ``FALLBACK_ROWS``); at most ``capacity``.
     Returns:
         ``(SparseCodes(values [N, k] x.dtype, indices [N, k] int64), overflow)``: ``overflow`` a 0-dim bool tensor,
         True when more than ``capacity`` rows were flagged or more than ``capacity2`` stayed flagged after the wider
         re-run. When it is False the codes are those of ``_encode_tilelang``.
     """
     operands = _kernel_operands(sae, c, candidates)
-    candidates, W_enc, b_enc, c = operands
+    candidates, merge, W_enc, b_enc, c = operands
     n = x.shape[0]
     m = min(n, rerun_capacity(n) if capacity is None else capacity)
     m2 = min(m, FALLBACK_ROWS if capacity2 is None else capacity2)
@@ -277,7 +291,7 @@ def _encode_tilelang_async(x: torch.Tensor, sae, chunk_tokens: int = CHUNK_TOKEN
         still = torch.empty(m, device=x.device, dtype=torch.bool)
         for start in range(0, m, chunk_tokens):
             part = slice(start, min(start + chunk_tokens, m))
-            v, i, f = hopper_topk.merge_candidates(candidates(x[rows[part]], W_enc, b_enc, wider), sae.k)
+            v, i, f = merge(candidates(x[rows[part]], W_enc, b_enc, wider), sae.k)
             target = torch.where(valid[part], rows[part], n)
             values[target], indices[target] = v.to(values.dtype), i  # index_put does not cast: fp32 merge -> x.dtype
             still[part] = f & valid[part]
@@ -285,11 +299,27 @@ def _encode_tilelang_async(x: torch.Tensor, sae, chunk_tokens: int = CHUNK_TOKEN
         still = valid
     slots, valid2 = _first_set(still, m2)
     rows2 = rows[slots]
-    exact = sae.encode_sparse(x[rows2])
+    exact = _recompute(x[rows2], sae)
     target = torch.where(valid2, rows2, n)
     values[target], indices[target] = exact.values.to(values.dtype), exact.indices
     overflow = (flagged.sum() > m) | (still.sum() > m2)
     return SparseCodes(values[:n], indices[:n]), overflow
+
+
+def _recompute(x: torch.Tensor, sae) -> SparseCodes:
+    """``sae.encode_sparse(x)`` for the few rows the kernel could not certify. On CUDA with half-precision ``x`` and
+    ``W_enc`` of its dtype: the same fp32-accumulated pre-activations from one half-precision GEMM with fp32 output,
+    instead of encode_sparse's fp32 GEMM on a converted copy of W_enc (H200, 64 rows at 2048 -> 32768: 0.07 against
+    0.57 ms, paid on every ``fused_encode_async`` call); equal to it up to the fp32 summation order."""
+    W_enc = sae.W_enc.detach()
+    if not (x.is_cuda and x.dtype in hopper_topk._TL_DTYPES and W_enc.dtype == x.dtype):
+        return sae.encode_sparse(x)
+    try:
+        pre = torch.mm(x, W_enc.T, out_dtype=torch.float32)
+    except (TypeError, RuntimeError):  # no out_dtype before torch 2.8
+        return sae.encode_sparse(x)
+    top = torch.relu_(pre.add_(sae.b_enc.detach().float())).topk(sae.k, dim=1, sorted=True)
+    return SparseCodes(top.values.to(x.dtype), top.indices)
 
 
 def _first_set(mask: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,7 +341,7 @@ def _encode_split(x: torch.Tensor, sae, chunk_tokens: int = 8192) -> SparseCodes
     for start in range(0, x.shape[0], chunk_tokens):
         xc = x[start : start + chunk_tokens]
         cand = hopper_topk.topk_candidates_from_preacts(torch.addmm(b_enc, xc, W_enc.T), c)
-        v, i, flagged = hopper_topk.merge_candidates(cand, k)
+        v, i, flagged = _merge_on_gpu(cand, k)
         rows = flagged.nonzero().squeeze(1)
         if rows.numel():
             exact = sae.encode_sparse(xc[rows])

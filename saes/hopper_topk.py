@@ -13,7 +13,10 @@ bf16/fp16 operands) and never writes it to memory. Its epilogue turns each accum
   key down — two integer operations per element per round, no masks.
 ``merge_candidates`` (plain torch) turns ``cand`` into the exact top-k: the global top-k lies in the union of per-tile
 top-k's, and a row whose top-k could need a (c+1)-th element of some tile is flagged (its c-th key beats the k-th
-selected key) and recomputed by the caller. Importing this module does not import tilelang.
+selected key) and recomputed by the caller. ``merge_candidates_kernel`` does the same in one TileLang kernel, one warp
+a row with the row's keys in registers (the k-th key by a bitwise search of warp-reduced counts, a ballot compaction,
+a rank placement; ``merge_candidates_twin`` is that algorithm in torch, for CPU tests). Importing this module does not
+import tilelang.
 """
 
 import functools
@@ -84,7 +87,7 @@ def build_topk_candidates(d_model: int, d_sae: int, c: int, dtype: str = "bfloat
 
     @T.prim_func
     def sae_topk_candidates(X: T.Tensor((n_tok, d_model), dtype), W: T.Tensor((d_sae, d_model), dtype),
-               Bias: T.Tensor((d_sae,), "float32"), Cand: T.Tensor((n_tok, n_tiles, c), "int32")):
+               Bias: T.Tensor((d_sae,), T.float32), Cand: T.Tensor((n_tok, n_tiles, c), T.int32)):
         with T.Kernel(n_tiles, T.ceildiv(n_tok, BLOCK_M), threads=THREADS) as (bx, by):
             x_s = T.alloc_shared((BLOCK_M, block_k), dtype)
             w_s = T.alloc_shared((BLOCK_N, block_k), dtype)
@@ -122,7 +125,7 @@ def build_topk_candidates_from_preacts(d_sae: int, c: int, dtype: str = "bfloat1
     select = _select_top_c(T, SPLIT_BLOCK_M, c, n_tok)
 
     @T.prim_func
-    def sae_topk_epilogue(Pre: T.Tensor((n_tok, d_sae), dtype), Cand: T.Tensor((n_tok, n_tiles, c), "int32")):
+    def sae_topk_epilogue(Pre: T.Tensor((n_tok, d_sae), dtype), Cand: T.Tensor((n_tok, n_tiles, c), T.int32)):
         with T.Kernel(n_tiles, T.ceildiv(n_tok, SPLIT_BLOCK_M), threads=SPLIT_THREADS) as (bx, by):
             tile = T.alloc_fragment((SPLIT_BLOCK_M, BLOCK_N), dtype)
             keys = T.alloc_fragment((SPLIT_BLOCK_M, BLOCK_N), "uint32")
@@ -167,8 +170,9 @@ def compile_topk_candidates(d_model: int, d_sae: int, c: int, dtype: str = "bflo
 def precompile(variants: list[tuple], workers: int = 8) -> None:
     """Compile many ``compile_topk_candidates(*variant)`` in parallel processes, filling tilelang's disk cache.
 
-    Each variant is ``(d_model, d_sae, c[, dtype[, config]])`` for the fused kernel or ``("preacts", d_sae, c[, dtype])``
-    for the unfused one; later compiles of the same variant load from the cache.
+    Each variant is ``(d_model, d_sae, c[, dtype[, config]])`` for the fused kernel, ``("preacts", d_sae, c[, dtype])``
+    for the unfused one or ``("merge", NT * c, c, k)`` for the merge kernel; later compiles of the same variant load
+    from the cache.
     """
     import concurrent.futures
     import multiprocessing
@@ -182,6 +186,8 @@ def precompile(variants: list[tuple], workers: int = 8) -> None:
 def _compile_source(variant: tuple) -> int:
     if variant[0] == "preacts":
         return len(compile_topk_candidates_from_preacts(*variant[1:]).get_kernel_source())
+    if variant[0] == "merge":
+        return len(compile_merge_candidates(*variant[1:]).get_kernel_source())
     return len(compile_topk_candidates(*variant).get_kernel_source())
 
 
@@ -238,4 +244,233 @@ def merge_candidates(cand: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     values = (top & -(1 << _LOW_BITS)).view(torch.float32)
     last = cand[:, :, c - 1]
     flagged = ((last >= 1 << _LOW_BITS) & (last > top[:, k - 1 : k])).any(dim=1)
+    return values, indices, flagged
+
+
+# ------------------------------------------------------------------------------------------------ the merge kernel
+# One warp merges one row: its NT * c keys sit in registers, MERGE_MAX_SLOTS / 32 = 128 a lane at most (245
+# registers at k = 100, no spills: the 4c = 32 re-run of flagged rows at d_sae = 32768 still fits; wider candidate
+# lists go through the torch merge). The first pass of the shipped shapes holds 32 to 48 keys a lane (86 registers).
+MERGE_WARPS, MERGE_MAX_SLOTS = 8, 4096
+
+
+def _merge_selection(T, n_slots: int, c: int, k: int):
+    """The merge kernel's selection as macros over one warp's keys (``keys``: slot ``e * 32 + lane`` in register
+    ``e``): ``threshold`` (steps 1 and 2 of ``merge_candidates_twin``) and ``compact`` (step 3)."""
+    per_lane = -(-n_slots // 32)
+    slot_bits = max(1, (n_slots - 1).bit_length())
+
+    @T.macro
+    def count(keys, lane, pred, total):
+        """``total[0]`` = the number of the warp's keys (slot ``e * 32 + lane``) for which ``pred(key, slot)`` holds."""
+        total[0] = 0
+        for e in T.unroll(per_lane):
+            total[0] += T.if_then_else(pred(keys[e], e * 32 + lane), 1, 0)
+        total[0] = T.warp_reduce_sum(total[0])
+
+    @T.macro
+    def count_at_least(keys, t, part, total):
+        """``total[0]`` = the number of the warp's keys >= ``t`` (> 0): the sign bit of ``t - 1 - key`` (no overflow:
+        keys lie in [-1, 2^31)), summed into 4 independent partial counts (2 instructions a key, not a chain)."""
+        for q in T.unroll(4):
+            part[q] = 0
+        for e in T.unroll(per_lane):
+            part[e % 4] += T.cast(T.shift_right(T.cast(t - 1 - keys[e], "uint32"), T.uint32(31)), "int32")
+        total[0] = T.warp_reduce_sum(part[0] + part[1] + part[2] + part[3])
+
+    @T.macro
+    def threshold(keys, lane, st, total, part):
+        """``st[0]`` = T, the k-th largest key, one bit at a time from bit 30 (keys are non-negative int32);
+        ``st[1]`` = the bound below which slots holding T are kept: exactly k keys are then selected."""
+        st[0] = 0
+        for b in T.serial(31):
+            count_at_least(keys, T.bitwise_or(st[0], T.shift_left(1, 30 - b)), part, total)
+            if total[0] >= k:
+                st[0] = T.bitwise_or(st[0], T.shift_left(1, 30 - b))
+        count(keys, lane, lambda key, s: key > st[0], total)
+        st[2] = k - total[0]
+        count(keys, lane, lambda key, s: key == st[0], total)
+        st[1] = n_slots
+        # More keys equal T than places left (equal keys of different tiles): keep the first st[2] of them in slot
+        # order, the last slot bound with fewer than st[2] of them below it, one bit at a time.
+        if total[0] > st[2]:
+            st[1] = 0
+            for b in T.serial(slot_bits):
+                count(keys, lane,
+                      lambda key, s: (key == st[0]) & (s < T.bitwise_or(st[1], T.shift_left(1, slot_bits - 1 - b))),
+                      total)
+                if total[0] < st[2]:
+                    st[1] = T.bitwise_or(st[1], T.shift_left(1, slot_bits - 1 - b))
+            st[1] = st[1] + 1
+
+    @T.macro
+    def compact(keys, lane, st, picked, picked_slot, w):
+        """Selected keys to ``picked[w, :k]`` in slot order (ballot + popcount: the exclusive prefix count), and
+        ``st[2]`` = 1 when a tile's c-th key is positive and selected (the row is flagged)."""
+        below = T.shift_left(T.uint32(1), T.cast(lane, "uint32")) - T.uint32(1)
+        st[3] = 0
+        st[2] = 0
+        for e in T.unroll(per_lane):
+            sel = (keys[e] > st[0]) | ((keys[e] == st[0]) & (e * 32 + lane < st[1]))
+            mask = T.cast(T.ballot(sel), "uint32")
+            pos = st[3] + T.cast(T.popcount(T.bitwise_and(mask, below)), "int32")
+            if sel and pos < k:
+                picked[w, pos] = keys[e]
+                picked_slot[w, pos] = e * 32 + lane
+            st[3] += T.cast(T.popcount(mask), "int32")
+            if (e * 32 + lane) % c == c - 1 and keys[e] >= 1 << _LOW_BITS and keys[e] > st[0]:
+                st[2] = 1
+        st[2] = T.warp_reduce_max(st[2])
+
+    return threshold, compact
+
+
+def _merge_placement(T, k: int):
+    """Step 4 of ``merge_candidates_twin`` as a macro: each of the warp's k picked keys (shared row ``w``, lane + 32 m
+    in register m) to its rank, written to the shared rows ``out_keys`` / ``out_slot``."""
+    per_out = -(-k // 32)
+
+    @T.macro
+    def place(picked, picked_slot, lane, mine, rank, out_keys, out_slot, w):
+        """Each picked key to its rank among the k (the number of picked keys above it, equal ones by slot order)."""
+        for m in T.unroll(per_out):
+            mine[m] = -1
+            rank[m] = 0
+            if m * 32 + lane < k:
+                mine[m] = picked[w, m * 32 + lane]
+        # Unrolled: the k shared loads are independent (H200, 32768 rows of 1024 keys: 0.24 ms, 0.27 with a loop).
+        for j in T.unroll(k):
+            for m in T.unroll(per_out):
+                rank[m] += T.if_then_else((picked[w, j] > mine[m]) | ((picked[w, j] == mine[m]) & (j < m * 32 + lane)),
+                                          1, 0)
+        for m in T.unroll(per_out):
+            if m * 32 + lane < k:
+                out_keys[w, rank[m]] = mine[m]
+                out_slot[w, rank[m]] = picked_slot[w, m * 32 + lane]
+
+    return place
+
+
+def build_merge_candidates(n_slots: int, c: int, k: int):
+    """The prim_func ``sae_merge_candidates(cand int32 [N, n_slots], values fp32 [N, k], indices int64 [N, k],
+    flagged uint8 [N])``: ``merge_candidates`` on the GPU, one warp a row (``merge_candidates_twin`` is its algorithm
+    in torch). ``n_slots = NT * c`` at most ``MERGE_MAX_SLOTS``; N is dynamic."""
+    import tilelang.language as T
+
+    assert k <= n_slots <= MERGE_MAX_SLOTS
+    n_tok = T.dynamic("N")
+    per_lane, per_out = -(-n_slots // 32), -(-k // 32)
+    threshold, compact = _merge_selection(T, n_slots, c, k)
+    place = _merge_placement(T, k)
+
+    @T.prim_func
+    def sae_merge_candidates(Cand: T.Tensor((n_tok, n_slots), T.int32), Values: T.Tensor((n_tok, k), T.float32),
+                             Indices: T.Tensor((n_tok, k), T.int64), Flagged: T.Tensor((n_tok,), T.uint8)):
+        with T.Kernel(T.ceildiv(n_tok, MERGE_WARPS), threads=32 * MERGE_WARPS) as bx:
+            lane = T.get_thread_binding() % 32
+            w = T.get_thread_binding() // 32
+            row = bx * MERGE_WARPS + w
+            keys = T.alloc_local((per_lane,), "int32")
+            mine = T.alloc_local((per_out,), "int32")
+            rank = T.alloc_local((per_out,), "int32")
+            # st: T, the slot bound for keys equal to T, the flag, the running compaction offset
+            st = T.alloc_local((4,), "int32")
+            total = T.alloc_local((1,), "int32")
+            part = T.alloc_local((4,), "int32")
+            picked = T.alloc_shared((MERGE_WARPS, k), "int32")
+            picked_slot = T.alloc_shared((MERGE_WARPS, k), "int32")
+            out_keys = T.alloc_shared((MERGE_WARPS, k), "int32")
+            out_slot = T.alloc_shared((MERGE_WARPS, k), "int32")
+            # Rows past N hold -1 everywhere: nothing is selected, nothing is stored.
+            for e in T.unroll(per_lane):
+                keys[e] = -1
+                if row < n_tok and e * 32 + lane < n_slots:
+                    keys[e] = Cand[row, e * 32 + lane]
+            threshold(keys, lane, st, total, part)
+            compact(keys, lane, st, picked, picked_slot, w)
+            T.sync_warp()
+            place(picked, picked_slot, lane, mine, rank, out_keys, out_slot, w)
+            T.sync_warp()
+            for m in T.unroll(per_out):
+                if row < n_tok and m * 32 + lane < k:
+                    Values[row, m * 32 + lane] = T.reinterpret(
+                        T.bitwise_and(out_keys[w, m * 32 + lane], -(1 << _LOW_BITS)), "float32")
+                    Indices[row, m * 32 + lane] = T.cast(
+                        out_slot[w, m * 32 + lane] // c * BLOCK_N + (BLOCK_N - 1)
+                        - T.bitwise_and(out_keys[w, m * 32 + lane], BLOCK_N - 1), "int64")
+            if row < n_tok and lane == 0:
+                Flagged[row] = T.cast(st[2], "uint8")
+
+    return sae_merge_candidates
+
+
+@functools.lru_cache(maxsize=None)
+def compile_merge_candidates(n_slots: int, c: int, k: int):
+    """Compile the merge kernel for sm_90a (cached like ``compile_topk_candidates``; works without a GPU)."""
+    import tilelang
+
+    return tilelang.compile(build_merge_candidates(n_slots, c, k), target=TARGET)
+
+
+def merge_candidates_kernel(cand: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``merge_candidates`` as one TileLang kernel: the same outputs, equal keys ordered by slot (tile) order.
+
+    Args:
+        cand: ``[N, NT, c]`` int32 keys on an sm_90 GPU, ``k <= NT * c <= MERGE_MAX_SLOTS``.
+        k: features kept per token.
+    Returns:
+        ``(values [N, k] fp32 sorted descending, indices [N, k] int64, flagged [N] bool)`` as ``merge_candidates``;
+        bit for bit ``merge_candidates_twin``.
+    """
+    n, n_tiles, c = cand.shape
+    if not k <= n_tiles * c <= MERGE_MAX_SLOTS:
+        raise ValueError(f"merge_candidates_kernel needs k <= NT * c <= {MERGE_MAX_SLOTS}, got k={k}, NT={n_tiles}, "
+                         f"c={c}; use merge_candidates")
+    kernel = compile_merge_candidates(n_tiles * c, c, k)
+    values = torch.empty(n, k, device=cand.device, dtype=torch.float32)
+    indices = torch.empty(n, k, device=cand.device, dtype=torch.long)
+    flagged = torch.empty(n, device=cand.device, dtype=torch.bool)
+    if n:
+        kernel(cand.reshape(n, n_tiles * c).contiguous(), values, indices, flagged.view(torch.uint8))
+    return values, indices, flagged
+
+
+def merge_candidates_twin(cand: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The merge kernel's algorithm in torch, step for step (any device): what ``merge_candidates_kernel`` returns.
+
+    1. T = the k-th largest key, found one bit at a time (bit 30 down: keep the bit if at least k keys are >= it);
+    2. if more keys equal T than the ``need = k - #(keys > T)`` places left, keep the first ``need`` in slot order
+       (a slot bound found one bit at a time): exactly k keys are selected;
+    3. compact them in slot order (each one's exclusive prefix count of selected slots: the kernel's ballot);
+    4. place each at its rank (the number of selected keys above it, equal keys by slot order) and decode.
+    Args and Returns as ``merge_candidates``.
+    """
+    n, n_tiles, c = cand.shape
+    keys = cand.reshape(n, n_tiles * c)
+    slot = torch.arange(n_tiles * c, device=cand.device)
+    thr = torch.zeros(n, 1, device=cand.device, dtype=torch.int32)
+    for bit in range(30, -1, -1):
+        trial = thr | (1 << bit)
+        thr = torch.where((keys >= trial).sum(1, keepdim=True) >= k, trial, thr)
+    ties = keys == thr
+    need = k - (keys > thr).sum(1, keepdim=True)
+    bound = torch.zeros_like(need)
+    for bit in range(max(1, (n_tiles * c - 1).bit_length()) - 1, -1, -1):
+        trial = bound | (1 << bit)
+        bound = torch.where((ties & (slot < trial)).sum(1, keepdim=True) < need, trial, bound)
+    bound = torch.where(ties.sum(1, keepdim=True) > need, bound + 1, n_tiles * c)
+    selected = (keys > thr) | (ties & (slot < bound))
+    pos = torch.where(selected, selected.cumsum(1) - selected.long(), k)  # k: a bin for the unselected
+    picked = keys.new_full((n, k + 1), -1).scatter_(1, pos, keys)[:, :k]
+    picked_slot = pos.new_zeros(n, k + 1).scatter_(1, pos, slot.expand(n, -1))[:, :k]
+    j = torch.arange(k, device=cand.device)
+    above = (picked[:, None, :] > picked[:, :, None]) | ((picked[:, None, :] == picked[:, :, None]) & (j < j[:, None]))
+    rank = above.sum(2)
+    out_keys = torch.empty_like(picked).scatter_(1, rank, picked)
+    out_slot = torch.empty_like(picked_slot).scatter_(1, rank, picked_slot)
+    values = (out_keys & -(1 << _LOW_BITS)).view(torch.float32)
+    column = (BLOCK_N - 1) - (out_keys & (BLOCK_N - 1))
+    indices = torch.div(out_slot, c, rounding_mode="floor") * BLOCK_N + column.long()
+    last = cand[:, :, c - 1]
+    flagged = ((last >= 1 << _LOW_BITS) & (last > thr)).any(dim=1)
     return values, indices, flagged

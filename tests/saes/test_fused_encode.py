@@ -270,25 +270,27 @@ def test_overflow_says_when_the_buffers_were_too_small():
     assert fe._encode_tilelang_async(x, sae, **narrow)[1]
 
 
-@pytest.mark.parametrize("capacity,falls_back", [(None, False), (2, True)])
-def test_fused_encode_reads_the_flag_once_and_redoes_an_overflowing_input(monkeypatch, capacity, falls_back):
-    """fused_encode's TileLang route, with the kernel's twin: exact codes whether or not the async path overflows."""
+@pytest.mark.parametrize("capacity,overflows", [(None, False), (2, True)])
+def test_fused_encode_takes_the_multipass_path_and_async_the_fixed_capacity_one(monkeypatch, capacity, overflows):
+    """fused_encode's TileLang route, with the kernel's twin: the multi-pass path (exact whatever the number of flagged
+    rows), never the fixed-capacity one; fused_encode_async takes that one and reports its overflow."""
     sae, x = _crowded()
     twin = hk.topk_candidates_reference
     want = fe._encode_tilelang(x, sae, c=4, candidates=twin)
     real_async, real_multi = fe._encode_tilelang_async, fe._encode_tilelang
-    redone = []
+    calls = []
     monkeypatch.setattr(fe, "unsupported_reason", lambda x, sae: None)
-    monkeypatch.setattr(fe, "_encode_tilelang_async",
-                        lambda x, sae: real_async(x, sae, c=4, candidates=twin, capacity=capacity))
-    monkeypatch.setattr(fe, "_encode_tilelang",
-                        lambda x, sae: redone.append(x) or real_multi(x, sae, c=4, candidates=twin))
+    monkeypatch.setattr(fe, "_encode_tilelang_async", lambda x, sae: calls.append("async")
+                        or real_async(x, sae, c=4, candidates=twin, capacity=capacity))
+    monkeypatch.setattr(fe, "_encode_tilelang", lambda x, sae: calls.append("multi")
+                        or real_multi(x, sae, c=4, candidates=twin))
     got = fe.fused_encode(x.reshape(4, 50, 64), sae, backend="tilelang")
-    assert len(redone) == int(falls_back)
+    assert calls == ["multi"]
     assert got.values.shape == got.indices.shape == (4, 50, sae.k)
     _assert_same_codes(SparseCodes(got.values.reshape(200, -1), got.indices.reshape(200, -1)), want)
     got, overflow = fe.fused_encode_async(x.reshape(4, 50, 64), sae)
-    assert bool(overflow) is falls_back and got.values.shape == (4, 50, sae.k)
+    assert calls == ["multi", "async"]
+    assert bool(overflow) is overflows and got.values.shape == (4, 50, sae.k)
 
 
 def test_async_torch_backend_returns_encode_sparse_and_never_overflows():
@@ -358,6 +360,40 @@ def test_async_path_never_reads_tensor_data_on_the_host(monkeypatch, narrow):
     # The guard catches what it should: the multi-pass path syncs to find its rows.
     with pytest.raises(AssertionError, match="host sync"), _no_host_reads(monkeypatch):
         fe._encode_tilelang(x, sae, c=c, candidates=source)
+
+
+class _CountHostReads(TorchDispatchMode):
+    """Counts the aten ops that read tensor data on the host or size their output by it (each a sync on CUDA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        bool_index = name in _NoDataDependentOps.INDEXING and any(
+            i is not None and i.dtype == torch.bool for i in args[1])
+        if name in _NoDataDependentOps.DATA_SIZED or bool_index:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("crowded", [False, True], ids=["none-flagged", "flagged"])
+def test_fused_encode_reads_the_device_once_when_no_row_is_flagged(monkeypatch, crowded):
+    """One host read (``nonzero``: which rows to redo) when the merge certifies every row; one more (the rows still
+    flagged after the wider re-run) when some were not."""
+    sae, x = _crowded() if crowded else (_sae(d_sae=16 * BN, k=8), torch.randn(200, 64))
+    c = 4 if crowded else hk.candidates_per_tile(sae.k, sae.d_sae)
+    twin = hk.topk_candidates_reference
+    flagged = bool(hk.merge_candidates(twin(x, sae.W_enc, sae.b_enc, c), sae.k)[2].any())
+    assert flagged is crowded
+    real_multi = fe._encode_tilelang
+    monkeypatch.setattr(fe, "unsupported_reason", lambda x, sae: None)
+    monkeypatch.setattr(fe, "_encode_tilelang", lambda x, sae: real_multi(x, sae, c=c, candidates=twin))
+    with _CountHostReads() as counter:
+        codes = fe.fused_encode(x, sae, backend="tilelang")
+    assert counter.reads == (["nonzero", "index"] if crowded else ["nonzero"])
+    assert_topk_up_to_ties(codes, _true_acts(x, sae), sae.k, rel=2**-14)
 
 
 def test_tokens_with_fewer_than_k_positives_pad_with_zeros_at_distinct_features():
@@ -456,3 +492,16 @@ def test_kernel_writes_every_candidate_and_chunks_agree():
     # Rows are computed alike in any chunk (a recomputed row may differ in its last fp32 bits).
     assert (whole.indices == pieces.indices).float().mean() > 0.99
     assert torch.allclose(whole.values.float(), pieces.values.float(), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.hopper
+def test_recompute_is_encode_sparse_up_to_fp32_summation_order_on_hopper():
+    """The fallback of uncertain rows: one bf16 GEMM with fp32 output instead of encode_sparse's fp32 GEMM on a
+    converted W_enc; the same exact products, summed in another order."""
+    sae = _sae(256, 2048, 16, seed=5, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(77, 256, device="cuda").bfloat16()
+    got, ref = fe._recompute(x, sae), sae.encode_sparse(x)
+    assert got.values.dtype == torch.bfloat16 and got.indices.dtype == torch.long
+    assert_topk_up_to_ties(got, _true_acts(x, sae), sae.k, rel=2**-7, abs_=1e-3)
+    assert ((got.values.float() - ref.values.float()).abs() <= 2**-7 * ref.values.float().abs() + 1e-3).all()
+    assert (got.indices == ref.indices).float().mean() > 0.99
