@@ -21,6 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from topk_encode import time_ms  # noqa: E402 - CUDA-event median, shared by the benchmarks
+
 GLUE = "flashqla_kernels.gdn_layer.hopper."
 B, T, HK, HV, D, KC, D_MODEL, D_FF = 8, 4096, 16, 16, 128, 4, 2048, 6144
 H_ATT, HKV_ATT, D_ATT, R_ATT = 8, 2, 256, 64
@@ -86,25 +89,11 @@ def _inputs(stage: str) -> tuple[list[torch.Tensor], int]:
     raise ValueError(stage)
 
 
-def time_ms(fn, reps: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return sorted(times)[len(times) // 2]
-
-
 def copy_bandwidth() -> float:
     """GB/s of a 1 GiB device-to-device copy (read + write counted)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() / time_ms(lambda: dst.copy_(src)) / 1e6
+    return 2 * src.numel() / time_ms(lambda: dst.copy_(src), reps=30, warmup=3) / 1e6
 
 
 def run(out: Path) -> list[dict]:
@@ -116,12 +105,12 @@ def run(out: Path) -> list[dict]:
             inputs[stage] = _inputs(stage)
         tensors, nbytes = inputs[stage]
         kernel = _compile(module, builder, args)
-        ms = time_ms(lambda: kernel(*tensors))
+        ms = time_ms(lambda: kernel(*tensors), reps=30, warmup=3)
         rows.append({"stage": stage, "variant": builder + str(args), "ms": ms, "bytes": nbytes,
                      "gb_per_s": nbytes / ms / 1e6, "share_of_copy": nbytes / ms / 1e6 / floor})
         print(json.dumps(rows[-1]), flush=True)
     attn = inputs["gate_mul_head_major"][0][0]
-    ms = time_ms(lambda: attn.transpose(1, 2).contiguous())
+    ms = time_ms(lambda: attn.transpose(1, 2).contiguous(), reps=30, warmup=3)
     nbytes = 2 * attn.numel() * 2
     rows.append({"stage": "transformers' SDPA transpose copy", "variant": "torch", "ms": ms, "bytes": nbytes,
                  "gb_per_s": nbytes / ms / 1e6, "share_of_copy": nbytes / ms / 1e6 / floor})

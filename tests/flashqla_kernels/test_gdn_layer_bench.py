@@ -132,3 +132,27 @@ def test_precompile_covers_the_benchmark_and_gpu_test_kernels(bench):
     silu = {args for _, b, args in specs if b == "build_silu_mul"}
     assert silu == {(6144, "bfloat16"), (6144, "float16"), (64, "bfloat16"), (64, "float16")}
     assert len(specs) == len(set(specs))
+
+
+def test_glue_benchmark_variants_bind_to_their_builders_and_lead_with_the_launch_defaults():
+    """benchmarks/glue_kernels.py: every variant's arguments bind to its builder, and each stage's first entry is
+    the specialisation the launcher compiles (so the table's first row per stage is what the model runs)."""
+    import inspect
+
+    spec = importlib.util.spec_from_file_location("bench_glue", ROOT / "benchmarks" / "glue_kernels.py")
+    glue = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(glue)
+    from flashqla_kernels.gdn_layer.hopper import attn_glue, conv_gates, gated_norm, rms_norm, silu_mul
+
+    modules = {"conv_gates": conv_gates, "rms_norm": rms_norm, "gated_norm": gated_norm, "silu_mul": silu_mul,
+               "attn_glue": attn_glue}
+    firsts = {}
+    for stage, module, builder, args in glue.VARIANTS:
+        inspect.signature(getattr(modules[module], builder)).bind(*args)
+        firsts.setdefault(stage, args)
+    # the launchers' keys: conv (Hk, Hv, D, Kc, dtype, prefix, bias), RMSNorm with a bf16 weight, gated norm
+    assert firsts["conv"] == (16, 16, 128, 4, "bfloat16", False, False)
+    assert firsts["rms_norm"] == (2048, "bfloat16", 1e-6, "bfloat16")
+    assert firsts["gated_norm"] == (128, "bfloat16", 1e-6)
+    assert {s for s, *_ in glue.VARIANTS} >= {"conv", "rms_norm", "gated_norm", "silu_mul", "qk_norm_rope",
+                                              "gate_mul", "gate_mul_head_major"}
