@@ -12,9 +12,10 @@ flash-linear-attention importable, torch = transformers' pure-torch ``torch_chun
 Encode backend: ``saes.fused_encode`` (TileLang on sm_90); the ``*-torch-encode`` arms force the torch path (bf16 addmm
 + ReLU + topk). Timing: one warm-up collection (compiles kernels, fills allocator caches), then a timed ``collect`` of
 ``--steps`` steps, wall clock around the whole call (store set-up, the pipeline filling and draining, shard writes
-and the final fsync included: "end to end"). For the code arms also the steady state a long run converges to: a
-second timed ``collect`` of ``--steps + --steady-steps`` steps, and ms/step = the difference of the two wall times
-over ``--steady-steps`` (the fixed costs cancel). (a) is a steady-state measure itself (warm-up excluded), so the
+and the final fsync included: "end to end"). For the code arms also the steady state a long run converges to: two
+more timed ``collect`` calls, of ``--steps + n`` and ``--steps + 2 n`` steps (n = ``--steady-steps``), and ms/step =
+the difference of their wall times over n (the fixed costs cancel; the end-to-end call is left out of the pair, as
+it still pays one-time costs the later calls do not). (a) is a steady-state measure itself (warm-up excluded), so the
 bar (c1) >= 90% of (a) compares steady states; both are reported. MFU = (model FLOPs + SAE-encode FLOPs) x tokens/s /
 the bf16 matmul peak measured in the same run.
 
@@ -196,8 +197,10 @@ def corpus(n_tokens: int, vocab: int) -> list[dict]:
 def collect_arm(model, docs, work: Path, steps: int, *, points=None, saes=None, check=False,
                 steady_steps: int = 0) -> tuple[float, dict]:
     """Seconds per step of a timed ``collect`` after a one-step warm-up; the summary of the timed call. With
-    ``steady_steps``, ``info["steady_s_per_step"]``: a second call of ``steps + steady_steps`` steps, the difference
-    of the two wall times per extra step."""
+    ``steady_steps`` (n), ``info["steady_s_per_step"]``: two more calls, of ``steps + n`` and ``steps + 2 n`` steps,
+    and the difference of their wall times per extra step. The first timed call is not one of the pair: it still
+    pays one-time costs (allocator growth, SAEs placed on the device) that the later calls skip, which made the
+    difference against it too small (a (c24) step above both its parts' own speeds, sixth session)."""
     from qwen_scope.collect import collect
 
     # gdn_kernels=False: the arm's GDN path is the one Backends.use put in place
@@ -212,11 +215,14 @@ def collect_arm(model, docs, work: Path, steps: int, *, points=None, saes=None, 
     if check:
         info["check"] = check_store(model, work / "timed", saes)
     if steady_steps:
-        shutil.rmtree(work / "timed", ignore_errors=True)
-        sync()
-        t = time.perf_counter()
-        collect(model, docs, token_budget=(steps + steady_steps) * B * T, out_dir=work / "timed", **kw)
-        info["steady_s_per_step"] = (time.perf_counter() - t - dt) / steady_steps
+        walls = []
+        for extra in (steady_steps, 2 * steady_steps):
+            shutil.rmtree(work / "timed", ignore_errors=True)
+            sync()
+            t = time.perf_counter()
+            collect(model, docs, token_budget=(steps + extra) * B * T, out_dir=work / "timed", **kw)
+            walls.append(time.perf_counter() - t)
+        info["steady_s_per_step"] = (walls[1] - walls[0]) / steady_steps
     for d in ("warm", "timed"):
         shutil.rmtree(work / d, ignore_errors=True)
     return dt / steps, info
@@ -394,7 +400,7 @@ def main() -> None:
     names = backends.available()
     result["checks"].update(correctness(model, backends, names))
     print(json.dumps(result, indent=1), flush=True)
-    docs = corpus((args.steps + args.steady_steps + 1) * B * T + 10_000, model.config.vocab_size)
+    docs = corpus((args.steps + 2 * args.steady_steps + 1) * B * T + 10_000, model.config.vocab_size)
     sae_all = {n: random_sae(100 + n) for n in range(N_LAYERS)}
     bare = {}
     for backend, arm in ARMS:

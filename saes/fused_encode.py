@@ -6,9 +6,9 @@ Two backends, one result (``SparseCodes`` equal to ``TopKSAE.encode_sparse`` up 
   epilogue, writing ``c`` candidates per 256 features instead of 256 pre-activations; a second small kernel
   (``merge_candidates_kernel``) merges them into the top-k, the rare rows it cannot certify are re-run through the
   kernel with ``4 c`` candidates and any still uncertain are recomputed as ``encode_sparse`` does (on CUDA through
-  one half-precision GEMM with fp32 output: ``_recompute``; see ``hopper_topk.merge_candidates``). Values are the fp32-accumulated pre-activations (the default fp32 compute of
-  ``TopKSAE``) with the 8 low mantissa bits cleared, returned in ``x.dtype``; features whose pre-activations agree to
-  2^-15 relative count as ties. No gradients.
+  one half-precision GEMM with fp32 output: ``_recompute``; see ``hopper_topk.merge_candidates``). Values are the
+  fp32-accumulated pre-activations (the default fp32 compute of ``TopKSAE``) with the 8 low mantissa bits cleared,
+  returned in ``x.dtype``; features whose pre-activations agree to 2^-15 relative count as ties. No gradients.
 - ``"torch"`` (any device): ``encode_sparse`` over row blocks, so the pre-activations never take more than
   ``max_block_bytes`` at a time; bit-for-bit ``encode_sparse`` when the input fits one block, else equal to the last
   fp32 bits (BLAS may round a row differently inside a smaller matmul). Inference only: no gradients either way.

@@ -61,3 +61,31 @@ def test_profile_dry_run_reports_both_arms(tmp_path):
         assert arm["wall_ms_per_step"] > 0 and "aten::" in arm["top_host_ops"]
     assert "## c1: collect, SAE codes at one layer" in (tmp_path / "collect_profile.md").read_text()
     assert not (tmp_path / "work").exists()  # the profile's store is removed
+
+
+def test_steady_step_leaves_out_the_first_calls_one_time_costs(tmp_path, monkeypatch):
+    """collect_arm's steady ms/step is the difference of two calls after the end-to-end one: a one-time cost the
+    first timed call pays (here 0.2 s) does not shrink it."""
+    import importlib
+    import time as time_mod
+
+    qc = importlib.import_module("qwen_scope.collect")  # the module (the package exports the function by that name)
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import collect_throughput as ct
+
+    calls = []
+
+    def fake_collect(model, docs, token_budget, out_dir, **kw):
+        steps = token_budget // (ct.B * ct.T)
+        one_time = 0.2 if len(calls) == 1 else 0.0  # calls[0] is the warm-up; the first timed call pays it
+        calls.append(steps)
+        time_mod.sleep(0.05 + one_time + 0.02 * steps)
+        return type("Summary", (), {"n_tokens": token_budget, "bytes": 0, "n_shards": steps})()
+
+    monkeypatch.setattr(qc, "collect", fake_collect)
+    monkeypatch.setattr(ct, "sync", lambda: None)
+    per_step, info = ct.collect_arm(None, [], tmp_path, 2, steady_steps=3)
+    assert calls == [1, 2, 5, 8]
+    assert abs(info["steady_s_per_step"] - 0.02) < 0.01, info
+    assert per_step > 0.1  # end to end: the one-time cost is in it

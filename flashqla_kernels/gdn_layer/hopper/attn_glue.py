@@ -118,7 +118,7 @@ def build_gate_mul(H: int, D: int, dtype: str):
 
 
 def build_gate_mul_head_major(H: int, D: int, dtype: str):
-    """``attn * sigmoid(gate)`` with ``attn`` head-major ``[B, H, L, D]`` and the output token-major ``[B, L, H, D]``."""
+    """``attn * sigmoid(gate)``, ``attn`` head-major ``[B, H, L, D]``, the output token-major ``[B, L, H, D]``."""
     BT = tokens_per_cta(D)
     Bn = T.dynamic("B")
     L = T.dynamic("L")

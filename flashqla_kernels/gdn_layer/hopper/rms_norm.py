@@ -69,7 +69,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     w = weight if weight.dtype in (torch.float32, torch.bfloat16, torch.float16) else weight.float()
     wdtype = tl_dtype(w.dtype)
     # a float32 weight keeps the kernel's original compile-cache key
-    kernel = compile_kernel(build_rms_norm, D, tl_dtype(x.dtype), float(eps), *(() if wdtype == "float32" else (wdtype,)))
+    extra = () if wdtype == "float32" else (wdtype,)
+    kernel = compile_kernel(build_rms_norm, D, tl_dtype(x.dtype), float(eps), *extra)
     x2 = x.reshape(-1, D).contiguous()
     y = torch.full_like(x2, float("nan")) if POISON_OUTPUTS else torch.empty_like(x2)
     if x2.shape[0] > 0:
