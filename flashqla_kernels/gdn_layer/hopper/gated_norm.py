@@ -10,6 +10,7 @@ import tilelang.language as T
 import torch
 
 from flashqla_kernels.gated_delta_rule.hopper._common import compile_kernel, tl_dtype
+from flashqla_kernels.gdn_layer.hopper._rows import load_rows_inverse_rms
 
 # 16 rows of 128 threads: 0.111 ms for the 2B layer's [524288, 128] rows on the H200 (86% of a device copy's
 # bandwidth), against 0.140 ms for 64 rows (benchmarks/glue_kernels.py)
@@ -23,7 +24,7 @@ def build_gated_rms_norm(V: int, dtype: str, eps: float, rows_per_cta: int = BR,
     """The gated RMSNorm kernel for rows of V channels; ``eps`` is baked in (the model's ``rms_norm_eps``);
     ``rows_per_cta`` / ``threads`` size the CTA."""
     rows = T.dynamic("rows")
-    inv_v = 1.0 / V
+    load = load_rows_inverse_rms(T, rows_per_cta, V, eps)
 
     @T.prim_func
     def gdn_gated_rms_norm(
@@ -37,12 +38,7 @@ def build_gated_rms_norm(V: int, dtype: str, eps: float, rows_per_cta: int = BR,
             x = T.alloc_fragment((rows_per_cta, V), "float32")
             sq = T.alloc_fragment((rows_per_cta, V), "float32")
             ss = T.alloc_fragment((rows_per_cta,), "float32")
-            for i, d in T.Parallel(rows_per_cta, V):
-                x[i, d] = T.if_then_else(r0 + i < rows, T.cast(o[T.min(r0 + i, rows - 1), d], "float32"), 0.0)
-                sq[i, d] = x[i, d] * x[i, d]
-            T.reduce_sum(sq, ss, dim=1)
-            for i in T.Parallel(rows_per_cta):
-                ss[i] = T.rsqrt(ss[i] * inv_v + eps)
+            load(o, r0, rows, x, sq, ss)
             for i, d in T.Parallel(rows_per_cta, V):
                 if r0 + i < rows:
                     y[r0 + i, d] = T.cast(

@@ -10,6 +10,7 @@ import tilelang.language as T
 import torch
 
 from flashqla_kernels.gated_delta_rule.hopper._common import compile_kernel, tl_dtype
+from flashqla_kernels.gdn_layer.hopper._rows import load_rows_inverse_rms
 
 # BR * D = 2048 per CTA of 128 threads (one 2048-wide row, 16 values a thread): 0.073 ms a [32768, 2048] bf16 norm
 # on the H200, 88% of a device copy's bandwidth, against 0.111 ms for 8192 / 256 (benchmarks/glue_kernels.py)
@@ -29,7 +30,7 @@ def build_rms_norm(D: int, dtype: str, eps: float, wdtype: str = "float32", tile
     in its own dtype ``wdtype`` (no cast kernel before each call); ``tile_elems`` / ``threads`` size the CTA."""
     BR = rows_per_cta(D, tile_elems)
     rows = T.dynamic("rows")
-    inv_d = 1.0 / D
+    load = load_rows_inverse_rms(T, BR, D, eps)
 
     @T.prim_func
     def qwen_rms_norm(
@@ -42,12 +43,7 @@ def build_rms_norm(D: int, dtype: str, eps: float, wdtype: str = "float32", tile
             xf = T.alloc_fragment((BR, D), "float32")
             sq = T.alloc_fragment((BR, D), "float32")
             ss = T.alloc_fragment((BR,), "float32")
-            for i, d in T.Parallel(BR, D):
-                xf[i, d] = T.if_then_else(r0 + i < rows, T.cast(x[T.min(r0 + i, rows - 1), d], "float32"), 0.0)
-                sq[i, d] = xf[i, d] * xf[i, d]
-            T.reduce_sum(sq, ss, dim=1)
-            for i in T.Parallel(BR):
-                ss[i] = T.rsqrt(ss[i] * inv_d + eps)
+            load(x, r0, rows, xf, sq, ss)
             for i, d in T.Parallel(BR, D):
                 if r0 + i < rows:
                     y[r0 + i, d] = T.cast(xf[i, d] * ss[i] * (1.0 + T.cast(weight[d], "float32")), dtype)
