@@ -84,9 +84,12 @@ def test_gpu_test_runner_expands_every_parametrized_case(bench):
 
     cases = plain_tests.test_cases(gpu_tests)
     ids = [case_id for case_id, _, _ in cases]
-    assert len(ids) == len(set(ids)) == 6 + 3 + 4 + 6 + 1 + 2 + 1 + 4 + 1
+    assert len(ids) == len(set(ids)) == 6 + 6 * 2 + 3 + 4 + 6 + 1 + 2 + 1 + 4 + 1
     conv = [kw for case_id, _, kw in cases if case_id.startswith("test_conv_gates")]
     assert sorted(kw["name"] for kw in conv) == sorted(gpu_tests.CONV_CASES)
+    piped = [kw for case_id, _, kw in cases if case_id.startswith("test_pipelined_conv")]
+    assert sorted((kw["name"], kw["tiles"]) for kw in piped) == sorted(
+        (name, tiles) for name in gpu_tests.CONV_CASES for tiles in (8, 3))
     silu = [kw for case_id, _, kw in cases if case_id.startswith("test_silu_mul")]
     assert sorted(kw["name"] for kw in silu) == sorted(gpu_tests.SILU_CASES)
     assert "test_patched_mlp_runs_the_kernel_and_matches_transformers_within_bf16" in ids

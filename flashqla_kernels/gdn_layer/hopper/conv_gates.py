@@ -10,6 +10,7 @@ Grid (ceil(T / BT), 2*Hk + Hv, B): one CTA per (token tile, head block of D chan
 the conv accumulates in registers, SiLU and the row sum of squares for the l2norm (a row = one head) stay there.
 Tokens before t = 0 come from ``prefix`` (the cache's conv state, token-major) or are zero.
 """
+import tilelang
 import tilelang.language as T
 import torch
 
@@ -18,8 +19,56 @@ from flashqla_kernels.gated_delta_rule.hopper._common import compile_kernel, tl_
 THREADS = 128
 # Tests set this to fill outputs with NaN before the kernel runs, to prove every element is written.
 POISON_OUTPUTS = False
+# The pipelined kernel (each CTA walks PIPELINED_TILES tiles of PIPELINED_BT tokens) is not the default until an
+# H200 run has checked and timed it (benchmarks/glue_kernels.py, the conv GPU tests with tiles=8); 0 = the plain one
+PIPELINED_TILES = 0
+PIPELINED_BT = 16
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus's default: x above it is returned as is
 L2NORM_EPS = 1e-6
+
+
+def _epilogue(T, Hk: int, D: int, BT: int, dtype: str):
+    """The macro ``(y, sq, ss, t0, hb, bb, seqlen, q, k, v)`` both conv builders end with: SiLU of the conv sums
+    ``y [BT, D]``, the l2norm of q/k rows, and the stores of the tile's tokens ``t0 ..`` into q, k or v."""
+
+    @T.macro
+    def epilogue(y, sq, ss, t0, hb, bb, seqlen, q, k, v):
+        for i, d in T.Parallel(BT, D):
+            y[i, d] = y[i, d] * T.sigmoid(y[i, d])
+            sq[i, d] = y[i, d] * y[i, d]
+        T.reduce_sum(sq, ss, dim=1)
+        # q and k blocks are l2-normalised per head (one row of D channels); v blocks pass through
+        for i in T.Parallel(BT):
+            ss[i] = T.if_then_else(hb < 2 * Hk, T.rsqrt(ss[i] + L2NORM_EPS), 1.0)
+
+        for i, d in T.Parallel(BT, D):
+            if t0 + i < seqlen:
+                if hb < Hk:
+                    q[bb, t0 + i, hb, d] = T.cast(y[i, d] * ss[i], dtype)
+                elif hb < 2 * Hk:
+                    k[bb, t0 + i, hb - Hk, d] = T.cast(y[i, d] * ss[i], dtype)
+                else:
+                    v[bb, t0 + i, hb - 2 * Hk, d] = T.cast(y[i, d], dtype)
+
+    return epilogue
+
+
+def _gates(T, Hk: int, BT: int):
+    """The macro ``(t0, hb, bb, seqlen, a, b, A_log, dt_bias, g, beta)``: the value-head CTAs turn the tile's raw
+    ``a``/``b`` into ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``."""
+
+    @T.macro
+    def gates(t0, hb, bb, seqlen, a, b, A_log, dt_bias, g, beta):
+        if hb >= 2 * Hk:
+            for i in T.Parallel(BT):
+                if t0 + i < seqlen:
+                    g[bb, t0 + i, hb - 2 * Hk] = -T.exp(A_log[hb - 2 * Hk]) * T.if_then_else(
+                        T.cast(a[bb, t0 + i, hb - 2 * Hk], "float32") + dt_bias[hb - 2 * Hk] > SOFTPLUS_THRESHOLD,
+                        T.cast(a[bb, t0 + i, hb - 2 * Hk], "float32") + dt_bias[hb - 2 * Hk],
+                        T.log1p(T.exp(T.cast(a[bb, t0 + i, hb - 2 * Hk], "float32") + dt_bias[hb - 2 * Hk])))
+                    beta[bb, t0 + i, hb - 2 * Hk] = T.sigmoid(T.cast(b[bb, t0 + i, hb - 2 * Hk], "float32"))
+
+    return gates
 
 
 def build_conv_qkv_gates(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_prefix: bool, has_bias: bool,
@@ -34,6 +83,7 @@ def build_conv_qkv_gates(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_pref
     batch = T.dynamic("batch")
     seqlen = T.dynamic("seqlen")
     num_prefix = T.dynamic("num_prefix")
+    epilogue, gates = _epilogue(T, Hk, D, BT, dtype), _gates(T, Hk, BT)
 
     @T.prim_func
     def gdn_conv_qkv_gates(
@@ -43,13 +93,13 @@ def build_conv_qkv_gates(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_pref
         prefix: T.Tensor((num_prefix, P, C), dtype),
         a: T.Tensor((batch, seqlen, Hv), dtype),
         b: T.Tensor((batch, seqlen, Hv), dtype),
-        A_log: T.Tensor((Hv,), "float32"),
-        dt_bias: T.Tensor((Hv,), "float32"),
+        A_log: T.Tensor((Hv,), T.float32),
+        dt_bias: T.Tensor((Hv,), T.float32),
         q: T.Tensor((batch, seqlen, Hk, D), dtype),
         k: T.Tensor((batch, seqlen, Hk, D), dtype),
         v: T.Tensor((batch, seqlen, Hv, D), dtype),
-        g: T.Tensor((batch, seqlen, Hv), "float32"),
-        beta: T.Tensor((batch, seqlen, Hv), "float32"),
+        g: T.Tensor((batch, seqlen, Hv), T.float32),
+        beta: T.Tensor((batch, seqlen, Hv), T.float32),
     ):
         with T.Kernel(T.ceildiv(seqlen, BT), NB, batch, threads=threads) as (bt, hb, bb):
             t0 = bt * BT
@@ -82,33 +132,93 @@ def build_conv_qkv_gates(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_pref
             for j in T.unroll(Kc):
                 for i, d in T.Parallel(BT, D):
                     y[i, d] += w_sh[j, d] * T.cast(x_sh[i + j, d], "float32")
-            for i, d in T.Parallel(BT, D):
-                y[i, d] = y[i, d] * T.sigmoid(y[i, d])
-                sq[i, d] = y[i, d] * y[i, d]
-            T.reduce_sum(sq, ss, dim=1)
-            # q and k blocks are l2-normalised per head (one row of D channels); v blocks pass through
-            for i in T.Parallel(BT):
-                ss[i] = T.if_then_else(hb < 2 * Hk, T.rsqrt(ss[i] + L2NORM_EPS), 1.0)
-
-            for i, d in T.Parallel(BT, D):
-                if t0 + i < seqlen:
-                    if hb < Hk:
-                        q[bb, t0 + i, hb, d] = T.cast(y[i, d] * ss[i], dtype)
-                    elif hb < 2 * Hk:
-                        k[bb, t0 + i, hb - Hk, d] = T.cast(y[i, d] * ss[i], dtype)
-                    else:
-                        v[bb, t0 + i, hb - 2 * Hk, d] = T.cast(y[i, d], dtype)
-
-            if hb >= 2 * Hk:
-                for i in T.Parallel(BT):
-                    if t0 + i < seqlen:
-                        g[bb, t0 + i, hb - 2 * Hk] = -T.exp(A_log[hb - 2 * Hk]) * T.if_then_else(
-                            T.cast(a[bb, t0 + i, hb - 2 * Hk], "float32") + dt_bias[hb - 2 * Hk] > SOFTPLUS_THRESHOLD,
-                            T.cast(a[bb, t0 + i, hb - 2 * Hk], "float32") + dt_bias[hb - 2 * Hk],
-                            T.log1p(T.exp(T.cast(a[bb, t0 + i, hb - 2 * Hk], "float32") + dt_bias[hb - 2 * Hk])))
-                        beta[bb, t0 + i, hb - 2 * Hk] = T.sigmoid(T.cast(b[bb, t0 + i, hb - 2 * Hk], "float32"))
+            epilogue(y, sq, ss, t0, hb, bb, seqlen, q, k, v)
+            gates(t0, hb, bb, seqlen, a, b, A_log, dt_bias, g, beta)
 
     return gdn_conv_qkv_gates
+
+
+def build_conv_qkv_gates_pipelined(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_prefix: bool, has_bias: bool,
+                                   BT: int = 16, tiles: int = 8, threads: int = THREADS, stages: int = 2):
+    """The conv + gates stage with each CTA walking ``tiles`` consecutive token tiles of BT tokens, the next tile's
+    rows loaded asynchronously (``T.Pipelined``) while the current one is computed: the plain kernel issues its loads,
+    waits, then computes and stores, so an SM holds few bytes in flight (52% of a copy's bandwidth on the H200).
+    The (Kc-1)-token halo of a tile is the previous tile's last rows, kept in a shared window in front of the tile's
+    rows; only the first tile of a CTA reads its halo from x, the conv state or zeros (BT >= Kc - 1). Same contract and result as
+    ``build_conv_qkv_gates`` (not yet run on a GPU: selected with ``conv_qkv_gates(..., tiles=N)``)."""
+    NB = 2 * Hk + Hv
+    C = NB * D
+    P = Kc - 1
+    assert BT >= P, f"tiles of {BT} tokens cannot hold the {P}-token halo"
+    span = BT * tiles
+    batch = T.dynamic("batch")
+    seqlen = T.dynamic("seqlen")
+    num_prefix = T.dynamic("num_prefix")
+    epilogue, gates = _epilogue(T, Hk, D, BT, dtype), _gates(T, Hk, BT)
+
+    @T.prim_func
+    def gdn_conv_qkv_gates_pipelined(
+        x: T.Tensor((batch, seqlen, C), dtype),
+        w: T.Tensor((C, Kc), dtype),
+        bias: T.Tensor((C,), dtype),
+        prefix: T.Tensor((num_prefix, P, C), dtype),
+        a: T.Tensor((batch, seqlen, Hv), dtype),
+        b: T.Tensor((batch, seqlen, Hv), dtype),
+        A_log: T.Tensor((Hv,), T.float32),
+        dt_bias: T.Tensor((Hv,), T.float32),
+        q: T.Tensor((batch, seqlen, Hk, D), dtype),
+        k: T.Tensor((batch, seqlen, Hk, D), dtype),
+        v: T.Tensor((batch, seqlen, Hv, D), dtype),
+        g: T.Tensor((batch, seqlen, Hv), T.float32),
+        beta: T.Tensor((batch, seqlen, Hv), T.float32),
+    ):
+        with T.Kernel(T.ceildiv(seqlen, span), NB, batch, threads=threads) as (bs, hb, bb):
+            s0 = bs * span
+            c0 = hb * D
+            x_sh = T.alloc_shared((BT, D), dtype)
+            win = T.alloc_shared((BT + P, D), dtype)
+            w_sh = T.alloc_shared((Kc, D), "float32")
+            y = T.alloc_fragment((BT, D), "float32")
+            sq = T.alloc_fragment((BT, D), "float32")
+            ss = T.alloc_fragment((BT,), "float32")
+
+            # win rows i <-> tokens t0 + i - P of the current tile. The first tile's halo: tokens s0 - P .. s0 - 1
+            # from x, the conv state (before token 0) or zeros
+            for i, d in T.Parallel(P, D):
+                if has_prefix:
+                    win[i, d] = T.if_then_else(s0 > 0, x[bb, T.max(s0 + i - P, 0), c0 + d], prefix[bb, i, c0 + d])
+                else:
+                    win[i, d] = T.if_then_else(s0 > 0, x[bb, T.max(s0 + i - P, 0), c0 + d], T.cast(0, dtype))
+            for j, d in T.Parallel(Kc, D):
+                w_sh[j, d] = T.cast(w[c0 + d, j], "float32")
+
+            for tj in T.Pipelined(tiles, num_stages=stages):
+                # the tile's own rows, asynchronously (rows past the sequence are never stored)
+                T.copy(x[bb, s0 + tj * BT:s0 + tj * BT + BT, c0:c0 + D], x_sh)
+                for i, d in T.Parallel(BT, D):
+                    win[P + i, d] = x_sh[i, d]
+                for i, d in T.Parallel(BT, D):
+                    if has_bias:
+                        y[i, d] = T.cast(bias[c0 + d], "float32")
+                    else:
+                        y[i, d] = 0.0
+                for j in T.unroll(Kc):
+                    for i, d in T.Parallel(BT, D):
+                        y[i, d] += w_sh[j, d] * T.cast(win[i + j, d], "float32")
+                # the next tile's halo: this tile's last P rows (BT >= P, so the two row ranges do not overlap)
+                for i, d in T.Parallel(P, D):
+                    win[i, d] = win[BT + i, d]
+                epilogue(y, sq, ss, s0 + tj * BT, hb, bb, seqlen, q, k, v)
+                gates(s0 + tj * BT, hb, bb, seqlen, a, b, A_log, dt_bias, g, beta)
+
+    return gdn_conv_qkv_gates_pipelined
+
+
+# cp.async double buffering with predicated (zero-fill) loads at the sequence tail: TileLang's automatic warp
+# specialisation (TMA producer warps) replicated the fragments across the consumer threads instead (128 fp32 values a
+# thread where 16 belong), so it is turned off for this kernel
+build_conv_qkv_gates_pipelined.pass_configs = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+                                               tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True}
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -119,12 +229,14 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 def conv_qkv_gates(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
                    b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, Hk: int, Hv: int, D: int,
-                   prefix: torch.Tensor | None = None):
+                   prefix: torch.Tensor | None = None, tiles: int | None = None):
     """Run the conv + gates stage.
 
     Args:
         qkv: [B, T, (2*Hk + Hv) * D] bf16/fp16. weight: [C, Kc]. bias: [C] or None. a, b: [B, T, Hv].
         A_log, dt_bias: [Hv]. prefix: [B, Kc-1, C] tokens before qkv, or None for zeros.
+        tiles: token tiles a CTA walks with the pipelined kernel (``build_conv_qkv_gates_pipelined``, 16 tokens a
+            tile); 0 runs the plain kernel; None reads ``PIPELINED_TILES``.
 
     Returns:
         (q [B, T, Hk, D], k [B, T, Hk, D], v [B, T, Hv, D] in qkv's dtype, g [B, T, Hv] fp32, beta [B, T, Hv] fp32).
@@ -132,8 +244,10 @@ def conv_qkv_gates(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     B, Tn, C = qkv.shape
     Kc = weight.shape[-1]
     dtype = qkv.dtype
-    kernel = compile_kernel(build_conv_qkv_gates, Hk, Hv, D, Kc, tl_dtype(dtype), prefix is not None,
-                            bias is not None)
+    tiles = PIPELINED_TILES if tiles is None else tiles
+    builder = build_conv_qkv_gates_pipelined if tiles else build_conv_qkv_gates
+    extra = (PIPELINED_BT, tiles) if tiles else ()
+    kernel = compile_kernel(builder, Hk, Hv, D, Kc, tl_dtype(dtype), prefix is not None, bias is not None, *extra)
     x = qkv.contiguous()
     w = weight.to(dtype).contiguous()
     bias_t = bias.to(dtype).contiguous() if bias is not None else w.new_empty(C)
