@@ -12,6 +12,8 @@ Arms (one run, one process):
   ours+graph     ``ours`` captured once into a CUDA graph and replayed (same static input ids, the kept outputs are the
                  graph's): what the forward costs with no host launch overhead at all, i.e. how much of the gap
                  between wall time and CUDA time is the host's (the hooks ran at capture);
+  ours+flash, ours+graph+flash   the same with SDPA restricted to its flash backend (cuDNN's attention ran 27 ms
+                 instead of 5.7 under graph capture): the attention backend's effect apart from the graph's;
   ours+compile   the fused GDN layer left eager (graph breaks there), ``torch.compile`` of the rest of ``model.model``:
                  inductor fuses the MLP / attention-layer / RMSNorm glue (our RMSNorm and silu_mul kernels not used);
   qla_op         transformers' layer with our FlashQLA-style chunk op patched in
@@ -49,7 +51,7 @@ os.environ.setdefault("FLA_FLASH_QLA", "0")
 import torch  # noqa: E402
 
 MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
-ARMS = ("ours", "qla_op", "fla", "torch", "compile", "ours+compile", "ours+graph")
+ARMS = ("ours", "qla_op", "fla", "torch", "compile", "ours+compile", "ours+graph", "ours+flash", "ours+graph+flash")
 ANCHOR_TOKENS_PER_S = {"qla_op": 99.7e3, "fla": 96.9e3, "torch": 41.6e3}  # anchors-h200.md (FlashQLA / FLA / torch)
 CATEGORIES = [  # (bucket, kernel-name pattern), first match wins
     ("elementwise", r"attention_gate_mul"),  # the attention layers' glue kernel, not attention itself
@@ -106,8 +108,10 @@ class Arms:
     def reason_unavailable(self, name: str) -> str | None:
         if name == "fla" and not self.has_fla:
             return "flash-linear-attention is not importable: transformers' op is its torch fallback"
-        if name.endswith("+graph") and self.device != "cuda":
+        if "+graph" in name and self.device != "cuda":
             return "CUDA graphs need a CUDA device"
+        if name.endswith("+flash") and self.device != "cuda":
+            return "SDPA's flash backend needs a CUDA device"
         return None
 
     def use(self, name: str):
@@ -118,7 +122,7 @@ class Arms:
         for n, f in self.originals.items():
             setattr(self.module, n, f)
         base = name.removesuffix("+compile")
-        if name in ("ours", "ours+graph"):
+        if name in ("ours", "ours+graph", "ours+flash", "ours+graph+flash"):
             patch_transformers(backend=self.backend, fused_layer=True)
         elif name == "ours+compile":
             # the norms, the MLP and the attention glue are left to inductor here: compilation against hand fusion
@@ -167,6 +171,17 @@ def graphed_forward_fn(run, ids, keep: list):
         graph.replay()
         return out
     return fwd
+
+
+def sdpa_backends(arm: str):
+    """SDPA restricted to its flash backend for the ``+flash`` arms; no restriction otherwise."""
+    import contextlib
+
+    if not arm.endswith("+flash"):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
 
 
 def hook_outputs(model, keep: list):
@@ -484,8 +499,8 @@ def main(argv: list[str] | None = None) -> int:
             ids = torch.randint(0, vocab, (nb, T), generator=gen).to(device)
             handles = hook_outputs(model, keep)
             try:
-                with torch.no_grad():
-                    fwd = (graphed_forward_fn if arm.endswith("+graph") else forward_fn)(run, ids, keep)
+                with torch.no_grad(), sdpa_backends(arm):
+                    fwd = (graphed_forward_fn if "+graph" in arm else forward_fn)(run, ids, keep)
                     sec = time_forward(fwd, args.steps, args.warmup, device)
                     row["breakdown"] = breakdown(fwd, device)
                     if args.profile:
