@@ -372,8 +372,8 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
         specs.append((glue + "conv_gates", "build_conv_qkv_gates", (Hk, Hv, D, Kc, names[dtype], prefix, bias)))
         # the pipelined conv of the GPU tests (tiles 8 and 3 of 16 tokens)
         for tiles in (8, 3):
-            specs.append((glue + "conv_gates", "build_conv_qkv_gates_pipelined",
-                          (Hk, Hv, D, Kc, names[dtype], prefix, bias, 16, tiles)))
+            specs.append((glue + "conv_gates", "build_conv_qkv_gates",
+                          (Hk, Hv, D, Kc, names[dtype], prefix, bias, 16, 128, tiles)))
     for V, dtype in ((128, bf16), (64, "float16"), (256, bf16)):
         specs.append((glue + "gated_norm", "build_gated_rms_norm", (V, dtype, 1e-6)))
     for D, dtype in ((2048, bf16), (256, bf16), (2048, "float16"), (64, bf16)):

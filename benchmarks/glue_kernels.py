@@ -33,9 +33,10 @@ VARIANTS = [
     ("conv", "conv_gates", "build_conv_qkv_gates", (HK, HV, D, KC, BF16, False, False)),
     *[("conv", "conv_gates", "build_conv_qkv_gates", (HK, HV, D, KC, BF16, False, False, bt, th))
       for bt, th in ((64, 128), (32, 256), (16, 256), (8, 128))],
-    *[("conv", "conv_gates", "build_conv_qkv_gates_pipelined", (HK, HV, D, KC, BF16, False, False, bt, tiles))
+    # the pipelined conv: (BT, threads, tiles a CTA walks[, stages])
+    *[("conv", "conv_gates", "build_conv_qkv_gates", (HK, HV, D, KC, BF16, False, False, bt, 128, tiles))
       for bt, tiles in ((16, 8), (16, 4), (16, 16), (32, 4))],
-    ("conv", "conv_gates", "build_conv_qkv_gates_pipelined", (HK, HV, D, KC, BF16, False, False, 16, 8, 128, 3)),
+    ("conv", "conv_gates", "build_conv_qkv_gates", (HK, HV, D, KC, BF16, False, False, 16, 128, 8, 3)),
     ("rms_norm", "rms_norm", "build_rms_norm", (D_MODEL, BF16, 1e-6, BF16)),
     *[("rms_norm", "rms_norm", "build_rms_norm", (D_MODEL, BF16, 1e-6, BF16, tile, th))
       for tile, th in ((8192, 256), (4096, 256), (1024, 64), (16384, 512))],

@@ -52,7 +52,7 @@ EXTRA = [
     ("rms", (2048, "bfloat16", 1e-6, "bfloat16")),
     ("conv", (16, 16, 128, 4, "bfloat16", False, False, 32, 256)),
     ("norm", (128, "bfloat16", 1e-6, 32, 128)),
-    ("conv_pipe", (2, 4, 64, 4, "float16", True, True, 16, 3)),
+    ("conv_pipe", (2, 4, 64, 4, "float16", True, True, 16, 128, 3)),
 ]
 
 
@@ -65,7 +65,7 @@ def _compile(stage, args):
                "rms": rms_norm.build_rms_norm, "silu": silu_mul.build_silu_mul,
                "qkrope": attn_glue.build_qk_norm_rope, "gate": attn_glue.build_gate_mul,
                "gate_hm": attn_glue.build_gate_mul_head_major,
-               "conv_pipe": conv_gates.build_conv_qkv_gates_pipelined}[stage]
+               "conv_pipe": conv_gates.build_conv_qkv_gates}[stage]
     src = _common.compile_kernel(builder, *args).get_kernel_source()
     assert "__global__" in src and ("rsqrtf" in src or stage in ("silu", "gate", "gate_hm")), f"{stage}{args}: unexpected CUDA"
     if stage == "qkrope":
@@ -154,7 +154,7 @@ def test_conv_shape_reasons_name_the_shape():
 def test_pipelined_conv_double_buffers_with_predicated_async_copies():
     """The pipelined conv kernel of the 2B layer: cp.async prefetch of the next tile (zero-filled past the sequence),
     waited on one group behind, no TMA / warp-specialised producer (whose layout replicated the fragments)."""
-    src = _compile("conv_pipe", (16, 16, 128, 4, "bfloat16", False, False, 16, 8))
+    src = _compile("conv_pipe", (16, 16, 128, 4, "bfloat16", False, False, 16, 128, 8))
     body = src[src.index("__launch_bounds__"):]
     assert "cp_async_gs_conditional<16>" in body and "cp_async_wait<1>" in body
     assert "tma_load" not in body and "CUtensorMap" not in src

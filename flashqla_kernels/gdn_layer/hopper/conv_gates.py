@@ -71,19 +71,59 @@ def _gates(T, Hk: int, BT: int):
     return gates
 
 
+def _halo_and_taps(T, D: int, Kc: int, BT: int, dtype: str, has_prefix: bool, has_bias: bool):
+    """Two macros both conv kernels use. ``halo(win, t0, bb, c0, x, prefix)``: rows 0 .. Kc-2 of ``win`` = the
+    tokens ``t0 - (Kc-1) .. t0 - 1`` from x, from the conv state (before token 0) or zeros. ``taps(y, win, w_sh,
+    bias, c0)``: ``y [BT, D]`` = bias + the causal conv of the tile whose rows sit at ``win[Kc-1 ..]``."""
+    P = Kc - 1
+
+    @T.macro
+    def halo(win, t0, bb, c0, x, prefix):
+        for i, d in T.Parallel(P, D):
+            if has_prefix:
+                win[i, d] = T.if_then_else(t0 > 0, x[bb, T.max(t0 + i - P, 0), c0 + d], prefix[bb, i, c0 + d])
+            else:
+                win[i, d] = T.if_then_else(t0 > 0, x[bb, T.max(t0 + i - P, 0), c0 + d], T.cast(0, dtype))
+
+    @T.macro
+    def taps(y, win, w_sh, bias, c0):
+        for i, d in T.Parallel(BT, D):
+            if has_bias:
+                y[i, d] = T.cast(bias[c0 + d], "float32")
+            else:
+                y[i, d] = 0.0
+        for j in T.unroll(Kc):
+            for i, d in T.Parallel(BT, D):
+                y[i, d] += w_sh[j, d] * T.cast(win[i + j, d], "float32")
+
+    return halo, taps
+
+
 def build_conv_qkv_gates(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_prefix: bool, has_bias: bool,
-                         BT: int = 0, threads: int = THREADS):
-    """The conv + gates kernel for head dim D (= K = V) and conv width Kc >= 2."""
+                         BT: int = 0, threads: int = THREADS, tiles: int = 0, stages: int = 2):
+    """The conv + gates kernel for head dim D (= K = V) and conv width Kc >= 2.
+
+    ``tiles = 0``: one CTA a tile of BT tokens, its rows and halo loaded, then computed and stored. ``tiles = N``:
+    the pipelined kernel, each CTA walking N consecutive tiles with the next tile's rows loaded asynchronously
+    (``T.Pipelined``, ``stages`` buffers) while the current one is computed; the plain kernel's load-then-compute
+    leaves an SM few bytes in flight (52% of a copy's bandwidth on the H200). A tile's (Kc-1)-token halo is then the
+    previous tile's last rows, kept in a shared window in front of the tile's rows; only a CTA's first tile reads its
+    halo from x, the conv state or zeros (BT >= Kc - 1). Same contract and result either way; the pipelined kernel is
+    not yet run on a GPU (``conv_qkv_gates(..., tiles=N)`` selects it).
+    """
     # tokens per CTA: 16 for D <= 128 (77 registers, 6 CTAs an SM: 0.374 ms for the 2B layer on the H200, against
     # 0.408 ms for 64 tokens at 186 registers; benchmarks/glue_kernels.py); D = 256 keeps 32 to bound the halo re-read
     BT = BT or (16 if D <= 128 else 32)
     NB = 2 * Hk + Hv
     C = NB * D
     P = Kc - 1
+    assert not tiles or BT >= P, f"tiles of {BT} tokens cannot hold the {P}-token halo"
+    span = BT * max(tiles, 1)
     batch = T.dynamic("batch")
     seqlen = T.dynamic("seqlen")
     num_prefix = T.dynamic("num_prefix")
     epilogue, gates = _epilogue(T, Hk, D, BT, dtype), _gates(T, Hk, BT)
+    halo, taps = _halo_and_taps(T, D, Kc, BT, dtype, has_prefix, has_bias)
 
     @T.prim_func
     def gdn_conv_qkv_gates(
@@ -101,124 +141,52 @@ def build_conv_qkv_gates(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_pref
         g: T.Tensor((batch, seqlen, Hv), T.float32),
         beta: T.Tensor((batch, seqlen, Hv), T.float32),
     ):
-        with T.Kernel(T.ceildiv(seqlen, BT), NB, batch, threads=threads) as (bt, hb, bb):
-            t0 = bt * BT
+        with T.Kernel(T.ceildiv(seqlen, span), NB, batch, threads=threads) as (bt, hb, bb):
+            t0 = bt * span
             c0 = hb * D
+            if tiles:
+                ld_sh = T.alloc_shared((BT, D), dtype)
+            # the window: rows i <-> tokens t0 + i - P of the current tile (the plain kernel: the whole tile)
             x_sh = T.alloc_shared((BT + P, D), dtype)
             w_sh = T.alloc_shared((Kc, D), "float32")
             y = T.alloc_fragment((BT, D), "float32")
             sq = T.alloc_fragment((BT, D), "float32")
             ss = T.alloc_fragment((BT,), "float32")
 
-            # tile rows i <-> tokens t0 + i - P: the tile's own tokens (vectorised loads), then the (Kc-1)-token
-            # halo before them, from x, from the conv state (before token 0) or zeros
-            for i, d in T.Parallel(BT, D):
-                x_sh[i + P, d] = T.if_then_else(t0 + i < seqlen, x[bb, T.min(t0 + i, seqlen - 1), c0 + d],
-                                                T.cast(0, dtype))
-            for i, d in T.Parallel(P, D):
-                if has_prefix:
-                    x_sh[i, d] = T.if_then_else(t0 > 0, x[bb, T.max(t0 + i - P, 0), c0 + d], prefix[bb, i, c0 + d])
-                else:
-                    x_sh[i, d] = T.if_then_else(t0 > 0, x[bb, T.max(t0 + i - P, 0), c0 + d], T.cast(0, dtype))
+            if not tiles:
+                # the tile's own tokens (vectorised loads), then its halo
+                for i, d in T.Parallel(BT, D):
+                    x_sh[i + P, d] = T.if_then_else(t0 + i < seqlen, x[bb, T.min(t0 + i, seqlen - 1), c0 + d],
+                                                   T.cast(0, dtype))
+            halo(x_sh, t0, bb, c0, x, prefix)
             for j, d in T.Parallel(Kc, D):
                 w_sh[j, d] = T.cast(w[c0 + d, j], "float32")
-            T.sync_threads()
-
-            for i, d in T.Parallel(BT, D):
-                if has_bias:
-                    y[i, d] = T.cast(bias[c0 + d], "float32")
-                else:
-                    y[i, d] = 0.0
-            for j in T.unroll(Kc):
-                for i, d in T.Parallel(BT, D):
-                    y[i, d] += w_sh[j, d] * T.cast(x_sh[i + j, d], "float32")
-            epilogue(y, sq, ss, t0, hb, bb, seqlen, q, k, v)
-            gates(t0, hb, bb, seqlen, a, b, A_log, dt_bias, g, beta)
+            if not tiles:
+                T.sync_threads()
+                taps(y, x_sh, w_sh, bias, c0)
+                epilogue(y, sq, ss, t0, hb, bb, seqlen, q, k, v)
+                gates(t0, hb, bb, seqlen, a, b, A_log, dt_bias, g, beta)
+            else:
+                for tj in T.Pipelined(tiles, num_stages=stages):
+                    # the tile's own rows, asynchronously (rows past the sequence are never stored)
+                    T.copy(x[bb, t0 + tj * BT:t0 + tj * BT + BT, c0:c0 + D], ld_sh)
+                    for i, d in T.Parallel(BT, D):
+                        x_sh[P + i, d] = ld_sh[i, d]
+                    taps(y, x_sh, w_sh, bias, c0)
+                    # the next tile's halo: this tile's last P rows (BT >= P: the two row ranges do not overlap)
+                    for i, d in T.Parallel(P, D):
+                        x_sh[i, d] = x_sh[BT + i, d]
+                    epilogue(y, sq, ss, t0 + tj * BT, hb, bb, seqlen, q, k, v)
+                    gates(t0 + tj * BT, hb, bb, seqlen, a, b, A_log, dt_bias, g, beta)
 
     return gdn_conv_qkv_gates
 
 
-def build_conv_qkv_gates_pipelined(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_prefix: bool, has_bias: bool,
-                                   BT: int = 16, tiles: int = 8, threads: int = THREADS, stages: int = 2):
-    """The conv + gates stage with each CTA walking ``tiles`` consecutive token tiles of BT tokens, the next tile's
-    rows loaded asynchronously (``T.Pipelined``) while the current one is computed: the plain kernel issues its loads,
-    waits, then computes and stores, so an SM holds few bytes in flight (52% of a copy's bandwidth on the H200).
-    The (Kc-1)-token halo of a tile is the previous tile's last rows, kept in a shared window in front of the tile's
-    rows; only the first tile of a CTA reads its halo from x, the conv state or zeros (BT >= Kc - 1). Same contract and result as
-    ``build_conv_qkv_gates`` (not yet run on a GPU: selected with ``conv_qkv_gates(..., tiles=N)``)."""
-    NB = 2 * Hk + Hv
-    C = NB * D
-    P = Kc - 1
-    assert BT >= P, f"tiles of {BT} tokens cannot hold the {P}-token halo"
-    span = BT * tiles
-    batch = T.dynamic("batch")
-    seqlen = T.dynamic("seqlen")
-    num_prefix = T.dynamic("num_prefix")
-    epilogue, gates = _epilogue(T, Hk, D, BT, dtype), _gates(T, Hk, BT)
-
-    @T.prim_func
-    def gdn_conv_qkv_gates_pipelined(
-        x: T.Tensor((batch, seqlen, C), dtype),
-        w: T.Tensor((C, Kc), dtype),
-        bias: T.Tensor((C,), dtype),
-        prefix: T.Tensor((num_prefix, P, C), dtype),
-        a: T.Tensor((batch, seqlen, Hv), dtype),
-        b: T.Tensor((batch, seqlen, Hv), dtype),
-        A_log: T.Tensor((Hv,), T.float32),
-        dt_bias: T.Tensor((Hv,), T.float32),
-        q: T.Tensor((batch, seqlen, Hk, D), dtype),
-        k: T.Tensor((batch, seqlen, Hk, D), dtype),
-        v: T.Tensor((batch, seqlen, Hv, D), dtype),
-        g: T.Tensor((batch, seqlen, Hv), T.float32),
-        beta: T.Tensor((batch, seqlen, Hv), T.float32),
-    ):
-        with T.Kernel(T.ceildiv(seqlen, span), NB, batch, threads=threads) as (bs, hb, bb):
-            s0 = bs * span
-            c0 = hb * D
-            x_sh = T.alloc_shared((BT, D), dtype)
-            win = T.alloc_shared((BT + P, D), dtype)
-            w_sh = T.alloc_shared((Kc, D), "float32")
-            y = T.alloc_fragment((BT, D), "float32")
-            sq = T.alloc_fragment((BT, D), "float32")
-            ss = T.alloc_fragment((BT,), "float32")
-
-            # win rows i <-> tokens t0 + i - P of the current tile. The first tile's halo: tokens s0 - P .. s0 - 1
-            # from x, the conv state (before token 0) or zeros
-            for i, d in T.Parallel(P, D):
-                if has_prefix:
-                    win[i, d] = T.if_then_else(s0 > 0, x[bb, T.max(s0 + i - P, 0), c0 + d], prefix[bb, i, c0 + d])
-                else:
-                    win[i, d] = T.if_then_else(s0 > 0, x[bb, T.max(s0 + i - P, 0), c0 + d], T.cast(0, dtype))
-            for j, d in T.Parallel(Kc, D):
-                w_sh[j, d] = T.cast(w[c0 + d, j], "float32")
-
-            for tj in T.Pipelined(tiles, num_stages=stages):
-                # the tile's own rows, asynchronously (rows past the sequence are never stored)
-                T.copy(x[bb, s0 + tj * BT:s0 + tj * BT + BT, c0:c0 + D], x_sh)
-                for i, d in T.Parallel(BT, D):
-                    win[P + i, d] = x_sh[i, d]
-                for i, d in T.Parallel(BT, D):
-                    if has_bias:
-                        y[i, d] = T.cast(bias[c0 + d], "float32")
-                    else:
-                        y[i, d] = 0.0
-                for j in T.unroll(Kc):
-                    for i, d in T.Parallel(BT, D):
-                        y[i, d] += w_sh[j, d] * T.cast(win[i + j, d], "float32")
-                # the next tile's halo: this tile's last P rows (BT >= P, so the two row ranges do not overlap)
-                for i, d in T.Parallel(P, D):
-                    win[i, d] = win[BT + i, d]
-                epilogue(y, sq, ss, s0 + tj * BT, hb, bb, seqlen, q, k, v)
-                gates(s0 + tj * BT, hb, bb, seqlen, a, b, A_log, dt_bias, g, beta)
-
-    return gdn_conv_qkv_gates_pipelined
-
-
-# cp.async double buffering with predicated (zero-fill) loads at the sequence tail: TileLang's automatic warp
-# specialisation (TMA producer warps) replicated the fragments across the consumer threads instead (128 fp32 values a
-# thread where 16 belong), so it is turned off for this kernel
-build_conv_qkv_gates_pipelined.pass_configs = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-                                               tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True}
+# The pipelined kernel runs on cp.async double buffering with predicated (zero-fill) loads at the sequence tail:
+# TileLang's automatic warp specialisation (TMA producer warps) replicated its fragments across the consumer threads
+# (128 fp32 values a thread where 16 belong). The plain kernel has no async copy, and its CUDA is the same either way.
+build_conv_qkv_gates.pass_configs = {tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+                                     tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True}
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -235,7 +203,7 @@ def conv_qkv_gates(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     Args:
         qkv: [B, T, (2*Hk + Hv) * D] bf16/fp16. weight: [C, Kc]. bias: [C] or None. a, b: [B, T, Hv].
         A_log, dt_bias: [Hv]. prefix: [B, Kc-1, C] tokens before qkv, or None for zeros.
-        tiles: token tiles a CTA walks with the pipelined kernel (``build_conv_qkv_gates_pipelined``, 16 tokens a
+        tiles: token tiles a CTA walks with the pipelined kernel (``build_conv_qkv_gates(tiles=N)``, 16 tokens a
             tile); 0 runs the plain kernel; None reads ``PIPELINED_TILES``.
 
     Returns:
@@ -245,9 +213,9 @@ def conv_qkv_gates(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     Kc = weight.shape[-1]
     dtype = qkv.dtype
     tiles = PIPELINED_TILES if tiles is None else tiles
-    builder = build_conv_qkv_gates_pipelined if tiles else build_conv_qkv_gates
-    extra = (PIPELINED_BT, tiles) if tiles else ()
-    kernel = compile_kernel(builder, Hk, Hv, D, Kc, tl_dtype(dtype), prefix is not None, bias is not None, *extra)
+    extra = (PIPELINED_BT, THREADS, tiles) if tiles else ()
+    kernel = compile_kernel(build_conv_qkv_gates, Hk, Hv, D, Kc, tl_dtype(dtype), prefix is not None, bias is not None,
+                            *extra)
     x = qkv.contiguous()
     w = weight.to(dtype).contiguous()
     bias_t = bias.to(dtype).contiguous() if bias is not None else w.new_empty(C)
