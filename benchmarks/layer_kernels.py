@@ -1,0 +1,85 @@
+"""Which TileLang kernels ``gdn_layer.py`` and the GDN-layer GPU tests compile: the precompile list of the whole-model
+benchmark (the chunk kernels of the default and base paths, every glue specialisation), compiled on a CPU box with
+nvcc into TileLang's cache so the device loads them instead of JIT-compiling (``gdn_layer.py --precompile``).
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+
+
+def kernel_specs() -> list[tuple[str, str, tuple]]:
+    """(module, builder, args) of every TileLang kernel the arms and the GPU tests use."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import chunk_kernels
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.flashqla_kernels import test_gdn_layer_gpu as gpu_tests
+
+    glue = "flashqla_kernels.gdn_layer.hopper."
+    bf16, names = "bfloat16", {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    specs = []
+    # the chunk kernels of the package default and the base path: the benchmark (Hv = 16; 1 and 8 sequences) and
+    # the layer tests (Hv = 32, 2 sequences), as benchmarks/chunk_kernels.py names them
+    layouts = {(16, Hv, 128, bf16, n) for Hv in (16, 32) for n in (1, 2, 8)}
+    for stage, args in chunk_kernels.variant_specs(["default", "base"], layouts, 132, final=(False, True)):
+        specs.append((*chunk_kernels.STAGE_BUILDERS[stage], args))
+    for Hv in (16, 32):
+        for has_prefix in (False, True):
+            specs.append((glue + "conv_gates", "build_conv_qkv_gates", (16, Hv, 128, 4, bf16, has_prefix, False)))
+    for B, T, Hk, Hv, D, Kc, dtype, prefix, bias in gpu_tests.CONV_CASES.values():
+        specs.append((glue + "conv_gates", "build_conv_qkv_gates", (Hk, Hv, D, Kc, names[dtype], prefix, bias)))
+        # the pipelined conv of the GPU tests (tiles 8 and 3 of 16 tokens)
+        for tiles in (8, 3):
+            specs.append((glue + "conv_gates", "build_conv_qkv_gates",
+                          (Hk, Hv, D, Kc, names[dtype], prefix, bias, 16, 128, tiles)))
+    for V, dtype in ((128, bf16), (64, "float16"), (256, bf16)):
+        specs.append((glue + "gated_norm", "build_gated_rms_norm", (V, dtype, 1e-6)))
+    for D, dtype in ((2048, bf16), (256, bf16), (2048, "float16"), (64, bf16)):
+        # the weight read in its own dtype: the model's (bf16 / fp16) and fp32 (the tests' reference weights)
+        specs.append((glue + "rms_norm", "build_rms_norm", (D, dtype, 1e-6)))
+        specs.append((glue + "rms_norm", "build_rms_norm", (D, dtype, 1e-6, dtype)))
+    specs.append((glue + "silu_mul", "build_silu_mul", (6144, bf16)))  # the 2B model's MLP (intermediate 6144)
+    # the gated attention layers' glue: the 2B model (8 query heads, 2 key heads, head dim 256, 64 rotary channels)
+    # and the GPU tests' cases
+    attn = {(8, 2, 256, 64, bf16)} | {(H, Hkv, D, R, names[dtype]) for _, _, H, Hkv, D, R, dtype, _
+                                      in gpu_tests.ATTN_CASES.values()}
+    for H, Hkv, D, R, dtype in sorted(attn):
+        specs.append((glue + "attn_glue", "build_qk_norm_rope", (H, Hkv, D, R, dtype, 1e-6)))
+        specs.append((glue + "attn_glue", "build_gate_mul", (H, D, dtype)))
+        specs.append((glue + "attn_glue", "build_gate_mul_head_major", (H, D, dtype)))
+    for shape, dtype in gpu_tests.SILU_CASES.values():
+        specs.append((glue + "silu_mul", "build_silu_mul", (shape[-1], names[dtype])))
+    return list(dict.fromkeys(specs))
+
+
+def _compile_spec(spec: tuple[str, str, tuple]) -> str:
+    from flashqla_kernels.gated_delta_rule.hopper import _common
+
+    module, builder, args = spec
+    try:
+        _common.compile_kernel(getattr(importlib.import_module(module), builder), *args)
+        return ""
+    except Exception as err:  # report and go on: one broken specialisation must not stop the others
+        return f"{builder}{args}: {type(err).__name__}: {str(err)[:200]}"
+
+
+def precompile(jobs: int = 1) -> int:
+    """Compile (sm_90a, no GPU needed) every kernel of ``kernel_specs`` into tilelang's cache, on ``jobs``
+    processes; returns the number of failures."""
+    import multiprocessing as mp
+
+    specs = kernel_specs()
+    if jobs > 1:
+        with mp.get_context("spawn").Pool(jobs) as pool:
+            errors = [e for e in pool.map(_compile_spec, specs, chunksize=1) if e]
+    else:
+        errors = [e for e in map(_compile_spec, specs) if e]
+    print(f"precompiled {len(specs) - len(errors)}/{len(specs)} kernels (chunk kernels Hk = 16, Hv = 16 / 32, "
+          "K = V = 128, bf16; every glue specialisation of the benchmark and the GPU tests)")
+    for e in errors:
+        print("FAILED", e)
+    return len(errors)
