@@ -14,7 +14,9 @@ bf16/fp16 tensors when ``act_fn`` is SiLU, transformers' own forward otherwise.
 With ``attention=True`` (default) it replaces ``forward`` of the families' gated full-attention classes: q/k norms
 and the partial rotary embedding in one kernel that writes the attention kernels' layout (``ops.qk_norm_rope``), the
 attention itself through transformers' own attention interface, and ``attn * sigmoid(gate)`` reading the gate in place
-(``ops.gate_mul``). Calls with a KV cache (generation) and layers whose q/k norms carry hooks go to transformers'
+(``ops.gate_mul``). For an unpadded prefill on SDPA it makes the one causal ``scaled_dot_product_attention`` call
+transformers' SDPA interface would make, and the gate kernel reads its head-major output, writing the token-major rows
+``o_proj`` takes (``ops.gate_mul_head_major``: transformers' transpose copy folded in). Calls with a KV cache (generation) and layers whose q/k norms carry hooks go to transformers'
 forward.
 
 Explicit, idempotent and restorable: importing this module changes nothing.
