@@ -365,7 +365,8 @@ def precompile() -> None:
 
 ARMS = [  # (backend, arm) in priority order: the time budget cuts from the end
     ("ours", "a"), ("ours", "c1"), ("ours", "c24"), ("ours", "b"), ("fla", "a"), ("fla", "c1"), ("torch", "a"),
-    ("torch", "c1"), ("ours", "c1-torch-encode"), ("ours", "c24-torch-encode"), ("fla", "c24"), ("fla", "b")]
+    ("torch", "c1"), ("ours", "c1-torch-encode"), ("ours", "c24-torch-encode"), ("fla", "c24"), ("fla", "b"),
+    ("torch", "c24"), ("torch", "b")]
 
 
 def main() -> None:
@@ -373,8 +374,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/collect_bench"))
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--steady-steps", type=int, default=4,
-                        help="extra steps of the second timed call of the code arms (steady state); 0: skip")
+    parser.add_argument("--steady-steps", type=int, default=3,
+                        help="n: the code arms' steady state from two more calls, of --steps + n and + 2n steps; 0: skip")
     parser.add_argument("--budget-s", type=float, default=170.0)
     parser.add_argument("--tiny", action="store_true", help="dry run of every code path on a tiny model (CPU ok)")
     parser.add_argument("--precompile", action="store_true", help="only fill the TileLang cache (CPU is enough)")

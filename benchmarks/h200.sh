@@ -109,8 +109,8 @@ for p in "$@"; do
                               --skip-fla --skip-torch --out "$OUT/segments-$seg"
                       done ;;
         encode) phase encode "${ENCODE_S:-240}" python3 benchmarks/topk_encode.py --precompile 14 --out "$OUT" ;;
-        collect) phase collect "${COLLECT_S:-300}" python3 benchmarks/collect_throughput.py --out "$OUT" --steps 3 \
-                     --budget-s "$(( ${COLLECT_S:-300} - 60 ))" ;;
+        collect) phase collect "${COLLECT_S:-420}" python3 benchmarks/collect_throughput.py --out "$OUT" --steps 3 \
+                     --budget-s "$(( ${COLLECT_S:-420} - 60 ))" ;;
         layer-tests) phase layer-tests "${LAYER_TESTS_S:-200}" python3 benchmarks/gdn_layer.py --gpu-tests --out "$OUT" \
                          --only "${LAYER_TESTS_ONLY:-}" ;;
         collect-profile) phase collect-profile "${PROFILE_S:-150}" python3 benchmarks/collect_profile.py --out "$OUT" \
