@@ -162,3 +162,35 @@ def test_glue_benchmark_variants_bind_to_their_builders_and_lead_with_the_launch
     assert firsts["gated_norm"] == (128, "bfloat16", 1e-6)
     assert {s for s, *_ in glue.VARIANTS} >= {"conv", "rms_norm", "gated_norm", "silu_mul", "qk_norm_rope",
                                               "gate_mul", "gate_mul_head_major"}
+
+
+def test_gpu_test_runner_reports_pass_skip_xfail_and_fail(tmp_path, monkeypatch):
+    """plain_tests.run_module: a passing case prints PASS with its output, pytest.skip gives SKIP, pytest.xfail XFAIL
+    (not a failure), an assertion FAIL (counted)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plain_tests
+
+    fake = type(sys)("fake_gpu_tests")
+
+    def test_ok():
+        print("measured 1.0")
+
+    def test_skipped():
+        pytest.skip("no GPU")
+
+    def test_near_tie():
+        pytest.xfail("near-tie")
+
+    def test_broken():
+        assert 1 == 2
+
+    for fn in (test_ok, test_skipped, test_near_tie, test_broken):
+        setattr(fake, fn.__name__, fn)
+    monkeypatch.setitem(sys.modules, "fake_gpu_tests", fake)
+    out = tmp_path / "log.txt"
+    assert plain_tests.run_module("fake_gpu_tests", out, "# header") == 1
+    lines = out.read_text().splitlines()
+    assert lines[0] == "# header"
+    assert "PASS test_ok measured 1.0" in lines and any(x.startswith("SKIP test_skipped") for x in lines)
+    assert any(x.startswith("XFAIL test_near_tie (near-tie") for x in lines)
+    assert any(x.startswith("FAIL test_broken") for x in lines)
