@@ -139,6 +139,18 @@ def test_dispatch_uses_torch_off_hopper_and_forced_kernels_raise_the_reason():
     assert torch.equal(ops.silu_mul(v, v), (torch.nn.functional.silu(v.float()) * v.float()).bfloat16())
     with pytest.raises(ValueError, match="backend must be one of"):
         ops.gated_norm(v, v, torch.ones(D), 1e-6, backend="triton")
+    # the attention gate on SDPA's head-major output: torch off Hopper (the transpose, then the gate), the reason when
+    # the kernel is forced
+    attn, qg = torch.randn(2, 3, 5, 8, dtype=torch.bfloat16), torch.randn(2, 5, 3, 16, dtype=torch.bfloat16)
+    want = attn.transpose(1, 2).reshape(2, 5, 24) * torch.sigmoid(qg[..., 8:].reshape(2, 5, 24))
+    assert torch.equal(ops.gate_mul_head_major(attn, qg), want)
+    with pytest.raises(ValueError, match="cannot run the gate_mul_head_major kernel: tensors are on cpu"):
+        ops.gate_mul_head_major(attn, qg, backend="tilelang")
+    pytest.importorskip("tilelang")
+    from flashqla_kernels.gdn_layer.hopper import attn_glue
+
+    with pytest.raises(ValueError, match=r"qg must be \[B, L, H, 2 D\] = \(2, 5, 3, 16\)"):
+        attn_glue.gate_mul_head_major(attn, qg[:, :4])  # the launcher checks shapes before any kernel is built
 
 
 def test_conv_shape_reasons_name_the_shape():
