@@ -8,7 +8,9 @@ fp32 gates ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``
 
 Grid (ceil(T / BT), 2*Hk + Hv, B): one CTA per (token tile, head block of D channels, sequence). Math in fp32:
 the conv accumulates in registers, SiLU and the row sum of squares for the l2norm (a row = one head) stay there.
-Tokens before t = 0 come from ``prefix`` (the cache's conv state, token-major) or are zero.
+Tokens before t = 0 come from ``prefix`` (the cache's conv state, token-major) or are zero. The same builder with
+``tiles = N`` gives a pipelined kernel (grid ceil(T / (N BT)): each CTA walks N tiles, loading the next one while it
+computes the current one); see ``build_conv_qkv_gates``.
 """
 import tilelang
 import tilelang.language as T
