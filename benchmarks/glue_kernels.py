@@ -30,13 +30,14 @@ H_ATT, HKV_ATT, D_ATT, R_ATT = 8, 2, 256, 64
 BF16 = "bfloat16"
 # (stage, module, builder, builder args): the default specialisation first, then the variants
 VARIANTS = [
+    # the launcher's default: the pipelined conv, 4 tiles of 32 tokens a CTA (BT, threads, tiles[, stages])
+    ("conv", "conv_gates", "build_conv_qkv_gates", (HK, HV, D, KC, BF16, False, False, 32, 128, 4)),
+    *[("conv", "conv_gates", "build_conv_qkv_gates", (HK, HV, D, KC, BF16, False, False, bt, th, tiles, *stages))
+      for bt, th, tiles, *stages in ((32, 128, 2), (32, 128, 8), (64, 128, 2), (64, 256, 2), (32, 256, 4),
+                                     (16, 128, 8), (32, 128, 4, 3))],
+    # the plain kernel: one tile of BT tokens a CTA (16 for D = 128 when not pipelined), threads
     ("conv", "conv_gates", "build_conv_qkv_gates", (HK, HV, D, KC, BF16, False, False)),
-    *[("conv", "conv_gates", "build_conv_qkv_gates", (HK, HV, D, KC, BF16, False, False, bt, th))
-      for bt, th in ((64, 128), (32, 256), (16, 256), (8, 128))],
-    # the pipelined conv: (BT, threads, tiles a CTA walks[, stages])
-    *[("conv", "conv_gates", "build_conv_qkv_gates", (HK, HV, D, KC, BF16, False, False, bt, 128, tiles))
-      for bt, tiles in ((16, 8), (16, 4), (16, 16), (32, 4))],
-    ("conv", "conv_gates", "build_conv_qkv_gates", (HK, HV, D, KC, BF16, False, False, 16, 128, 8, 3)),
+    ("conv", "conv_gates", "build_conv_qkv_gates", (HK, HV, D, KC, BF16, False, False, 32, 128)),
     ("rms_norm", "rms_norm", "build_rms_norm", (D_MODEL, BF16, 1e-6, BF16)),
     *[("rms_norm", "rms_norm", "build_rms_norm", (D_MODEL, BF16, 1e-6, BF16, tile, th))
       for tile, th in ((8192, 256), (4096, 256), (1024, 64), (16384, 512))],

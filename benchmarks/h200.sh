@@ -39,8 +39,9 @@ t0=$(date +%s)
 [ -d /tmp/site/tilelang ] || tar xJf .gpudeps/site.tar.xz -C /tmp/site || exit 1
 [ -f /tmp/pyt/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/pyt .whl/*.whl && touch /tmp/pyt/.done; } || exit 1
-[ -f /tmp/tlcache/.done ] || { [ -f .tlc_dev/cache.tar.xz ] && tar xJf .tlc_dev/cache.tar.xz -C /tmp/tlcache \
-    && touch /tmp/tlcache/.done; }
+# TLC_ARCHIVE: a smaller archive of only the kernels of this call's phases (the carry limit is 64 MiB in all)
+tlc=${TLC_ARCHIVE:-.tlc_dev/cache.tar.xz}
+[ -f /tmp/tlcache/.done ] || { [ -f "$tlc" ] && tar xJf "$tlc" -C /tmp/tlcache && touch /tmp/tlcache/.done; }
 # FLA's Triton kernels compiled on an earlier call (the autotune still runs, the compiles do not)
 [ -f /tmp/triton_cache/.done ] || { [ -f .tlc_dev/triton_cache.tar.xz ] \
     && tar xJf .tlc_dev/triton_cache.tar.xz -C /tmp/triton_cache && touch /tmp/triton_cache/.done; }

@@ -19,6 +19,8 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.flashqla_kernels import test_gdn_layer_gpu as gpu_tests
 
+    from flashqla_kernels.gdn_layer.hopper import conv_gates
+
     glue = "flashqla_kernels.gdn_layer.hopper."
     bf16, names = "bfloat16", {torch.bfloat16: "bfloat16", torch.float16: "float16"}
     specs = []
@@ -27,15 +29,19 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
     layouts = {(16, Hv, 128, bf16, n) for Hv in (16, 32) for n in (1, 2, 8)}
     for stage, args in chunk_kernels.variant_specs(["default", "base"], layouts, 132, final=(False, True)):
         specs.append((*chunk_kernels.STAGE_BUILDERS[stage], args))
+    bt, tiles = conv_gates.pipelined_shape(128)
     for Hv in (16, 32):
         for has_prefix in (False, True):
-            specs.append((glue + "conv_gates", "build_conv_qkv_gates", (16, Hv, 128, 4, bf16, has_prefix, False)))
+            # the plain kernel (PIPELINED off) and the launcher's default, the pipelined one
+            for extra in ((), (bt, conv_gates.THREADS, tiles)):
+                specs.append((glue + "conv_gates", "build_conv_qkv_gates",
+                              (16, Hv, 128, 4, bf16, has_prefix, False, *extra)))
     for B, T, Hk, Hv, D, Kc, dtype, prefix, bias in gpu_tests.CONV_CASES.values():
         specs.append((glue + "conv_gates", "build_conv_qkv_gates", (Hk, Hv, D, Kc, names[dtype], prefix, bias)))
-        # the pipelined conv of the GPU tests (tiles 8 and 3 of 16 tokens)
-        for tiles in (8, 3):
+        # the pipelined conv of the GPU tests: (tokens a tile, tiles a CTA), and the launcher's default shape
+        for BT, n_tiles in {(16, 8), (16, 3), (32, 4), conv_gates.pipelined_shape(D)}:
             specs.append((glue + "conv_gates", "build_conv_qkv_gates",
-                          (Hk, Hv, D, Kc, names[dtype], prefix, bias, 16, 128, tiles)))
+                          (Hk, Hv, D, Kc, names[dtype], prefix, bias, BT, conv_gates.THREADS, n_tiles)))
     for V, dtype in ((128, bf16), (64, "float16"), (256, bf16)):
         specs.append((glue + "gated_norm", "build_gated_rms_norm", (V, dtype, 1e-6)))
     for D, dtype in ((2048, bf16), (256, bf16), (2048, "float16"), (64, bf16)):

@@ -84,12 +84,13 @@ def test_gpu_test_runner_expands_every_parametrized_case(bench):
 
     cases = plain_tests.test_cases(gpu_tests)
     ids = [case_id for case_id, _, _ in cases]
-    assert len(ids) == len(set(ids)) == 6 + 6 * 2 + 3 + 4 + 6 + 1 + 2 + 1 + 4 + 1
+    assert len(ids) == len(set(ids)) == 6 + 6 * 4 + 3 + 4 + 6 + 1 + 2 + 1 + 4 + 1
     conv = [kw for case_id, _, kw in cases if case_id.startswith("test_conv_gates")]
     assert sorted(kw["name"] for kw in conv) == sorted(gpu_tests.CONV_CASES)
     piped = [kw for case_id, _, kw in cases if case_id.startswith("test_pipelined_conv")]
-    assert sorted((kw["name"], kw["tiles"]) for kw in piped) == sorted(
-        (name, tiles) for name in gpu_tests.CONV_CASES for tiles in (8, 3))
+    shapes = [(16, 8), (16, 3), (32, 4), (None, None)]
+    assert sorted((kw["name"], shapes.index((kw["BT"], kw["tiles"]))) for kw in piped) == sorted(
+        (name, i) for name in gpu_tests.CONV_CASES for i in range(len(shapes)))
     silu = [kw for case_id, _, kw in cases if case_id.startswith("test_silu_mul")]
     assert sorted(kw["name"] for kw in silu) == sorted(gpu_tests.SILU_CASES)
     assert "test_patched_mlp_runs_the_kernel_and_matches_transformers_within_bf16" in ids
@@ -156,8 +157,11 @@ def test_glue_benchmark_variants_bind_to_their_builders_and_lead_with_the_launch
     for stage, module, builder, args in glue.VARIANTS:
         inspect.signature(getattr(modules[module], builder)).bind(*args)
         firsts.setdefault(stage, args)
-    # the launchers' keys: conv (Hk, Hv, D, Kc, dtype, prefix, bias), RMSNorm with a bf16 weight, gated norm
-    assert firsts["conv"] == (16, 16, 128, 4, "bfloat16", False, False)
+    # the launchers' keys: conv (Hk, Hv, D, Kc, dtype, prefix, bias) + the default pipelined (BT, threads, tiles),
+    # RMSNorm with a bf16 weight, gated norm
+    bt, tiles = conv_gates.pipelined_shape(128)
+    assert conv_gates.PIPELINED
+    assert firsts["conv"] == (16, 16, 128, 4, "bfloat16", False, False, bt, conv_gates.THREADS, tiles)
     assert firsts["rms_norm"] == (2048, "bfloat16", 1e-6, "bfloat16")
     assert firsts["gated_norm"] == (128, "bfloat16", 1e-6)
     assert {s for s, *_ in glue.VARIANTS} >= {"conv", "rms_norm", "gated_norm", "silu_mul", "qk_norm_rope",

@@ -71,18 +71,19 @@ def test_conv_gates_kernel_matches_torch_formulation(name, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got, again)), "not deterministic"
 
 
-@pytest.mark.parametrize("tiles", [8, 3])
+@pytest.mark.parametrize("BT,tiles", [(16, 8), (16, 3), (32, 4), (None, None)])  # None: the launcher's default
 @pytest.mark.parametrize("name", sorted(CONV_CASES))
-def test_pipelined_conv_kernel_equals_the_plain_one(name, tiles, monkeypatch):
-    """The pipelined conv (each CTA walks ``tiles`` token tiles, the next loaded while one is computed) writes what
-    the plain kernel writes, bit for bit: the same per-element fp32 math, tiles and halos from other places."""
+def test_pipelined_conv_kernel_equals_the_plain_one(name, BT, tiles, monkeypatch):
+    """The pipelined conv (each CTA walks ``tiles`` token tiles of BT tokens, the next loaded while one is computed)
+    writes what the plain kernel writes, bit for bit: the same per-element fp32 math, tiles and halos from other
+    places."""
     from flashqla_kernels.gdn_layer.hopper import conv_gates
 
     B, T, Hk, Hv, D, Kc, dtype, prefix, bias = CONV_CASES[name]
     x = _conv_inputs(B, T, Hk, Hv, D, Kc, dtype, prefix, bias, seed=1)
     monkeypatch.setattr(conv_gates, "POISON_OUTPUTS", True)
     plain = conv_gates.conv_qkv_gates(**x, Hk=Hk, Hv=Hv, D=D, tiles=0)
-    piped = conv_gates.conv_qkv_gates(**x, Hk=Hk, Hv=Hv, D=D, tiles=tiles)
+    piped = conv_gates.conv_qkv_gates(**x, Hk=Hk, Hv=Hv, D=D, tiles=tiles, BT=BT)
     for label, o, r in zip("qkvgb", piped, plain):
         assert not o.isnan().any(), f"{name}: {label} has unwritten (NaN) elements"
         assert torch.equal(o, r), f"{name} tiles={tiles}: {label} differs by {(o.float() - r.float()).abs().max()}"

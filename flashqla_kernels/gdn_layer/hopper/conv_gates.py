@@ -9,8 +9,8 @@ fp32 gates ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``
 Grid (ceil(T / BT), 2*Hk + Hv, B): one CTA per (token tile, head block of D channels, sequence). Math in fp32:
 the conv accumulates in registers, SiLU and the row sum of squares for the l2norm (a row = one head) stay there.
 Tokens before t = 0 come from ``prefix`` (the cache's conv state, token-major) or are zero. The same builder with
-``tiles = N`` gives a pipelined kernel (grid ceil(T / (N BT)): each CTA walks N tiles, loading the next one while it
-computes the current one); see ``build_conv_qkv_gates``.
+``tiles = N`` gives the pipelined kernel (grid ceil(T / (N BT)): each CTA walks N tiles, loading the next one while it
+computes the current one), the launcher's default; see ``build_conv_qkv_gates``.
 """
 import tilelang
 import tilelang.language as T
@@ -21,10 +21,10 @@ from flashqla_kernels.gated_delta_rule.hopper._common import compile_kernel, tl_
 THREADS = 128
 # Tests set this to fill outputs with NaN before the kernel runs, to prove every element is written.
 POISON_OUTPUTS = False
-# The pipelined kernel (each CTA walks PIPELINED_TILES tiles of PIPELINED_BT tokens) is not the default until an
-# H200 run has checked and timed it (benchmarks/glue_kernels.py, the conv GPU tests with tiles=8); 0 = the plain one
-PIPELINED_TILES = 0
-PIPELINED_BT = 16
+# The pipelined kernel is the default: on the H200 (seventh session, benchmarks/glue_kernels.py) 4 tiles of 32 tokens
+# a CTA took the 2B layer's stage from 0.376 ms (plain kernel, 16 tokens a CTA) to 0.282 ms, 68% of a copy's
+# bandwidth; 8 or 16 tiles of 16 tokens 0.311 ms. False = the plain kernel everywhere.
+PIPELINED = True
 SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus's default: x above it is returned as is
 L2NORM_EPS = 1e-6
 
@@ -110,8 +110,8 @@ def build_conv_qkv_gates(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_pref
     (``T.Pipelined``, ``stages`` buffers) while the current one is computed; the plain kernel's load-then-compute
     leaves an SM few bytes in flight (52% of a copy's bandwidth on the H200). A tile's (Kc-1)-token halo is then the
     previous tile's last rows, kept in a shared window in front of the tile's rows; only a CTA's first tile reads its
-    halo from x, the conv state or zeros (BT >= Kc - 1). Same contract and result either way; the pipelined kernel is
-    not yet run on a GPU (``conv_qkv_gates(..., tiles=N)`` selects it).
+    halo from x, the conv state or zeros (BT >= Kc - 1). Same contract and result either way, bit for bit (the GPU
+    tests); ``conv_qkv_gates`` runs the pipelined kernel by default (``PIPELINED``, ``pipelined_shape``).
     """
     # tokens per CTA: 16 for D <= 128 (77 registers, 6 CTAs an SM: 0.374 ms for the 2B layer on the H200, against
     # 0.408 ms for 64 tokens at 186 registers; benchmarks/glue_kernels.py); D = 256 keeps 32 to bound the halo re-read
@@ -197,16 +197,23 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def pipelined_shape(D: int) -> tuple[int, int]:
+    """(BT, tiles) of the default pipelined kernel for head dim D: tokens a tile, tiles a CTA walks."""
+    # D = 256 halves the tile to keep y / sq at 64 fp32 registers a thread each (128 threads)
+    return (32, 4) if D <= 128 else (16, 4)
+
+
 def conv_qkv_gates(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
                    b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, Hk: int, Hv: int, D: int,
-                   prefix: torch.Tensor | None = None, tiles: int | None = None):
+                   prefix: torch.Tensor | None = None, tiles: int | None = None, BT: int | None = None):
     """Run the conv + gates stage.
 
     Args:
         qkv: [B, T, (2*Hk + Hv) * D] bf16/fp16. weight: [C, Kc]. bias: [C] or None. a, b: [B, T, Hv].
         A_log, dt_bias: [Hv]. prefix: [B, Kc-1, C] tokens before qkv, or None for zeros.
-        tiles: token tiles a CTA walks with the pipelined kernel (``build_conv_qkv_gates(tiles=N)``, 16 tokens a
-            tile); 0 runs the plain kernel; None reads ``PIPELINED_TILES``.
+        tiles: token tiles a CTA walks with the pipelined kernel (``build_conv_qkv_gates(tiles=N)``); 0 runs the
+            plain kernel; None: ``pipelined_shape(D)`` when ``PIPELINED``, else the plain kernel.
+        BT: tokens a tile of the pipelined kernel; None: ``pipelined_shape(D)``'s.
 
     Returns:
         (q [B, T, Hk, D], k [B, T, Hk, D], v [B, T, Hv, D] in qkv's dtype, g [B, T, Hv] fp32, beta [B, T, Hv] fp32).
@@ -214,8 +221,10 @@ def conv_qkv_gates(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     B, Tn, C = qkv.shape
     Kc = weight.shape[-1]
     dtype = qkv.dtype
-    tiles = PIPELINED_TILES if tiles is None else tiles
-    extra = (PIPELINED_BT, THREADS, tiles) if tiles else ()
+    default_bt, default_tiles = pipelined_shape(D)
+    if tiles is None:
+        tiles = default_tiles if PIPELINED else 0
+    extra = (BT or default_bt, THREADS, tiles) if tiles else ()
     kernel = compile_kernel(build_conv_qkv_gates, Hk, Hv, D, Kc, tl_dtype(dtype), prefix is not None, bias is not None,
                             *extra)
     x = qkv.contiguous()
