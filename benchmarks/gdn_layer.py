@@ -16,6 +16,8 @@ Arms (one run, one process):
                  session: flash 13.1 ms against cuDNN's 5.8 ms a forward, 182 K against 189 K tokens/s). Under graph
                  capture transformers materialises the causal mask (``is_tracing``), so ``ours+graph``'s attention
                  is cuDNN with a mask (27 ms) and flash, which takes no mask, cannot run there;
+  ours+swiglu, ours+silu_mul   ``ours`` with the MLP's gate and up projections in one GEMM with the SwiGLU in its
+                 epilogue (``patch.FUSED_MLP_GEMM`` on), and as two cuBLAS GEMMs + the silu_mul kernel (off);
   ours+compile   the fused GDN layer left eager (graph breaks there), ``torch.compile`` of the rest of ``model.model``:
                  inductor fuses the MLP / attention-layer / RMSNorm glue (our RMSNorm and silu_mul kernels not used);
   qla_op         transformers' layer with our FlashQLA-style chunk op patched in
@@ -56,7 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layer_kernels import precompile  # noqa: E402 - the precompile list, in its own module
 
 MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
-ARMS = ("ours", "qla_op", "fla", "torch", "compile", "ours+compile", "ours+graph", "ours+flash")
+ARMS = ("ours", "qla_op", "fla", "torch", "compile", "ours+compile", "ours+graph", "ours+flash", "ours+swiglu",
+        "ours+silu_mul")
 ANCHOR_TOKENS_PER_S = {"qla_op": 99.7e3, "fla": 96.9e3, "torch": 41.6e3}  # anchors-h200.md (FlashQLA / FLA / torch)
 CATEGORIES = [  # (bucket, kernel-name pattern), first match wins
     ("elementwise", r"attention_gate_mul"),  # the attention layers' glue kernel, not attention itself
@@ -109,6 +112,7 @@ class Arms:
         self.has_fla = any(getattr(c.cell_contents, "__module__", "").startswith("fla") for c in closure
                            if callable(c.cell_contents))
         self.backend = "tilelang" if device == "cuda" else None
+        self.fused_mlp_gemm = importlib.import_module("flashqla_kernels.gdn_layer.patch").FUSED_MLP_GEMM
 
     def reason_unavailable(self, name: str) -> str | None:
         if name == "fla" and not self.has_fla:
@@ -127,7 +131,10 @@ class Arms:
         for n, f in self.originals.items():
             setattr(self.module, n, f)
         base = name.removesuffix("+compile")
-        if name in ("ours", "ours+graph", "ours+flash"):
+        # the MLP's gate/up GEMMs: fused with the SwiGLU (+swiglu), two cuBLAS GEMMs + silu_mul (+silu_mul), else the
+        # package default
+        layer_patch.FUSED_MLP_GEMM = {"ours+swiglu": True, "ours+silu_mul": False}.get(name, self.fused_mlp_gemm)
+        if name in ("ours", "ours+graph", "ours+flash", "ours+swiglu", "ours+silu_mul"):
             patch_transformers(backend=self.backend, fused_layer=True)
         elif name == "ours+compile":
             # the norms, the MLP and the attention glue are left to inductor here: compilation against hand fusion

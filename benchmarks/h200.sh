@@ -29,6 +29,7 @@
 #                also profiles N forwards of each arm (GPU idle, its gaps and the host op at each, sync sites)
 #   collect-profile  benchmarks/collect_profile.py: torch.profiler of (a) and a steady (c1) step: GPU idle, blocking calls
 #   glue         benchmarks/glue_kernels.py: each glue kernel (and its CTA-shape variants) alone against the copy floor
+#   swiglu       the fused gate/up GEMM with the SwiGLU epilogue: its GPU tests, then benchmarks/swiglu_gemm.py
 #   ws-trace     benchmarks/gdn_ws_trace.py: clock64 timeline of the default fused stage's chunk step
 set -o pipefail
 export PYTHONUNBUFFERED=1 FLA_FLASH_QLA=0 TILELANG_CACHE_DIR=/tmp/tlcache TRITON_CACHE_DIR=/tmp/triton_cache
@@ -117,6 +118,8 @@ for p in "$@"; do
         collect-profile) phase collect-profile "${PROFILE_S:-150}" python3 benchmarks/collect_profile.py --out "$OUT" \
                              --steps "${PROFILE_STEPS:-5}" ;;
         glue) phase glue "${GLUE_S:-120}" python3 benchmarks/glue_kernels.py --out "$OUT" ;;
+        swiglu) phase swiglu "${SWIGLU_S:-240}" bash -c "python3 -m pytest -q --timeout 120 -p no:cacheprovider -m gpu \
+                    tests/flashqla_kernels/test_swiglu_gemm.py; python3 benchmarks/swiglu_gemm.py --out $OUT" ;;
         ws-trace) phase ws-trace "${TRACE_S:-120}" python3 benchmarks/gdn_ws_trace.py --out "$OUT" ;;
         layer) phase layer "${LAYER_S:-400}" python3 benchmarks/gdn_layer.py --arms "${LAYER_ARMS:-ours,qla_op,fla,torch,compile,ours+compile}" \
                    --profile "${LAYER_PROFILE:-0}" --out "$OUT" ;;

@@ -2,7 +2,7 @@
 
 ``conv_qkv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates), ``gated_norm`` (gated RMSNorm),
 ``rms_norm`` (Qwen's zero-centred RMSNorm: the decoder / final / q-k norms around the layers), ``silu_mul`` (the
-dense MLP's ``silu(gate) * up``), and the gated full-attention layers' ``qk_norm_rope`` (q/k norms + partial rotary
+dense MLP's ``silu(gate) * up``; ``swiglu`` the same with the gate and up projections in one fused GEMM), and the gated full-attention layers' ``qk_norm_rope`` (q/k norms + partial rotary
 embedding, into the attention kernels' layout) and ``gate_mul`` (``attn * sigmoid(gate)``) have one signature each across the torch formulation (``torch_path``) and the
 kernels (``hopper``). ``backend=None`` picks the kernels when ``glue_kernel_reason`` (and the stage's shape check)
 returns None, else torch; ``"torch"`` forces torch; ``"tilelang"`` forces the kernels or raises the reason.
@@ -16,7 +16,7 @@ import torch
 
 from flashqla_kernels.gdn_layer import torch_path
 
-__all__ = ["conv_qkv_gates", "gated_norm", "rms_norm", "silu_mul", "qk_norm_rope", "gate_mul", "gate_mul_head_major",
+__all__ = ["conv_qkv_gates", "gated_norm", "rms_norm", "silu_mul", "swiglu", "qk_norm_rope", "gate_mul", "gate_mul_head_major",
            "glue_kernel_reason",
            "KERNEL_DTYPES"]
 
@@ -129,6 +129,32 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None
         hopper = importlib.import_module(_HOPPER)
         return hopper.silu_mul_fwd(gate, up)
     return torch_path.silu_mul(gate, up)
+
+
+def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """The dense MLP's ``silu(x @ w_gate^T) * (x @ w_up^T)``: on the kernel one GEMM with the SwiGLU in its epilogue
+    (the two pre-activations never reach memory, fp32 until the one rounding); in torch two ``linear`` calls (each
+    rounded to x's dtype, as transformers' MLP does) and ``silu_mul``.
+
+    Args:
+        x: [..., K]. w_gate, w_up: [N, K] (``gate_proj.weight``, ``up_proj.weight``) in x's dtype for the kernel.
+        backend: see module doc.
+
+    Returns:
+        [..., N] in x's dtype.
+
+    Example:
+        >>> out = mlp.down_proj(swiglu(x, mlp.gate_proj.weight, mlp.up_proj.weight))
+    """
+    def shape_reason():
+        if w_gate.dtype != x.dtype or w_up.dtype != x.dtype:
+            return f"weights in {w_gate.dtype} / {w_up.dtype} for {x.dtype} activations"
+        return importlib.import_module(_HOPPER).swiglu_shape_reason(w_gate.shape[0], x.shape[-1], x.dtype)
+
+    if _use_kernels(backend, "swiglu_gemm", x, w_gate, w_up, shape_reason=shape_reason):
+        hopper = importlib.import_module(_HOPPER)
+        return hopper.swiglu_gemm_fwd(x, w_gate, w_up)
+    return torch_path.silu_mul(torch.nn.functional.linear(x, w_gate), torch.nn.functional.linear(x, w_up))
 
 
 def qk_norm_rope(qg: torch.Tensor, kx: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, eps: float,

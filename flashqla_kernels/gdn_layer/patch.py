@@ -61,6 +61,9 @@ ATTENTION_CLASSES = (
     ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeAttention"),
 )
 _SILU_TYPES = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers' ACT2FN["silu"]
+# The MLP's gate and up projections as one GEMM with the SwiGLU in its epilogue (``ops.swiglu``) where the kernel
+# runs and the projections are plain, hook-free, bias-free nn.Linear; off: two cuBLAS GEMMs and the silu_mul kernel.
+FUSED_MLP_GEMM = False
 _MARK = "_flashqla_fused_backend"
 _saved: dict[tuple[str, str], Any] = {}
 
@@ -109,10 +112,27 @@ def _mlp_kernel_reason(mlp, x) -> str | None:
     return ops.glue_kernel_reason(x)
 
 
+def _fused_gemm_reason(mlp) -> str | None:
+    """Why the MLP's gate and up projections stay two ``nn.Linear`` calls (not the fused SwiGLU GEMM), or None."""
+    if not FUSED_MLP_GEMM:
+        return "FUSED_MLP_GEMM is off"
+    for name in ("gate_proj", "up_proj"):
+        proj = getattr(mlp, name)
+        if type(proj) is not torch.nn.Linear:  # quantised / LoRA / offloaded projections run their own forward
+            return f"{name} is a {type(proj).__name__}, not a plain nn.Linear"
+        if proj.bias is not None:
+            return f"{name} has a bias"
+        if proj._forward_hooks or proj._forward_pre_hooks:
+            return f"{name} has hooks, which the fused GEMM would skip"
+    return None
+
+
 def _make_mlp_forward(original, backend: str | None):
     def forward(self, x):
         if backend == "torch" or _mlp_kernel_reason(self, x) is not None:
             return original(self, x)
+        if _fused_gemm_reason(self) is None:
+            return self.down_proj(ops.swiglu(x, self.gate_proj.weight, self.up_proj.weight, backend=backend))
         gate, up = self.gate_proj(x), self.up_proj(x)
         # the projections' outputs decide too (autocast dtype, trainable weights): transformers' expression then
         if ops.glue_kernel_reason(gate, up) is not None:

@@ -347,6 +347,44 @@ def test_mlp_kernel_reasons_name_what_sends_the_mlp_to_transformers():
     assert "intermediate size 96 is not a multiple of 64" in gdn_patch._mlp_kernel_reason(mlp, x)
 
 
+def test_fused_gemm_reasons_keep_hooked_biased_or_wrapped_projections_on_their_modules(monkeypatch):
+    mlp = _mlp(tiny_model("qwen3_5"))
+    monkeypatch.setattr(gdn_patch, "FUSED_MLP_GEMM", False)
+    assert gdn_patch._fused_gemm_reason(mlp) == "FUSED_MLP_GEMM is off"
+    monkeypatch.setattr(gdn_patch, "FUSED_MLP_GEMM", True)
+    assert gdn_patch._fused_gemm_reason(mlp) is None
+    handle = mlp.up_proj.register_forward_pre_hook(lambda *a: None)
+    assert gdn_patch._fused_gemm_reason(mlp) == "up_proj has hooks, which the fused GEMM would skip"
+    handle.remove()
+    mlp.gate_proj.bias = torch.nn.Parameter(torch.zeros(mlp.gate_proj.out_features))
+    assert gdn_patch._fused_gemm_reason(mlp) == "gate_proj has a bias"
+    mlp.gate_proj = torch.nn.Sequential(torch.nn.Linear(mlp.hidden_size, mlp.up_proj.out_features, bias=False))
+    assert gdn_patch._fused_gemm_reason(mlp) == "gate_proj is a Sequential, not a plain nn.Linear"
+
+
+def test_swiglu_torch_path_is_the_mlp_expression_and_the_patched_mlp_equals_transformers_off_hopper(monkeypatch):
+    """ops.swiglu's torch formulation rounds each projection like transformers' MLP (bit for bit in fp32 and bf16);
+    with FUSED_MLP_GEMM on, the patched MLP off Hopper is still transformers' forward, exactly."""
+    from flashqla_kernels.gdn_layer import ops
+
+    model = tiny_model("qwen3_5")
+    mlp = _mlp(model)
+    x = torch.randn(2, 9, mlp.hidden_size)
+    wg, wu = mlp.gate_proj.weight, mlp.up_proj.weight
+    with torch.no_grad():
+        want = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+        assert torch.equal(ops.swiglu(x, wg, wu), want)
+        xb, gb, ub = x.bfloat16(), wg.bfloat16(), wu.bfloat16()
+        got = ops.swiglu(xb, gb, ub, backend="torch")
+        lin = torch.nn.functional.linear
+        assert torch.equal(got, (torch.nn.functional.silu(lin(xb, gb).float()) * lin(xb, ub).float()).bfloat16())
+        with pytest.raises(ValueError, match="cannot run the swiglu_gemm kernel: tensors are on cpu"):
+            ops.swiglu(xb, gb, ub, backend="tilelang")
+        monkeypatch.setattr(gdn_patch, "FUSED_MLP_GEMM", True)
+        with patched_gdn_layers():
+            assert torch.equal(mlp(x), mlp.down_proj(want))
+
+
 def test_explain_gdn_layer_names_each_stage_and_the_reason():
     from flashqla_kernels.gdn_layer import explain_gdn_layer
 

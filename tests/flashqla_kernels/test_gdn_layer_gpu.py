@@ -184,6 +184,46 @@ def test_patched_mlp_runs_the_kernel_and_matches_transformers_within_bf16(monkey
     assert ours.dtype == torch.bfloat16 and e_ours <= 1.05 * e_theirs
 
 
+def test_patched_mlp_on_the_fused_swiglu_gemm_matches_transformers_within_bf16(monkeypatch):
+    """With ``FUSED_MLP_GEMM`` the patched MLP runs gate/up as one GEMM with the SwiGLU in its epilogue (the two
+    pre-activations are not rounded to bf16 first, so it is at least as close to fp32 as transformers' bf16 MLP);
+    a hook on ``up_proj`` sends it back to the two projections, which then fire the hook."""
+    import transformers as tf
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5MLP
+
+    from flashqla_kernels.gdn_layer import patch as layer_patch
+    from flashqla_kernels.gdn_layer.hopper import swiglu_gemm
+
+    config = tf.Qwen3_5TextConfig(hidden_size=2048, intermediate_size=6144)
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        mlp32 = Qwen3_5MLP(config, config.intermediate_size).eval().requires_grad_(False)
+    mlp = Qwen3_5MLP(config, config.intermediate_size).to(DEV, torch.bfloat16).eval().requires_grad_(False)
+    mlp.load_state_dict(mlp32.state_dict())
+    calls = []
+    kernel = swiglu_gemm.swiglu_gemm
+    monkeypatch.setattr(swiglu_gemm, "swiglu_gemm", lambda x, wg, wu, **kw: calls.append(x.shape) or kernel(x, wg, wu, **kw))
+    monkeypatch.setattr(layer_patch, "FUSED_MLP_GEMM", True)
+    x = torch.randn(2, 777, 2048, device=DEV)
+    with torch.no_grad():
+        truth = mlp32(x)
+        theirs = mlp(x.bfloat16())
+        with patched_gdn_layers():
+            ours = mlp(x.bfloat16())
+            seen = []
+            handle = mlp.up_proj.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+            try:
+                hooked = mlp(x.bfloat16())
+            finally:
+                handle.remove()
+    assert calls == [torch.Size([2, 777, 2048])], calls
+    assert seen == [torch.Size([2, 777, 6144])], seen
+    e_ours, e_theirs, e_hooked = _rel(ours, truth), _rel(theirs, truth), _rel(hooked, truth)
+    print(f"MLP 2048 -> 6144 on the fused GEMM: rel-L2 vs fp32 ours {e_ours:.2e}, transformers bf16 {e_theirs:.2e}, "
+          f"hooked (two GEMMs + silu_mul) {e_hooked:.2e}")
+    assert ours.dtype == torch.bfloat16 and e_ours <= 1.05 * e_theirs and e_hooked <= 1.05 * e_theirs
+
+
 ATTN_CASES = {
     # name: (B, L, H, Hkv, D, R, dtype, cos batch rows); the first is Qwen3.5-2B's attention at 8 x 4096
     "qwen35_2b_8x4096": (8, 4096, 8, 2, 256, 64, torch.bfloat16, 8),

@@ -1,7 +1,8 @@
 """TileLang kernels for sm_90a for the GDN layer's glue, one stage per file (a builder and its launcher):
 ``conv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates, token-major), ``gated_norm`` (gated RMSNorm),
-``rms_norm`` (Qwen's zero-centred RMSNorm around the layers), ``silu_mul`` (the MLP's ``silu(gate) * up``) and
-``attn_glue`` (the gated attention layers' q/k norm + partial RoPE, and ``attn * sigmoid(gate)``).
+``rms_norm`` (Qwen's zero-centred RMSNorm around the layers), ``silu_mul`` (the MLP's ``silu(gate) * up``),
+``attn_glue`` (the gated attention layers' q/k norm + partial RoPE, and ``attn * sigmoid(gate)``) and
+``swiglu_gemm`` (the MLP's gate and up GEMMs with ``silu(gate) * up`` in their epilogue).
 
 Importing this package does not import tilelang: the stage modules load on the first kernel call. The compile cache
 is the chunk kernels' (``gated_delta_rule.hopper._common.compile_kernel``: once per specialisation per process, and
@@ -11,10 +12,16 @@ from __future__ import annotations
 
 import importlib
 
+import torch
+
 __all__ = ["conv_qkv_gates_fwd", "gated_rms_norm_fwd", "rms_norm_fwd", "silu_mul_fwd", "qk_norm_rope_fwd",
-           "gate_mul_fwd", "gate_mul_head_major_fwd", "conv_shape_reason", "attention_shape_reason", "HEAD_DIMS"]
+           "gate_mul_fwd", "gate_mul_head_major_fwd", "swiglu_gemm_fwd", "conv_shape_reason",
+           "attention_shape_reason", "swiglu_shape_reason", "HEAD_DIMS"]
 
 HEAD_DIMS = (64, 128, 256)
+# The SwiGLU GEMM's default tile: N (output channels) in blocks of 128, K (input channels) in steps of 64; equal to
+# swiglu_gemm.DEFAULT_CONFIG's BN and BK (a test pins it).
+SWIGLU_BLOCK_N, SWIGLU_BLOCK_K = 128, 64
 
 
 def conv_shape_reason(Hk: int, K: int, Hv: int, V: int, Kc: int) -> str | None:
@@ -108,3 +115,26 @@ def gate_mul_head_major_fwd(attn, qg):
         raise ValueError(reason)
     stage = importlib.import_module("flashqla_kernels.gdn_layer.hopper.attn_glue")
     return stage.gate_mul_head_major(attn, qg)
+
+
+def swiglu_shape_reason(N: int, K: int, dtype: torch.dtype) -> str | None:
+    """Why the SwiGLU GEMM kernel cannot take N output channels (w_gate / w_up [N, K]), K input channels and
+    activations of ``dtype``, or None."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype} unsupported by the SwiGLU GEMM kernel (bfloat16 or float16)"
+    if N % SWIGLU_BLOCK_N:
+        return f"N={N} output channels: the SwiGLU GEMM kernel tiles N by {SWIGLU_BLOCK_N}"
+    if K % SWIGLU_BLOCK_K:
+        return f"K={K} input channels: the SwiGLU GEMM kernel steps K by {SWIGLU_BLOCK_K}"
+    return None
+
+
+def swiglu_gemm_fwd(x, w_gate, w_up):
+    """The MLP's ``silu(x @ w_gate^T) * (x @ w_up^T)`` in one GEMM kernel (see ``swiglu_gemm.swiglu_gemm``): x
+    [..., K], w_gate and w_up [N, K] (``gate_proj.weight``, ``up_proj.weight``) in x's dtype; returns [..., N].
+    Raises ValueError for shapes or dtypes the kernel lacks."""
+    reason = swiglu_shape_reason(w_gate.shape[0], x.shape[-1], x.dtype)
+    if reason is not None:
+        raise ValueError(reason)
+    stage = importlib.import_module("flashqla_kernels.gdn_layer.hopper.swiglu_gemm")
+    return stage.swiglu_gemm(x, w_gate, w_up)
