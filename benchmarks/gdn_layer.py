@@ -6,9 +6,9 @@ with Hk = Hv = 16, K = V = 128, and 6 full attention, vocab 248320), forward of 
 Arms (one run, one process):
   ours           ``patch_transformers(backend="tilelang", fused_layer=True)``: the fused GDN layer (token-major conv +
                  gates + l2norm kernel, our chunk kernels, gated-RMSNorm kernel), the one-pass zero-centred
-                 RMSNorm kernel for every decoder / final / q-k norm, the one-pass ``silu(gate) * up`` kernel in
-                 every MLP and the attention layers' q/k norm + RoPE and gate kernels (``patch_gdn_layers``' defaults
-                 ``rms_norms=True, mlp=True, attention=True``);
+                 RMSNorm kernel for every decoder / final / q-k norm, every MLP's gate and up GEMMs as one GEMM with
+                 ``silu(gate) * up`` in its epilogue and the attention layers' q/k norm + RoPE and gate kernels
+                 (``patch_gdn_layers``' defaults ``rms_norms=True, mlp=True, attention=True``);
   ours+graph     ``ours`` captured once into a CUDA graph and replayed (same static input ids, the kept outputs are the
                  graph's): what the forward costs with no host launch overhead at all, i.e. how much of the gap
                  between wall time and CUDA time is the host's (the hooks ran at capture);
@@ -17,9 +17,10 @@ Arms (one run, one process):
                  capture transformers materialises the causal mask (``is_tracing``), so ``ours+graph``'s attention
                  is cuDNN with a mask (27 ms) and flash, which takes no mask, cannot run there;
   ours+swiglu, ours+silu_mul   ``ours`` with the MLP's gate and up projections in one GEMM with the SwiGLU in its
-                 epilogue (``patch.FUSED_MLP_GEMM`` on), and as two cuBLAS GEMMs + the silu_mul kernel (off);
+                 epilogue (``patch.FUSED_MLP_GEMM`` on, the default), and as two cuBLAS GEMMs + the silu_mul kernel
+                 (off);
   ours+compile   the fused GDN layer left eager (graph breaks there), ``torch.compile`` of the rest of ``model.model``:
-                 inductor fuses the MLP / attention-layer / RMSNorm glue (our RMSNorm and silu_mul kernels not used);
+                 inductor fuses the MLP / attention-layer / RMSNorm glue (our RMSNorm and MLP kernels not used);
   qla_op         transformers' layer with our FlashQLA-style chunk op patched in
                  (``patch_transformers(backend="tilelang")``);
   fla            transformers' layer as imported: FLA's Triton op when flash-linear-attention is importable;

@@ -161,6 +161,7 @@ def test_patched_mlp_runs_the_kernel_and_matches_transformers_within_bf16(monkey
     import transformers as tf
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5MLP
 
+    from flashqla_kernels.gdn_layer import patch as layer_patch
     from flashqla_kernels.gdn_layer.hopper import silu_mul
 
     config = tf.Qwen3_5TextConfig(hidden_size=2048, intermediate_size=6144)
@@ -172,6 +173,7 @@ def test_patched_mlp_runs_the_kernel_and_matches_transformers_within_bf16(monkey
     calls = []
     kernel = silu_mul.silu_mul
     monkeypatch.setattr(silu_mul, "silu_mul", lambda gate, up: calls.append(gate.shape) or kernel(gate, up))
+    monkeypatch.setattr(layer_patch, "FUSED_MLP_GEMM", False)  # the two projections, then the silu_mul kernel
     x = torch.randn(2, 777, 2048, device=DEV)
     with torch.no_grad():
         truth = mlp32(x)
