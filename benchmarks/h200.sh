@@ -118,7 +118,7 @@ for p in "$@"; do
         collect-profile) phase collect-profile "${PROFILE_S:-150}" python3 benchmarks/collect_profile.py --out "$OUT" \
                              --steps "${PROFILE_STEPS:-5}" ;;
         glue) phase glue "${GLUE_S:-120}" python3 benchmarks/glue_kernels.py --out "$OUT" ;;
-        swiglu) phase swiglu "${SWIGLU_S:-240}" bash -c "python3 -m pytest -q --timeout 120 -p no:cacheprovider -m gpu \
+        swiglu) phase swiglu "${SWIGLU_S:-240}" bash -c "python3 -m pytest -q -rA --timeout 120 -p no:cacheprovider -m gpu \
                     tests/flashqla_kernels/test_swiglu_gemm.py; python3 benchmarks/swiglu_gemm.py --out $OUT" ;;
         ws-trace) phase ws-trace "${TRACE_S:-120}" python3 benchmarks/gdn_ws_trace.py --out "$OUT" ;;
         layer) phase layer "${LAYER_S:-400}" python3 benchmarks/gdn_layer.py --arms "${LAYER_ARMS:-ours,qla_op,fla,torch,compile,ours+compile}" \
