@@ -12,11 +12,12 @@ flash-linear-attention importable, torch = transformers' pure-torch ``torch_chun
 Encode backend: ``saes.fused_encode`` (TileLang on sm_90); the ``*-torch-encode`` arms force the torch path (bf16 addmm
 + ReLU + topk). Timing: one warm-up collection (compiles kernels, fills allocator caches), then a timed ``collect`` of
 ``--steps`` steps, wall clock around the whole call (store set-up, the pipeline filling and draining, shard writes
-and the final fsync included: "end to end"). For the code arms also the steady state a long run converges to: two
-more timed ``collect`` calls, of ``--steps + n`` and ``--steps + 2 n`` steps (n = ``--steady-steps``), and ms/step =
-the difference of their wall times over n (the fixed costs cancel; the end-to-end call is left out of the pair, as
-it still pays one-time costs the later calls do not). (a) is a steady-state measure itself (warm-up excluded), so the
-bar (c1) >= 90% of (a) compares steady states; both are reported. MFU = (model FLOPs + SAE-encode FLOPs) x tokens/s /
+and the final fsync included: "end to end"). For the code arms also the steady state a long run converges to: one
+more ``collect`` call of ``n + 2`` steps (n = ``--steady-steps``) timing each step as it reaches the host
+(``collect(on_step=...)``), and ms/step = the mean interval between steps 2 and n + 2 (the store set-up, the pipeline
+filling and the final drain fall outside it). Until the seventh session this was the difference of two calls' wall
+times, which the per-call costs made noisy (a (c24) "steady" MFU of 125% in one run). (a) is a steady-state measure
+itself (warm-up excluded), so the bar (c1) >= 90% of (a) compares steady states; both are reported. MFU = (model FLOPs + SAE-encode FLOPs) x tokens/s /
 the bf16 matmul peak measured in the same run.
 
 Correctness first: the three GDN backends' final hidden states on a 1 x 4096 batch are compared (rel. L2), the fused
@@ -197,10 +198,9 @@ def corpus(n_tokens: int, vocab: int) -> list[dict]:
 def collect_arm(model, docs, work: Path, steps: int, *, points=None, saes=None, check=False,
                 steady_steps: int = 0) -> tuple[float, dict]:
     """Seconds per step of a timed ``collect`` after a one-step warm-up; the summary of the timed call. With
-    ``steady_steps`` (n), ``info["steady_s_per_step"]``: two more calls, of ``steps + n`` and ``steps + 2 n`` steps,
-    and the difference of their wall times per extra step. The first timed call is not one of the pair: it still
-    pays one-time costs (allocator growth, SAEs placed on the device) that the later calls skip, which made the
-    difference against it too small (a (c24) step above both its parts' own speeds, sixth session)."""
+    ``steady_steps`` (n), ``info["steady_s_per_step"]``: one more call of n + 2 steps, each step's arrival at the
+    host timed through ``on_step``, and the mean interval from the second step's arrival to the last's (n intervals:
+    the set-up, the pipeline fill and the drain are outside it)."""
     from qwen_scope.collect import collect
 
     # gdn_kernels=False: the arm's GDN path is the one Backends.use put in place
@@ -215,14 +215,13 @@ def collect_arm(model, docs, work: Path, steps: int, *, points=None, saes=None, 
     if check:
         info["check"] = check_store(model, work / "timed", saes)
     if steady_steps:
-        walls = []
-        for extra in (steady_steps, 2 * steady_steps):
-            shutil.rmtree(work / "timed", ignore_errors=True)
-            sync()
-            t = time.perf_counter()
-            collect(model, docs, token_budget=(steps + extra) * B * T, out_dir=work / "timed", **kw)
-            walls.append(time.perf_counter() - t)
-        info["steady_s_per_step"] = (walls[1] - walls[0]) / steady_steps
+        shutil.rmtree(work / "timed", ignore_errors=True)
+        arrivals = []
+        sync()
+        collect(model, docs, token_budget=(steady_steps + 2) * B * T, out_dir=work / "timed",
+                on_step=lambda stored: arrivals.append(time.perf_counter()), **kw)
+        info["steady_s_per_step"] = (arrivals[-1] - arrivals[1]) / (len(arrivals) - 2)
+        info["step_arrivals_s"] = [a - arrivals[0] for a in arrivals]
     for d in ("warm", "timed"):
         shutil.rmtree(work / d, ignore_errors=True)
     return dt / steps, info
@@ -326,8 +325,9 @@ def write(out: Path, result: dict) -> None:
              f"bf16 ({result['params_b']:.2f} B params, {result['model_gflop_per_token']:.2f} GFLOP/token), steps "
              f"of {B} x {T} tokens, use_cache=False, SAE {D_SAE} wide k={K}. bf16 matmul peak measured: "
              f"{result['peak_tflops']:.0f} TFLOP/s; disk write with fsync: {result['disk_write_GBps']:.2f} GB/s.", "",
-             "End to end: one timed call of the arm's steps, set-up and drain included. Steady: the per-step cost of "
-             "a longer call (difference of two calls; code arms only). (a) is a steady-state measure.", "",
+             "End to end: one timed call of the arm's steps, set-up and drain included. Steady: the mean step "
+             "interval of a longer call, each step timed as it reaches the host (code arms only). (a) is a "
+             "steady-state measure.", "",
              "| GDN backend | arm | tokens/s | ms/step | MFU | vs (a) same backend | steady tokens/s | steady ms/step "
              "| steady MFU | steady vs (a) | note |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -374,8 +374,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/collect_bench"))
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--steady-steps", type=int, default=3,
-                        help="n: the code arms' steady state from two more calls, of --steps + n and + 2n steps; 0: skip")
+    parser.add_argument("--steady-steps", type=int, default=6,
+                        help="n: the code arms' steady state from one more call of n + 2 steps, timed step by step; "
+                             "0: skip")
     parser.add_argument("--budget-s", type=float, default=170.0)
     parser.add_argument("--tiny", action="store_true", help="dry run of every code path on a tiny model (CPU ok)")
     parser.add_argument("--precompile", action="store_true", help="only fill the TileLang cache (CPU is enough)")
@@ -401,7 +402,7 @@ def main() -> None:
     names = backends.available()
     result["checks"].update(correctness(model, backends, names))
     print(json.dumps(result, indent=1), flush=True)
-    docs = corpus((args.steps + 2 * args.steady_steps + 1) * B * T + 10_000, model.config.vocab_size)
+    docs = corpus((max(args.steps, args.steady_steps + 2) + 1) * B * T + 10_000, model.config.vocab_size)
     sae_all = {n: random_sae(100 + n) for n in range(N_LAYERS)}
     bare = {}
     for backend, arm in ARMS:

@@ -28,7 +28,7 @@ import itertools
 import os
 import re
 import shutil
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -301,8 +301,8 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
             sae_dtype: torch.dtype | None = None, text_column: str = "text", tokenizer=None,
             packing: str = "concat", separator_id: int | str | None = "eos", prepend_bos_id: int | None = None,
             shard_tokens: int | None = None, device: str | torch.device | None = None, overwrite: bool = False,
-            progress: bool = True, corpus_id: str | None = None, gdn_kernels: bool | None = None
-            ) -> CollectSummary:
+            progress: bool = True, corpus_id: str | None = None, gdn_kernels: bool | None = None,
+            on_step: Callable[[int], None] | None = None) -> CollectSummary:
     """Collect activations and/or SAE codes of ``token_budget`` corpus tokens into a sharded store at ``out_dir``.
 
     Args:
@@ -327,6 +327,10 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
             the call (``patched_transformers(fused_layer=True)``, restored after). None (default): when the model
             is on a Hopper GPU with tilelang installed and the caller has not patched transformers already. True:
             always (the fused path's torch formulation off Hopper). False: the model as loaded.
+        on_step: called on each rank after each forward step's outputs have reached the host (queued for the
+            shard writer), with the rank's tokens stored so far: logging, or timing the steady state
+            (``benchmarks/collect_throughput.py``). An exception it raises stops the run like any other (the
+            shards already written are kept; a rerun resumes).
     Returns:
         ``CollectSummary``; the store is read with ``ActivationStore(out_dir)``.
 
@@ -372,7 +376,7 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
         gdn_context, gdn = _gdn_layers(adapter, device, gdn_kernels)
         with gdn_context:
             run = _collect_rank(writer, adapter, corpus, tokenizer, device, dense, sae_map, config, pad_id,
-                                progress and rank == 0)
+                                progress and rank == 0, on_step)
         summary = dataclasses.replace(_finish(writer, run, world, created), gdn=gdn)
         if progress and rank == 0:
             print(summary)
@@ -419,7 +423,7 @@ def _remove_extra_ranks(root: Path, world: int) -> None:
 
 
 def _collect_rank(writer: ShardWriter, adapter, corpus, tokenizer, device, dense, sae_map, config, pad_id,
-                  progress: bool) -> dict:
+                  progress: bool, on_step: Callable[[int], None] | None) -> dict:
     """This rank's rows from the writer's resume cursor, through ``collect_loop.collect_rank``."""
     world, rank = writer.world_size, writer.rank
     policy = config["bos_policy"]
@@ -430,7 +434,7 @@ def _collect_rank(writer: ShardWriter, adapter, corpus, tokenizer, device, dense
         packing=policy["packing"], separator_id=policy["separator_id"], prepend_bos_id=policy["prepend_bos_id"],
         start=cursor)
     return collect_rank(writer, adapter, rows, device, dense, sae_map, config, pad_id,
-                        _DTYPES[config["store_dtype"]], progress)
+                        _DTYPES[config["store_dtype"]], progress, on_step)
 
 
 def _finish(writer: ShardWriter, run: dict, world: int, created: bool) -> CollectSummary:

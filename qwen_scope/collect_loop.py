@@ -240,7 +240,8 @@ def finish(step: Step, store_dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------- the loop
 def collect_rank(writer: ShardWriter, adapter, rows: Iterator, device: torch.device, dense: list[str], sae_map: dict,
-                 config: dict, pad_id: int, store_dtype: torch.dtype, progress: bool) -> dict:
+                 config: dict, pad_id: int, store_dtype: torch.dtype, progress: bool,
+                 on_step: Callable[[int], None] | None = None) -> dict:
     """This rank's loop from the writer's resume point to its share of the token budget.
 
     Args:
@@ -248,7 +249,7 @@ def collect_rank(writer: ShardWriter, adapter, rows: Iterator, device: torch.dev
         rows: packed rows from the resume cursor on. device: the model's device. dense: points stored dense.
         sae_map: ``{point: TopKSAE}`` encoded and stored as codes. config: the store config (budget, batch and
         shard sizes). pad_id: right-padding token. store_dtype: dtype of dense rows and code values on disk.
-        progress: show the bar.
+        progress: show the bar. on_step: called with the tokens stored so far after each step reaches the host.
     Returns:
         ``{"rank", "tokens_this_run", "seconds", "tokens", "corpus_exhausted"}``.
     """
@@ -275,6 +276,8 @@ def collect_rank(writer: ShardWriter, adapter, rows: Iterator, device: torch.dev
         bar.set_postfix(pad=f"{100 * padded / max(1, padded + stored):.1f}%", refresh=False)
         if shard_rows >= rows_per_shard:
             write_shard()
+        if on_step is not None:
+            on_step(stored)
 
     def write_shard() -> None:
         nonlocal shard, shard_rows, shard_pad

@@ -67,6 +67,30 @@ def test_stored_activations_equal_a_direct_forward_of_each_row(setup, tmp_path):
             torch.testing.assert_close(store.dense(p, a, b), cap[p][0], rtol=1e-5, atol=1e-5)
 
 
+def test_on_step_reports_the_tokens_stored_after_every_step_and_can_stop_the_run(setup, tmp_path):
+    seen = []
+    summary = collect(setup["model"], setup["corpus"], points=["resid_post.1"], token_budget=300, context_len=32,
+                      out_dir=tmp_path / "a", batch_size=4, tokenizer=setup["tok"], shard_tokens=256,
+                      progress=False, on_step=seen.append)
+    # steps of 4 rows x 32 tokens, the last one short: 128, 256, 300
+    assert seen == [128, 256, 300] and summary.n_tokens == 300
+
+    def stop(stored):
+        if stored >= 256:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        collect(setup["model"], setup["corpus"], points=["resid_post.1"], token_budget=300, context_len=32,
+                out_dir=tmp_path / "b", batch_size=4, tokenizer=setup["tok"], shard_tokens=128, progress=False,
+                on_step=stop)
+    resumed = collect(setup["model"], setup["corpus"], points=["resid_post.1"], token_budget=300, context_len=32,
+                      out_dir=tmp_path / "b", batch_size=4, tokenizer=setup["tok"], shard_tokens=128,
+                      progress=False)
+    assert resumed.n_tokens == 300 and resumed.n_tokens_this_run < 300
+    torch.testing.assert_close(ActivationStore(tmp_path / "b").dense("resid_post.1", 0, 300),
+                               ActivationStore(tmp_path / "a").dense("resid_post.1", 0, 300), rtol=0, atol=0)
+
+
 def test_token_stream_is_the_corpus_concatenated_with_eos_and_doc_index_tracks_documents(setup, tmp_path):
     collect(setup["model"], setup["corpus"], points=["resid_post.0"], token_budget=500, context_len=32,
             out_dir=tmp_path, batch_size=3, tokenizer=setup["tok"], progress=False)

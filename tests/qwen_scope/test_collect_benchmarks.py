@@ -63,9 +63,10 @@ def test_profile_dry_run_reports_both_arms(tmp_path):
     assert not (tmp_path / "work").exists()  # the profile's store is removed
 
 
-def test_steady_step_leaves_out_the_first_calls_one_time_costs(tmp_path, monkeypatch):
-    """collect_arm's steady ms/step is the difference of two calls after the end-to-end one: a one-time cost the
-    first timed call pays (here 0.2 s) does not shrink it."""
+def test_steady_step_is_the_mean_step_interval_of_a_call_timed_step_by_step(tmp_path, monkeypatch):
+    """collect_arm's steady ms/step comes from one more call timed step by step (``on_step``): the call's set-up,
+    its first step and its drain (here 0.2 s, 0.1 s and 0.3 s) stay out of it, and an uneven step (a shard write)
+    stays in the mean."""
     import importlib
     import time as time_mod
 
@@ -76,16 +77,22 @@ def test_steady_step_leaves_out_the_first_calls_one_time_costs(tmp_path, monkeyp
 
     calls = []
 
-    def fake_collect(model, docs, token_budget, out_dir, **kw):
+    def fake_collect(model, docs, token_budget, out_dir, on_step=None, **kw):
         steps = token_budget // (ct.B * ct.T)
-        one_time = 0.2 if len(calls) == 1 else 0.0  # calls[0] is the warm-up; the first timed call pays it
-        calls.append(steps)
-        time_mod.sleep(0.05 + one_time + 0.02 * steps)
+        calls.append((steps, on_step is not None))
+        time_mod.sleep(0.2)  # set-up
+        for i in range(steps):
+            time_mod.sleep(0.1 if i == 0 else 0.05 if i == 3 else 0.02)
+            if on_step is not None:
+                on_step((i + 1) * ct.B * ct.T)
+        time_mod.sleep(0.3)  # drain
         return type("Summary", (), {"n_tokens": token_budget, "bytes": 0, "n_shards": steps})()
 
     monkeypatch.setattr(qc, "collect", fake_collect)
     monkeypatch.setattr(ct, "sync", lambda: None)
-    per_step, info = ct.collect_arm(None, [], tmp_path, 2, steady_steps=3)
-    assert calls == [1, 2, 5, 8]
-    assert abs(info["steady_s_per_step"] - 0.02) < 0.01, info
-    assert per_step > 0.1  # end to end: the one-time cost is in it
+    per_step, info = ct.collect_arm(None, [], tmp_path, 2, steady_steps=4)
+    assert calls == [(1, False), (2, False), (6, True)]
+    # intervals after the second step: 0.02, 0.05, 0.02, 0.02
+    assert abs(info["steady_s_per_step"] - 0.0275) < 0.008, info
+    assert len(info["step_arrivals_s"]) == 6
+    assert per_step > 0.3  # end to end: the set-up and the drain are in it
