@@ -9,25 +9,34 @@
 # its include directories as absolute paths, so the compile must see tilelang at the device's path, /tmp/site/tilelang
 # (the .gpudeps copy: its libraries are the ones in .venv, byte for byte). Only tilelang is unpacked there; tvm_ffi
 # and the rest come from .venv (the .gpudeps builds are for CPython 3.12).
+#   bash benchmarks/precompile_h200.sh JOBS layer   only the kernels of the layer / glue / swiglu / encode / collect
+#                                                   phases, into .tlc_dev/cache_layer.tar.xz (2-3 MB: pass it to
+#                                                   h200.sh as TLC_ARCHIVE when the full cache would not fit the carry)
 set -euo pipefail
 jobs=${1:-2}
+set_name=${2:-all}
 site=/tmp/site
 if [ ! -d "$site/tilelang" ]; then
     mkdir -p "$site"
     tar xJf .gpudeps/site.tar.xz -C "$site" ./tilelang ./tilelang-0.1.15.dist-info
 fi
+archive=.tlc_dev/cache.tar.xz
 export TILELANG_CACHE_DIR=$PWD/.tlc_dev/cache PYTHONPATH=$site:$PWD
+if [ "$set_name" = layer ]; then
+    archive=.tlc_dev/cache_layer.tar.xz
+    export TILELANG_CACHE_DIR=$PWD/.tlc_dev/cache_layer
+fi
 py=.venv/bin/python
 quiet() { grep -v ' \[TileLang:.*INFO' || true; }
-$py benchmarks/gdn_forward.py --variants all --precompile "$jobs" --precompile-only --sms 132 2>&1 | quiet
+[ "$set_name" = layer ] || $py benchmarks/gdn_forward.py --variants all --precompile "$jobs" --precompile-only --sms 132 2>&1 | quiet
 $py benchmarks/topk_encode.py --precompile "$jobs" --precompile-only 2>&1 | quiet
 $py benchmarks/collect_throughput.py --precompile 2>&1 | quiet
 $py benchmarks/gdn_layer.py --precompile --jobs "$jobs" 2>&1 | quiet
-$py benchmarks/gdn_ws_trace.py --precompile 2>&1 | quiet
+[ "$set_name" = layer ] || $py benchmarks/gdn_ws_trace.py --precompile 2>&1 | quiet
 $py benchmarks/glue_kernels.py --precompile 2>&1 | quiet
+$py benchmarks/swiglu_gemm.py --precompile 2>&1 | quiet
 rm -rf "$TILELANG_CACHE_DIR"/*/*/.staging
 # only the built kernels travel: cuda-binaries/ is nvcc's output cache for compiles (a loaded kernel never reads it;
 # checked: a kernel loads in 0.13 s from kernels/ alone), and it is 40% of the archive
-tar cf - --exclude='./*/cuda-binaries' -C "$TILELANG_CACHE_DIR" . | xz -T0 -6 > .tlc_dev/cache.tar.xz.tmp \
-    && mv .tlc_dev/cache.tar.xz.tmp .tlc_dev/cache.tar.xz
-echo "packed $(find "$TILELANG_CACHE_DIR" -name executable.so | wc -l) kernels: $(du -h .tlc_dev/cache.tar.xz | cut -f1)"
+tar cf - --exclude='./*/cuda-binaries' -C "$TILELANG_CACHE_DIR" . | xz -T0 -6 > "$archive.tmp" && mv "$archive.tmp" "$archive"
+echo "packed $(find "$TILELANG_CACHE_DIR" -name executable.so | wc -l) kernels: $(du -h "$archive" | cut -f1)"
