@@ -157,12 +157,11 @@ def test_silu_mul_kernel_is_fp32_silu_mul_rounded_once(name, monkeypatch):
     print(f"silu_mul {name}: rel-L2 vs fp32 ours {_rel(got, ref):.2e}, torch bf16/fp16 {_rel(theirs, ref):.2e}")
 
 
-def test_patched_mlp_runs_the_kernel_and_matches_transformers_within_bf16(monkeypatch):
+def _mlp_case():
+    """Qwen3.5-2B's MLP (2048 -> 6144) on the GPU: (the bf16 module, a bf16 input [2, 777, 2048], the fp32 module's
+    output on it, transformers' bf16 output), the fp32 and bf16 modules sharing their weights."""
     import transformers as tf
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5MLP
-
-    from flashqla_kernels.gdn_layer import patch as layer_patch
-    from flashqla_kernels.gdn_layer.hopper import silu_mul
 
     config = tf.Qwen3_5TextConfig(hidden_size=2048, intermediate_size=6144)
     torch.manual_seed(0)
@@ -170,16 +169,22 @@ def test_patched_mlp_runs_the_kernel_and_matches_transformers_within_bf16(monkey
         mlp32 = Qwen3_5MLP(config, config.intermediate_size).eval().requires_grad_(False)
     mlp = Qwen3_5MLP(config, config.intermediate_size).to(DEV, torch.bfloat16).eval().requires_grad_(False)
     mlp.load_state_dict(mlp32.state_dict())
+    x = torch.randn(2, 777, 2048, device=DEV)
+    with torch.no_grad():
+        return mlp, x.bfloat16(), mlp32(x), mlp(x.bfloat16())
+
+
+def test_patched_mlp_runs_the_kernel_and_matches_transformers_within_bf16(monkeypatch):
+    from flashqla_kernels.gdn_layer import patch as layer_patch
+    from flashqla_kernels.gdn_layer.hopper import silu_mul
+
+    mlp, x, truth, theirs = _mlp_case()
     calls = []
     kernel = silu_mul.silu_mul
     monkeypatch.setattr(silu_mul, "silu_mul", lambda gate, up: calls.append(gate.shape) or kernel(gate, up))
     monkeypatch.setattr(layer_patch, "FUSED_MLP_GEMM", False)  # the two projections, then the silu_mul kernel
-    x = torch.randn(2, 777, 2048, device=DEV)
-    with torch.no_grad():
-        truth = mlp32(x)
-        theirs = mlp(x.bfloat16())
-        with patched_gdn_layers():
-            ours = mlp(x.bfloat16())
+    with torch.no_grad(), patched_gdn_layers():
+        ours = mlp(x)
     assert calls == [torch.Size([2, 777, 6144])], calls
     e_ours, e_theirs = _rel(ours, truth), _rel(theirs, truth)
     print(f"MLP 2048 -> 6144: rel-L2 vs fp32 ours {e_ours:.2e}, transformers bf16 {e_theirs:.2e}")
@@ -190,34 +195,23 @@ def test_patched_mlp_on_the_fused_swiglu_gemm_matches_transformers_within_bf16(m
     """With ``FUSED_MLP_GEMM`` the patched MLP runs gate/up as one GEMM with the SwiGLU in its epilogue (the two
     pre-activations are not rounded to bf16 first, so it is at least as close to fp32 as transformers' bf16 MLP);
     a hook on ``up_proj`` sends it back to the two projections, which then fire the hook."""
-    import transformers as tf
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5MLP
-
     from flashqla_kernels.gdn_layer import patch as layer_patch
     from flashqla_kernels.gdn_layer.hopper import swiglu_gemm
 
-    config = tf.Qwen3_5TextConfig(hidden_size=2048, intermediate_size=6144)
-    torch.manual_seed(0)
-    with torch.device(DEV):
-        mlp32 = Qwen3_5MLP(config, config.intermediate_size).eval().requires_grad_(False)
-    mlp = Qwen3_5MLP(config, config.intermediate_size).to(DEV, torch.bfloat16).eval().requires_grad_(False)
-    mlp.load_state_dict(mlp32.state_dict())
+    mlp, x, truth, theirs = _mlp_case()
     calls = []
     kernel = swiglu_gemm.swiglu_gemm
-    monkeypatch.setattr(swiglu_gemm, "swiglu_gemm", lambda x, wg, wu, **kw: calls.append(x.shape) or kernel(x, wg, wu, **kw))
+    monkeypatch.setattr(swiglu_gemm, "swiglu_gemm",
+                        lambda a, wg, wu, **kw: calls.append(a.shape) or kernel(a, wg, wu, **kw))
     monkeypatch.setattr(layer_patch, "FUSED_MLP_GEMM", True)
-    x = torch.randn(2, 777, 2048, device=DEV)
-    with torch.no_grad():
-        truth = mlp32(x)
-        theirs = mlp(x.bfloat16())
-        with patched_gdn_layers():
-            ours = mlp(x.bfloat16())
-            seen = []
-            handle = mlp.up_proj.register_forward_hook(lambda m, a, o: seen.append(o.shape))
-            try:
-                hooked = mlp(x.bfloat16())
-            finally:
-                handle.remove()
+    seen = []
+    with torch.no_grad(), patched_gdn_layers():
+        ours = mlp(x)
+        handle = mlp.up_proj.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+        try:
+            hooked = mlp(x)
+        finally:
+            handle.remove()
     assert calls == [torch.Size([2, 777, 2048])], calls
     assert seen == [torch.Size([2, 777, 6144])], seen
     e_ours, e_theirs, e_hooked = _rel(ours, truth), _rel(theirs, truth), _rel(hooked, truth)
