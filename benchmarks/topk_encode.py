@@ -201,6 +201,42 @@ def markdown(env: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def profile_calls(d_model: int, d_sae: int, k: int) -> dict:
+    """Where a ``fused_encode`` / ``fused_encode_async`` call's time goes: one profiled call of each after warm-up,
+    its CUDA-event wall, its kernels (name, launches, device ms), and the GPU idle between its first and last kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sae, x = make_sae(d_model, d_sae, k)
+    out = {}
+    for name, fn in (("fused_encode", lambda: fe.fused_encode(x, sae, backend="tilelang")),
+                     ("fused_encode_async", lambda: fe.fused_encode_async(x, sae, backend="tilelang"))):
+        with torch.no_grad():
+            wall = time_ms(fn, reps=5)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type.name == "CUDA")
+        busy, end = 0.0, None
+        for a, b in spans:  # the union of the device intervals
+            if end is None or a > end:
+                busy += b - a
+                end = b
+            elif b > end:
+                busy += b - end
+                end = b
+        kernels = sorted(((e.self_device_time_total / 1e3, e.count, e.key[:100]) for e in prof.key_averages()
+                          if e.device_type.name == "CUDA" and e.self_device_time_total > 0), reverse=True)
+        out[name] = {"wall_ms": wall, "busy_ms": busy / 1e3,
+                     "first_to_last_ms": (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0,
+                     "kernels": [{"ms": ms, "launches": n, "name": key} for ms, n, key in kernels[:20]]}
+        print(f"{name}: wall {wall:.3f} ms, GPU busy {busy / 1e3:.3f} ms of the "
+              f"{out[name]['first_to_last_ms']:.3f} ms between its first and last kernel", flush=True)
+        for ms, n, key in kernels[:12]:
+            print(f"  {ms:8.3f} ms  x{n:<3d} {key}", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results", help="folder for topk_encode.json / .md")
@@ -211,6 +247,9 @@ def main() -> None:
     parser.add_argument("--precompile-only", action="store_true", help="stop after --precompile")
     parser.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES),
                         help="d_model x d_sae x k, comma-separated")
+    parser.add_argument("--profile", action="store_true",
+                        help="only profile one fused_encode and one fused_encode_async call at the first shape "
+                             "(topk_encode_profile.json)")
     args = parser.parse_args()
     SHAPES[:] = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     configs = [tuple(int(v) for v in s.split("x")) for s in args.configs.split(",")]
@@ -232,6 +271,12 @@ def main() -> None:
         hk.precompile(sorted(set(variants), key=str), workers=args.precompile)
         print(f"precompiled {len(set(variants))} variants", flush=True)
     if args.precompile_only:
+        return
+    if args.profile:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        result = {"environment": env, "shape": SHAPES[0], "calls": profile_calls(*SHAPES[0])}
+        (out / "topk_encode_profile.json").write_text(json.dumps(result, indent=1) + "\n")
         return
     rows = [bench_shape(*SHAPES[0], configs)]
     rows += [bench_shape(*shape, [tuple(rows[0]["config"])]) for shape in SHAPES[1:]]
