@@ -19,7 +19,7 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.flashqla_kernels import test_gdn_layer_gpu as gpu_tests
 
-    from flashqla_kernels.gdn_layer.hopper import conv_gates
+    from flashqla_kernels.gdn_layer.hopper import conv_gates, swiglu_gemm
 
     glue = "flashqla_kernels.gdn_layer.hopper."
     bf16, names = "bfloat16", {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -49,6 +49,9 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
         specs.append((glue + "rms_norm", "build_rms_norm", (D, dtype, 1e-6)))
         specs.append((glue + "rms_norm", "build_rms_norm", (D, dtype, 1e-6, dtype)))
     specs.append((glue + "silu_mul", "build_silu_mul", (6144, bf16)))  # the 2B model's MLP (intermediate 6144)
+    # the 2B MLP's gate/up GEMM with the SwiGLU epilogue, persistent over the H200's 132 SMs
+    specs.append((glue + "swiglu_gemm", "build_swiglu_gemm",
+                  swiglu_gemm.builder_args(6144, 2048, bf16, swiglu_gemm.DEFAULT_CONFIG, 132)))
     # the gated attention layers' glue: the 2B model (8 query heads, 2 key heads, head dim 256, 64 rotary channels)
     # and the GPU tests' cases
     attn = {(8, 2, 256, 64, bf16)} | {(H, Hkv, D, R, names[dtype]) for _, _, H, Hkv, D, R, dtype, _
