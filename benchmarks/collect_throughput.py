@@ -5,7 +5,10 @@ with Hk = Hv = 16 and 6 full attention, vocab 248320, 2.39 B parameters), steps 
 Arms, per GDN backend (ours = ``flashqla_kernels.patch_transformers(backend="tilelang", fused_layer=True)``, what
 ``collect`` uses by itself on Hopper; FLA = transformers with
 flash-linear-attention importable, torch = transformers' pure-torch ``torch_chunk_gated_delta_rule``):
-  (a) bare forward of ``model.model`` (no hooks, no lm_head);
+  (a) bare forward of the text model, called as ``collect`` calls it (no hooks, no lm_head, the per-layer-type mask
+      mapping of ``adapter.unpadded_masks()`` that spares transformers' packed-sequence check and its device sync;
+      until the seventh session a plain ``model.model(input_ids=...)``, whose sync a forward left FLA's and the torch
+      path's host-heavy forwards 6-17% slower than their own collection steps);
   (b) ``collect`` of all 24 ``resid_post`` points, dense bf16, into the store on local disk (fsync per shard);
   (c1) ``collect`` of SAE codes (32K wide, k = 100) at layer 23 (the whole forward runs), codes written;
   (c24) the same at all 24 layers.
@@ -419,8 +422,13 @@ def main() -> None:
             sae_flops, info = 0.0, {}
             if arm == "a":
                 ids = torch.randint(0, model.config.vocab_size, (B, T), device=DEVICE)
+                from hooks import get_adapter
+
+                adapter = get_adapter(model)
+                masks = adapter.unpadded_masks()
+                mask_kw = {} if masks is None else {"attention_mask": masks}
                 with torch.no_grad():
-                    run = lambda: model.model(input_ids=ids, use_cache=False)  # noqa: E731
+                    run = lambda: adapter.text_model(input_ids=ids, use_cache=False, **mask_kw)  # noqa: E731
                     sync_time(run, 1)
                     sec = sync_time(run, args.steps)
                 bare[backend] = sec
