@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from flashqla_kernels.gdn_layer import ops
+from flashqla_kernels.gdn_layer import hopper, ops  # hopper imports no tilelang until a kernel runs
 from flashqla_kernels.gdn_layer.layer import gdn_layer_forward, layer_unsupported_reason
 
 __all__ = ["patch_gdn_layers", "unpatch_gdn_layers", "patched_gdn_layers", "gdn_layers_patched", "GDN_CLASSES",
@@ -116,8 +116,11 @@ def _mlp_kernel_reason(mlp, x) -> str | None:
     return ops.glue_kernel_reason(x)
 
 
-def _fused_gemm_reason(mlp) -> str | None:
-    """Why the MLP's gate and up projections stay two ``nn.Linear`` calls (not the fused SwiGLU GEMM), or None."""
+def _fused_gemm_reason(mlp, x=None) -> str | None:
+    """Why the MLP's gate and up projections stay two ``nn.Linear`` calls (not the fused SwiGLU GEMM), or None.
+    With ``x``, also whatever keeps the kernel off these tensors (trainable weights with grad on, weights in another
+    dtype than x as under autocast, an intermediate size the kernel does not tile): the module calls then run as
+    without the fused GEMM."""
     if not FUSED_MLP_GEMM:
         return "FUSED_MLP_GEMM is off"
     for name in ("gate_proj", "up_proj"):
@@ -128,14 +131,19 @@ def _fused_gemm_reason(mlp) -> str | None:
             return f"{name} has a bias"
         if proj._forward_hooks or proj._forward_pre_hooks:
             return f"{name} has hooks, which the fused GEMM would skip"
-    return None
+    if x is None:
+        return None
+    weights = (mlp.gate_proj.weight, mlp.up_proj.weight)
+    if any(w.dtype != x.dtype for w in weights):
+        return f"weights in {weights[0].dtype} for {x.dtype} activations"
+    return ops.glue_kernel_reason(x, *weights) or hopper.swiglu_shape_reason(*weights[0].shape, x.dtype)
 
 
 def _make_mlp_forward(original, backend: str | None):
     def forward(self, x):
         if backend == "torch" or _mlp_kernel_reason(self, x) is not None:
             return original(self, x)
-        if _fused_gemm_reason(self) is None:
+        if _fused_gemm_reason(self, x) is None:
             return self.down_proj(ops.swiglu(x, self.gate_proj.weight, self.up_proj.weight, backend=backend))
         gate, up = self.gate_proj(x), self.up_proj(x)
         # the projections' outputs decide too (autocast dtype, trainable weights): transformers' expression then

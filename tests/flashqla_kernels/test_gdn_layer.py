@@ -3,6 +3,8 @@ family (fp32, tight): prefill across a chunk boundary, prefill continuation and 
 padding masks, patched greedy generation, the fallback cases, and unpatching."""
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -360,6 +362,19 @@ def test_fused_gemm_reasons_keep_hooked_biased_or_wrapped_projections_on_their_m
     assert gdn_patch._fused_gemm_reason(mlp) == "gate_proj has a bias"
     mlp.gate_proj = torch.nn.Sequential(torch.nn.Linear(mlp.hidden_size, mlp.up_proj.out_features, bias=False))
     assert gdn_patch._fused_gemm_reason(mlp) == "gate_proj is a Sequential, not a plain nn.Linear"
+
+
+def test_fused_gemm_reasons_name_the_tensors_the_kernel_refuses(monkeypatch):
+    mlp = _mlp(tiny_model("qwen3_5"))
+    monkeypatch.setattr(gdn_patch, "FUSED_MLP_GEMM", True)
+    x = torch.randn(1, 3, mlp.hidden_size, dtype=torch.bfloat16)
+    assert gdn_patch._fused_gemm_reason(mlp, x) == "weights in torch.float32 for torch.bfloat16 activations"
+    assert "tensors are on cpu" in gdn_patch._fused_gemm_reason(mlp, x.float())
+    hopper = importlib.import_module("flashqla_kernels.gdn_layer.hopper")
+    monkeypatch.setattr(gdn_patch.ops, "glue_kernel_reason", lambda *t: None)  # as on an H200
+    assert gdn_patch._fused_gemm_reason(mlp, x.float()) == hopper.swiglu_shape_reason(
+        *mlp.gate_proj.weight.shape, torch.float32)
+    assert "dtype torch.float32 unsupported by the SwiGLU GEMM" in gdn_patch._fused_gemm_reason(mlp, x.float())
 
 
 def test_swiglu_torch_path_is_the_mlp_expression_and_the_patched_mlp_equals_transformers_off_hopper(monkeypatch):
