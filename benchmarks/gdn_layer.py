@@ -8,7 +8,8 @@ Arms (one run, one process):
                  gates + l2norm kernel, our chunk kernels, gated-RMSNorm kernel), the one-pass zero-centred
                  RMSNorm kernel for every decoder / final / q-k norm, every MLP's gate and up GEMMs as one GEMM with
                  ``silu(gate) * up`` in its epilogue and the attention layers' q/k norm + RoPE and gate kernels
-                 (``patch_gdn_layers``' defaults ``rms_norms=True, mlp=True, attention=True``);
+                 and the decoder layers' residual adds fused into the post-attention norm and ``down_proj``
+                 (``patch_gdn_layers``' defaults ``rms_norms=True, mlp=True, attention=True, decoder=True``);
   ours+graph     ``ours`` captured once into a CUDA graph and replayed (same static input ids, the kept outputs are the
                  graph's): what the forward costs with no host launch overhead at all, i.e. how much of the gap
                  between wall time and CUDA time is the host's (the hooks ran at capture);
@@ -19,6 +20,9 @@ Arms (one run, one process):
   ours+swiglu, ours+silu_mul   ``ours`` with the MLP's gate and up projections in one GEMM with the SwiGLU in its
                  epilogue (``patch.FUSED_MLP_GEMM`` on, the default), and as two cuBLAS GEMMs + the silu_mul kernel
                  (off);
+  ours-decoder   ``ours`` without the decoder-layer patch (``decoder=False``): transformers' decoder forward, its two
+                 residual adds as add kernels, against ``ours``' add + post-attention norm kernel and ``down_proj``
+                 accumulating into the sum;
   ours+compile   the fused GDN layer left eager (graph breaks there), ``torch.compile`` of the rest of ``model.model``:
                  inductor fuses the MLP / attention-layer / RMSNorm glue (our RMSNorm and MLP kernels not used);
   qla_op         transformers' layer with our FlashQLA-style chunk op patched in
@@ -60,7 +64,7 @@ from layer_kernels import precompile  # noqa: E402 - the precompile list, in its
 
 MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
 ARMS = ("ours", "qla_op", "fla", "torch", "compile", "ours+compile", "ours+graph", "ours+flash", "ours+swiglu",
-        "ours+silu_mul")
+        "ours+silu_mul", "ours-decoder")
 ANCHOR_TOKENS_PER_S = {"qla_op": 99.7e3, "fla": 96.9e3, "torch": 41.6e3}  # anchors-h200.md (FlashQLA / FLA / torch)
 CATEGORIES = [  # (bucket, kernel-name pattern), first match wins
     ("elementwise", r"attention_gate_mul"),  # the attention layers' glue kernel, not attention itself
@@ -137,6 +141,9 @@ class Arms:
         layer_patch.FUSED_MLP_GEMM = {"ours+swiglu": True, "ours+silu_mul": False}.get(name, self.fused_mlp_gemm)
         if name in ("ours", "ours+graph", "ours+flash", "ours+swiglu", "ours+silu_mul"):
             patch_transformers(backend=self.backend, fused_layer=True)
+        elif name == "ours-decoder":  # transformers' decoder forward: its residual adds as two add kernels
+            patch_transformers(backend=self.backend)
+            layer_patch.patch_gdn_layers(self.backend, decoder=False)
         elif name == "ours+compile":
             # the norms, the MLP and the attention glue are left to inductor here: compilation against hand fusion
             patch_transformers(backend=self.backend)

@@ -48,6 +48,9 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
         # the weight read in its own dtype: the model's (bf16 / fp16) and fp32 (the tests' reference weights)
         specs.append((glue + "rms_norm", "build_rms_norm", (D, dtype, 1e-6)))
         specs.append((glue + "rms_norm", "build_rms_norm", (D, dtype, 1e-6, dtype)))
+    for D, dtype in ((2048, bf16), (2048, "float16"), (64, bf16)):
+        # the decoder's residual add + post-attention norm: the 2B model and the GPU tests' cases
+        specs.append((glue + "rms_norm", "build_add_rms_norm", (D, dtype, 1e-6, dtype)))
     specs.append((glue + "silu_mul", "build_silu_mul", (6144, bf16)))  # the 2B model's MLP (intermediate 6144)
     # the 2B MLP's gate/up GEMM with the SwiGLU epilogue, persistent over the H200's 132 SMs
     specs.append((glue + "swiglu_gemm", "build_swiglu_gemm",

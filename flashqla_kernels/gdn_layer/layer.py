@@ -84,6 +84,23 @@ def layer_unsupported_reason(layer: torch.nn.Module, cache: Any = None, kwargs: 
     return None
 
 
+def _plain_projection(proj: Any) -> bool:
+    """Whether ``proj(h)`` is exactly ``F.linear(h, proj.weight)``: a bias-free ``nn.Linear`` no hook observes."""
+    return (type(proj) is torch.nn.Linear and proj.bias is None and not proj._forward_hooks
+            and not proj._forward_pre_hooks and getattr(proj, "_hf_hook", None) is None)
+
+
+def _project_b_a(layer: torch.nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(in_proj_b(h), in_proj_a(h))``. Two plain projections of one dtype run as one GEMM over their stacked
+    weights (stacked per call, so an edit of either weight, even through ``.data``, is seen): the two outputs of
+    Hv channels each are too narrow for a GEMM to do more than read h, and this reads it once."""
+    pb, pa = layer.in_proj_b, layer.in_proj_a
+    if not (_plain_projection(pb) and _plain_projection(pa) and pb.weight.dtype == pa.weight.dtype):
+        return pb(h), pa(h)
+    ba = torch.nn.functional.linear(h, torch.cat((pb.weight, pa.weight)))
+    return ba.split((pb.out_features, pa.out_features), dim=-1)
+
+
 def project(layer: torch.nn.Module, h: torch.Tensor):
     """The input projections in token-major layout.
 
@@ -97,7 +114,7 @@ def project(layer: torch.nn.Module, h: torch.Tensor):
     """
     B, T, _ = h.shape
     if hasattr(layer, "in_proj_qkv"):
-        return layer.in_proj_qkv(h), layer.in_proj_z(h), layer.in_proj_b(h), layer.in_proj_a(h)
+        return (layer.in_proj_qkv(h), layer.in_proj_z(h)) + tuple(_project_b_a(layer, h))
     q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(h), layer.in_proj_ba(h))
     qkv = torch.cat([x.reshape(B, T, -1) for x in (q, k, v)], dim=-1)
     return qkv, z.reshape(B, T, -1), b, a

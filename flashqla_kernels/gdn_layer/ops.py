@@ -1,7 +1,8 @@
 """The GDN layer's glue stages with backend dispatch: TileLang kernels for CUDA sm_90 tensors, torch elsewhere.
 
 ``conv_qkv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates), ``gated_norm`` (gated RMSNorm),
-``rms_norm`` (Qwen's zero-centred RMSNorm: the decoder / final / q-k norms around the layers), ``silu_mul`` (the
+``rms_norm`` (Qwen's zero-centred RMSNorm: the decoder / final / q-k norms around the layers; ``add_rms_norm`` the
+decoder's mid-layer residual add with the norm after it), ``silu_mul`` (the
 dense MLP's ``silu(gate) * up``; ``swiglu`` the same with the gate and up projections in one fused GEMM), and the gated full-attention layers' ``qk_norm_rope`` (q/k norms + partial rotary
 embedding, into the attention kernels' layout) and ``gate_mul`` (``attn * sigmoid(gate)``) have one signature each across the torch formulation (``torch_path``) and the
 kernels (``hopper``). ``backend=None`` picks the kernels when ``glue_kernel_reason`` (and the stage's shape check)
@@ -16,7 +17,7 @@ import torch
 
 from flashqla_kernels.gdn_layer import torch_path
 
-__all__ = ["conv_qkv_gates", "gated_norm", "rms_norm", "silu_mul", "swiglu", "qk_norm_rope", "gate_mul", "gate_mul_head_major",
+__all__ = ["conv_qkv_gates", "gated_norm", "rms_norm", "add_rms_norm", "silu_mul", "swiglu", "qk_norm_rope", "gate_mul", "gate_mul_head_major",
            "glue_kernel_reason",
            "KERNEL_DTYPES"]
 
@@ -110,6 +111,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str 
         hopper = importlib.import_module(_HOPPER)
         return hopper.rms_norm_fwd(x, weight, eps)
     return torch_path.rms_norm_zero_centred(x, weight, eps)
+
+
+def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder's mid-layer step: the residual add ``s = a + b`` (in a's dtype, as ``a + b`` rounds it) and Qwen's
+    zero-centred RMSNorm of s, in one pass on the kernel.
+
+    Args:
+        a, b: [..., D], same shape and dtype (the residual and the token mixer's output). weight: [D]. eps: float.
+            backend: see module doc.
+
+    Returns:
+        (s, rms_norm(s)), each a's shape and dtype; s is a new tensor.
+
+    Example:
+        >>> s, h = add_rms_norm(residual, attn_out, layer.post_attention_layernorm.weight, 1e-6)
+    """
+    if _use_kernels(backend, "add_rms_norm", a, b, shape_reason=lambda: None if a.shape[-1] % 64 == 0
+                    and b.shape == a.shape and b.dtype == a.dtype
+                    else f"rows {tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}: the kernel adds "
+                         "same-shape, same-dtype rows of a multiple of 64 channels"):
+        hopper = importlib.import_module(_HOPPER)
+        return hopper.add_rms_norm_fwd(a, b, weight, eps)
+    s = a + b
+    return s, torch_path.rms_norm_zero_centred(s, weight, eps)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:

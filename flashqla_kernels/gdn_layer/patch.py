@@ -20,6 +20,13 @@ attention itself through transformers' own attention interface, and ``attn * sig
 transformers' SDPA interface would make, and the gate kernel reads its head-major output, writing the token-major rows
 ``o_proj`` takes (``ops.gate_mul_head_major``: transformers' transpose copy folded in). Calls with a KV cache (generation) and layers whose q/k norms carry hooks go to transformers'
 forward.
+With ``decoder=True`` (default) it replaces ``forward`` of the families' decoder layers (``DECODER_CLASSES``) with the
+same sequence of module calls (input norm, token mixer, post-attention norm, MLP; the mixers' cache argument spelled
+as this transformers version spells it) and two fusions on CUDA sm_90 bf16/fp16 tensors: the mid-layer residual add
+with the post-attention RMSNorm in one kernel (``ops.add_rms_norm``, when ``rms_norms``), and, for the dense MLP
+classes (when ``mlp``), the end-of-layer residual add as ``down_proj``'s GEMM accumulating into the mid-layer sum
+(``addmm_``: one rounding where transformers rounds twice). A part observed by hooks, or not plain (a quantised
+``down_proj``, a projection with a bias, an MoE block), is called as a module, as transformers does.
 
 Explicit, idempotent and restorable: importing this module changes nothing.
 """
@@ -37,7 +44,8 @@ from flashqla_kernels.gdn_layer import hopper, ops  # hopper imports no tilelang
 from flashqla_kernels.gdn_layer.layer import gdn_layer_forward, layer_unsupported_reason
 
 __all__ = ["patch_gdn_layers", "unpatch_gdn_layers", "patched_gdn_layers", "gdn_layers_patched", "GDN_CLASSES",
-           "NORM_CLASSES", "MLP_CLASSES", "ATTENTION_CLASSES", "attention_fallback_reason"]
+           "NORM_CLASSES", "MLP_CLASSES", "ATTENTION_CLASSES", "DECODER_CLASSES", "attention_fallback_reason",
+           "decoder_fallback_reason"]
 
 GDN_CLASSES = (
     ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),
@@ -62,6 +70,14 @@ ATTENTION_CLASSES = (
     ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5Attention"),
     ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeAttention"),
 )
+# the decoder layers: input norm -> token mixer (GDN or gated attention by ``block_type``) -> residual add ->
+# post-attention norm -> MLP (dense, or an MoE block returning a tuple in Next / 3.5-MoE) -> residual add
+DECODER_CLASSES = (
+    ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextDecoderLayer"),
+    ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5DecoderLayer"),
+    ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeDecoderLayer"),
+)
+_MIXERS = {"linear_attention": "linear_attn", "full_attention": "self_attn"}
 _SILU_TYPES = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers' ACT2FN["silu"]
 # The MLP's gate and up projections as one GEMM with the SwiGLU in its epilogue (``ops.swiglu``) where the kernel
 # runs and the projections are plain, hook-free, bias-free nn.Linear; off: two cuBLAS GEMMs and the silu_mul kernel.
@@ -116,6 +132,23 @@ def _mlp_kernel_reason(mlp, x) -> str | None:
     return ops.glue_kernel_reason(x)
 
 
+def _hooked(module) -> bool:
+    """Whether hooks observe ``module``'s call: torch forward (pre-)hooks, or an accelerate hook (offloading,
+    device placement) that its replaced ``forward`` fires."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or getattr(module, "_hf_hook", None) is not None)
+
+
+def _plain_linear_reason(name: str, proj) -> str | None:
+    """Why reading ``proj.weight`` into a GEMM of our own would not be what calling ``proj`` computes, or None."""
+    if type(proj) is not torch.nn.Linear:  # quantised / LoRA / offloaded projections run their own forward
+        return f"{name} is a {type(proj).__name__}, not a plain nn.Linear"
+    if proj.bias is not None:
+        return f"{name} has a bias"
+    if _hooked(proj):
+        return f"{name} has hooks, which the fused GEMM would skip"
+    return None
+
+
 def _fused_gemm_reason(mlp, x=None) -> str | None:
     """Why the MLP's gate and up projections stay two ``nn.Linear`` calls (not the fused SwiGLU GEMM), or None.
     With ``x``, also whatever keeps the kernel off these tensors (trainable weights with grad on, weights in another
@@ -124,13 +157,9 @@ def _fused_gemm_reason(mlp, x=None) -> str | None:
     if not FUSED_MLP_GEMM:
         return "FUSED_MLP_GEMM is off"
     for name in ("gate_proj", "up_proj"):
-        proj = getattr(mlp, name)
-        if type(proj) is not torch.nn.Linear:  # quantised / LoRA / offloaded projections run their own forward
-            return f"{name} is a {type(proj).__name__}, not a plain nn.Linear"
-        if proj.bias is not None:
-            return f"{name} has a bias"
-        if proj._forward_hooks or proj._forward_pre_hooks:
-            return f"{name} has hooks, which the fused GEMM would skip"
+        reason = _plain_linear_reason(name, getattr(mlp, name))
+        if reason is not None:
+            return reason
     if x is None:
         return None
     weights = (mlp.gate_proj.weight, mlp.up_proj.weight)
@@ -139,17 +168,23 @@ def _fused_gemm_reason(mlp, x=None) -> str | None:
     return ops.glue_kernel_reason(x, *weights) or hopper.swiglu_shape_reason(*weights[0].shape, x.dtype)
 
 
+def _mlp_activation(mlp, x, backend: str | None) -> torch.Tensor:
+    """``act_fn(gate_proj(x)) * up_proj(x)``, the input of ``down_proj``, for an MLP whose ``_mlp_kernel_reason`` is
+    None: the SwiGLU GEMM, else the projections' module calls and the silu_mul kernel."""
+    if _fused_gemm_reason(mlp, x) is None:
+        return ops.swiglu(x, mlp.gate_proj.weight, mlp.up_proj.weight, backend=backend)
+    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    # the projections' outputs decide too (autocast dtype, trainable weights): transformers' expression then
+    if ops.glue_kernel_reason(gate, up) is not None:
+        return mlp.act_fn(gate) * up
+    return ops.silu_mul(gate, up, backend=backend)
+
+
 def _make_mlp_forward(original, backend: str | None):
     def forward(self, x):
         if backend == "torch" or _mlp_kernel_reason(self, x) is not None:
             return original(self, x)
-        if _fused_gemm_reason(self, x) is None:
-            return self.down_proj(ops.swiglu(x, self.gate_proj.weight, self.up_proj.weight, backend=backend))
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        # the projections' outputs decide too (autocast dtype, trainable weights): transformers' expression then
-        if ops.glue_kernel_reason(gate, up) is not None:
-            return self.down_proj(self.act_fn(gate) * up)
-        return self.down_proj(ops.silu_mul(gate, up, backend=backend))
+        return self.down_proj(_mlp_activation(self, x, backend))
 
     forward.__doc__ = f"flashqla_kernels MLP (backend={backend!r}): fused silu(gate) * up on sm_90, else transformers'."
     forward.__wrapped__ = original
@@ -241,6 +276,88 @@ def _make_attention_forward(original, backend: str | None):
     return forward
 
 
+def decoder_fallback_reason(layer) -> str | None:
+    """Why a decoder layer's call goes to transformers' forward instead of the fused decoder wiring, or None."""
+    mixer = _MIXERS.get(getattr(layer, "block_type", None))
+    if mixer is None:
+        return f"block_type {getattr(layer, 'block_type', None)!r} is neither of {sorted(_MIXERS)}"
+    for name in (mixer, "input_layernorm", "post_attention_layernorm", "mlp"):
+        if not hasattr(layer, name):
+            return f"the layer has no {name}"
+    return None
+
+
+def _add_norm_reason(norm, residual, h) -> str | None:
+    """Why the mid-layer residual add and ``post_attention_layernorm`` stay two steps, or None."""
+    if _hooked(norm):
+        return "post_attention_layernorm has hooks, which see the sum as its input"
+    if type(norm).__name__ not in {c for _, c in NORM_CLASSES}:
+        return f"post_attention_layernorm is {type(norm).__name__}, not a zero-centred RMSNorm"
+    if h.shape != residual.shape or h.dtype != residual.dtype:
+        return f"the mixer returns {tuple(h.shape)} {h.dtype} for a {tuple(residual.shape)} {residual.dtype} residual"
+    return ops.glue_kernel_reason(residual, h) or (
+        None if residual.shape[-1] % 64 == 0 else f"hidden size {residual.shape[-1]} is not a multiple of 64")
+
+
+def _down_residual_reason(mlp, h, s) -> str | None:
+    """Why the end-of-layer residual add stays an add after the MLP's module call (not ``down_proj``'s GEMM
+    accumulating into the mid-layer sum ``s``), or None."""
+    if type(mlp).__name__ not in {c for _, c in MLP_CLASSES}:
+        return f"the MLP is a {type(mlp).__name__}, not a dense gate/up/down MLP"
+    if _hooked(mlp):
+        return "the MLP has hooks, which see its output"
+    reason = _plain_linear_reason("down_proj", mlp.down_proj) or _mlp_kernel_reason(mlp, h)
+    if reason is not None:
+        return reason
+    w = mlp.down_proj.weight
+    if w.dtype != s.dtype or not s.is_contiguous() or s.shape[:-1] != h.shape[:-1]:
+        return f"down_proj weight {w.dtype} and the sum {tuple(s.shape)} {s.dtype} do not fit an in-place GEMM"
+    return ops.glue_kernel_reason(h, s, w)
+
+
+def _make_decoder_forward(original, backend: str | None, fuse_norm: bool, fuse_mlp: bool):
+    new_api = "cache" in inspect.signature(original).parameters  # 5.24: cache=; up to 5.23: past_key_values=
+    cache_name = "cache" if new_api else "past_key_values"
+    mixer_cache = {"linear_attn": "cache" if new_api else "cache_params", "self_attn": cache_name}
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, cache=None,
+                past_key_values=None, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        if decoder_fallback_reason(self) is not None:
+            return original(self, hidden_states, position_embeddings, attention_mask, position_ids,
+                            **{cache_name: cache}, **kwargs)
+        residual = hidden_states
+        h = self.input_layernorm(hidden_states)
+        mixer = _MIXERS[self.block_type]
+        if mixer == "linear_attn":
+            h = self.linear_attn(hidden_states=h, attention_mask=attention_mask, **{mixer_cache[mixer]: cache},
+                                 **kwargs)
+        else:
+            h, _ = self.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
+                                  position_embeddings=position_embeddings, **{mixer_cache[mixer]: cache}, **kwargs)
+        norm = self.post_attention_layernorm
+        if fuse_norm and backend != "torch" and _add_norm_reason(norm, residual, h) is None:
+            s, h = ops.add_rms_norm(residual, h, norm.weight, _norm_eps(norm), backend=backend)
+        else:
+            s = residual + h
+            h = norm(s)
+        if fuse_mlp and backend != "torch" and not _hooked(norm) and _down_residual_reason(self.mlp, h, s) is None:
+            # s is this call's own tensor (no hook on the norm saw it): down_proj's GEMM accumulates into it
+            act = _mlp_activation(self.mlp, h, backend)
+            s.view(-1, s.shape[-1]).addmm_(act.view(-1, act.shape[-1]), self.mlp.down_proj.weight.t())
+            return s
+        out = self.mlp(h)
+        if isinstance(out, tuple):  # the MoE blocks return (hidden_states, router_logits)
+            out = out[0]
+        return s + out
+
+    forward.__doc__ = (f"flashqla_kernels decoder layer (backend={backend!r}): transformers' module calls with the "
+                       "residual adds fused into the post-attention norm and down_proj on sm_90.")
+    forward.__wrapped__ = original
+    setattr(forward, _MARK, backend)
+    return forward
+
+
 def _load(module_name: str, class_name: str):
     try:
         return getattr(importlib.import_module(module_name), class_name, None)
@@ -249,7 +366,7 @@ def _load(module_name: str, class_name: str):
 
 
 def patch_gdn_layers(backend: str | None = None, rms_norms: bool = True, mlp: bool = True,
-                     attention: bool = True) -> list[str]:
+                     attention: bool = True, decoder: bool = True) -> list[str]:
     """Run the GDN layers of Qwen3-Next / Qwen3.5 / Qwen3.5-MoE on the fused layer path.
 
     Args:
@@ -260,6 +377,9 @@ def patch_gdn_layers(backend: str | None = None, rms_norms: bool = True, mlp: bo
             off Hopper).
         attention: also put the gated full-attention classes (``ATTENTION_CLASSES``) on the fused q/k norm + RoPE
             and gate kernels (off Hopper: the same wiring with transformers' operations, equal to its forward).
+        decoder: also put the decoder layers (``DECODER_CLASSES``) on the wiring that fuses the residual adds into
+            the post-attention norm (with ``rms_norms``) and the dense MLP's ``down_proj`` (with ``mlp``); off
+            Hopper it makes transformers' own calls in transformers' order.
 
     Returns:
         The patched targets, e.g. ``["transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet.forward"]``.
@@ -276,7 +396,8 @@ def patch_gdn_layers(backend: str | None = None, rms_norms: bool = True, mlp: bo
     patched = []
     targets = ([(c, _make_forward) for c in GDN_CLASSES] + [(c, _make_norm_forward) for c in NORM_CLASSES if rms_norms]
                + [(c, _make_mlp_forward) for c in MLP_CLASSES if mlp]
-               + [(c, _make_attention_forward) for c in ATTENTION_CLASSES if attention])
+               + [(c, _make_attention_forward) for c in ATTENTION_CLASSES if attention]
+               + [(c, lambda f, b: _make_decoder_forward(f, b, rms_norms, mlp)) for c in DECODER_CLASSES if decoder])
     for (module_name, class_name), make in targets:
         cls = _load(module_name, class_name)
         if cls is None:
@@ -327,9 +448,13 @@ def _attention_patched() -> bool:
     return any(key in _saved for key in ATTENTION_CLASSES)
 
 
+def _decoders_patched() -> bool:
+    return any(key in _saved for key in DECODER_CLASSES)
+
+
 @contextlib.contextmanager
 def patched_gdn_layers(backend: str | None = None, rms_norms: bool = True, mlp: bool = True,
-                       attention: bool = True) -> Iterator[list[str]]:
+                       attention: bool = True, decoder: bool = True) -> Iterator[list[str]]:
     """Context manager form of ``patch_gdn_layers``; on exit restores the state found on entry.
 
     Example:
@@ -337,10 +462,10 @@ def patched_gdn_layers(backend: str | None = None, rms_norms: bool = True, mlp: 
         ...     out = model.generate(ids, max_new_tokens=8)
     """
     was, previous, norms, mlps = gdn_layers_patched(), _current_backend(), _norms_patched(), _mlps_patched()
-    attn = _attention_patched()
+    attn, decoders = _attention_patched(), _decoders_patched()
     try:
-        yield patch_gdn_layers(backend, rms_norms, mlp, attention)
+        yield patch_gdn_layers(backend, rms_norms, mlp, attention, decoder)
     finally:
         unpatch_gdn_layers()
         if was:
-            patch_gdn_layers(previous, norms, mlps, attn)
+            patch_gdn_layers(previous, norms, mlps, attn, decoders)

@@ -23,7 +23,8 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exi
 
 # conv: (Hk, Hv, D, Kc, dtype, has_prefix, has_bias); norm (gated): (V, dtype, eps); rms: (D, dtype, eps);
 # silu (the MLP's silu(gate) * up): (D, dtype); qkrope (attention q/k norm + partial RoPE): (H, Hkv, D, R, dtype,
-# eps); gate (attention output * sigmoid(gate)): (H, D, dtype)
+# eps); gate (attention output * sigmoid(gate)): (H, D, dtype); addrms (the decoder's residual add + RMSNorm):
+# (D, dtype, eps, weight dtype)
 CORE = [
     ("conv", (16, 16, 128, 4, "bfloat16", False, False)),
     ("norm", (128, "bfloat16", 1e-6)),
@@ -31,6 +32,7 @@ CORE = [
     ("silu", (6144, "bfloat16")),
     ("qkrope", (8, 2, 256, 64, "bfloat16", 1e-6)),
     ("gate", (8, 256, "bfloat16")),
+    ("addrms", (2048, "bfloat16", 1e-6, "bfloat16")),
 ]
 EXTRA = [
     ("conv", (16, 16, 128, 4, "bfloat16", True, False)),
@@ -65,13 +67,17 @@ def _compile(stage, args):
                "rms": rms_norm.build_rms_norm, "silu": silu_mul.build_silu_mul,
                "qkrope": attn_glue.build_qk_norm_rope, "gate": attn_glue.build_gate_mul,
                "gate_hm": attn_glue.build_gate_mul_head_major,
-               "conv_pipe": conv_gates.build_conv_qkv_gates}[stage]
+               "conv_pipe": conv_gates.build_conv_qkv_gates, "addrms": rms_norm.build_add_rms_norm}[stage]
     src = _common.compile_kernel(builder, *args).get_kernel_source()
     assert "__global__" in src and ("rsqrtf" in src or stage in ("silu", "gate", "gate_hm")), f"{stage}{args}: unexpected CUDA"
     if stage == "qkrope":
         # one kernel: the norm's reduction, both q and k outputs, and the rotary products with cos and sin
         assert "AllReduce" in src and "q[" in src or "(q + " in src
         assert "cos" in src and "sin" in src and ("k[" in src or "(k + " in src)
+    if stage == "addrms":
+        # one kernel writes both the sum and its norm
+        assert re.search(r"\bs\[", src) or "(s + " in src, "the sum is not stored"
+        assert re.search(r"\by\[", src) or "(y + " in src, "the norm is not stored"
     if stage in ("conv", "conv_pipe"):
         # the gates (softplus, exp) and the q/k/v stores are in the same kernel as the conv
         assert "log1pf" in src and "beta[" in src and "(q + " in src and "(v + " in src

@@ -123,6 +123,67 @@ def test_rms_norm_kernel_matches_transformers_formulation(rows, D, dtype, monkey
     assert _rel(got, ref) <= max(1.5 * _rel(theirs, ref), 4e-3), (_rel(got, ref), _rel(theirs, ref))
 
 
+@pytest.mark.parametrize("rows,D,dtype", [(8 * 4096, 2048, torch.bfloat16), (3, 2048, torch.float16),
+                                          (77, 64, torch.bfloat16)])
+def test_add_rms_norm_kernel_is_the_add_then_the_norm_kernel_bit_for_bit(rows, D, dtype, monkeypatch):
+    """The decoder's mid-layer step in one kernel writes exactly what torch's add and then the RMSNorm kernel write."""
+    from flashqla_kernels.gdn_layer import hopper
+    from flashqla_kernels.gdn_layer.hopper import rms_norm
+
+    g = torch.Generator(device=DEV).manual_seed(5)
+    a = (4 * torch.randn(rows, D, generator=g, device=DEV)).to(dtype)
+    b = torch.randn(rows, D, generator=g, device=DEV).to(dtype)
+    w = (0.1 * torch.randn(D, generator=g, device=DEV)).to(dtype)
+    monkeypatch.setattr(rms_norm, "POISON_OUTPUTS", True)
+    s, y = hopper.add_rms_norm_fwd(a, b, w, 1e-6)
+    assert torch.equal(s, a + b)
+    assert torch.equal(y, hopper.rms_norm_fwd(a + b, w, 1e-6))
+
+
+def test_patched_decoder_fuses_both_residual_adds_and_matches_transformers_within_bf16(monkeypatch):
+    """Qwen3.5-2B-shaped decoder layers (GDN, then attention), fp32 transformers as the truth: with the decoder
+    patch every layer runs the add + RMSNorm kernel once and ``down_proj`` accumulates into the sum; each layer's
+    output is as close to fp32 as transformers' bf16 forward. A hook on a layer's MLP keeps that layer unfused."""
+    from flashqla_kernels.gdn_layer import ops
+    from flashqla_kernels.gdn_layer import patch as layer_patch
+
+    types = ("linear_attention", "full_attention")
+    model32, model = _qwen35_layer(layers=types), _qwen35_layer(layers=types).to(torch.bfloat16)
+    calls = []
+    add_norm, act = ops.add_rms_norm, layer_patch._mlp_activation
+    monkeypatch.setattr(ops, "add_rms_norm", lambda *a, **k: calls.append("add_norm") or add_norm(*a, **k))
+    monkeypatch.setattr(layer_patch, "_mlp_activation", lambda *a, **k: calls.append("down") or act(*a, **k))
+    ids = torch.randint(0, 1024, (2, 777), device=DEV)
+
+    def outputs(m):
+        got = []
+        handles = [layer.register_forward_hook(lambda mod, a, o: got.append(o.float())) for layer in m.model.layers]
+        try:
+            m.model(ids, use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        return got
+
+    with torch.no_grad():
+        truth, theirs = outputs(model32), outputs(model)
+        with patched_gdn_layers():
+            ours = outputs(model)
+            assert calls == ["add_norm", "down"] * 2, calls
+            calls.clear()
+            handle = model.model.layers[1].mlp.register_forward_hook(lambda m, a, o: None)
+            try:
+                hooked = outputs(model)
+            finally:
+                handle.remove()
+            assert calls == ["add_norm", "down", "add_norm"], calls
+    for i, kind in enumerate(types):
+        e_ours, e_theirs = _rel(ours[i], truth[i]), _rel(theirs[i], truth[i])
+        print(f"decoder layer {i} ({kind}): rel-L2 vs fp32 transformers: ours {e_ours:.2e}, transformers bf16 "
+              f"{e_theirs:.2e}, ours with a hooked MLP {_rel(hooked[i], truth[i]):.2e}")
+        assert e_ours <= max(1.2 * e_theirs, 1e-2) and _rel(hooked[i], truth[i]) <= max(1.2 * e_theirs, 1e-2)
+
+
 SILU_CASES = {
     # name: (shape of gate and up, dtype); D = 6144 is Qwen3.5-2B's intermediate size
     "qwen35_2b_8x4096": ((8, 4096, 6144), torch.bfloat16),

@@ -14,7 +14,7 @@ import importlib
 
 import torch
 
-__all__ = ["conv_qkv_gates_fwd", "gated_rms_norm_fwd", "rms_norm_fwd", "silu_mul_fwd", "qk_norm_rope_fwd",
+__all__ = ["conv_qkv_gates_fwd", "gated_rms_norm_fwd", "rms_norm_fwd", "add_rms_norm_fwd", "silu_mul_fwd", "qk_norm_rope_fwd",
            "gate_mul_fwd", "gate_mul_head_major_fwd", "swiglu_gemm_fwd", "conv_shape_reason",
            "attention_shape_reason", "swiglu_shape_reason", "HEAD_DIMS"]
 
@@ -59,6 +59,17 @@ def rms_norm_fwd(x, weight, eps):
         raise ValueError(f"row width D={x.shape[-1]} unsupported by the RMSNorm kernel (a multiple of 64 needed)")
     stage = importlib.import_module("flashqla_kernels.gdn_layer.hopper.rms_norm")
     return stage.rms_norm(x, weight, eps)
+
+
+def add_rms_norm_fwd(a, b, weight, eps):
+    """The decoder's residual add and the zero-centred RMSNorm after it in one pass (see ``rms_norm.add_rms_norm``):
+    a, b [..., D] with D a multiple of 64, same shape and dtype; returns (a + b, rms_norm(a + b))."""
+    if a.shape[-1] % 64:
+        raise ValueError(f"row width D={a.shape[-1]} unsupported by the add + RMSNorm kernel (a multiple of 64 needed)")
+    if b.shape != a.shape or b.dtype != a.dtype:
+        raise ValueError(f"add_rms_norm needs b like a; got a {tuple(a.shape)} {a.dtype}, b {tuple(b.shape)} {b.dtype}")
+    stage = importlib.import_module("flashqla_kernels.gdn_layer.hopper.rms_norm")
+    return stage.add_rms_norm(a, b, weight, eps)
 
 
 def silu_mul_fwd(gate, up):
