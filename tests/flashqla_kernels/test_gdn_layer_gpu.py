@@ -143,16 +143,19 @@ def test_add_rms_norm_kernel_is_the_add_then_the_norm_kernel_bit_for_bit(rows, D
 def test_patched_decoder_fuses_both_residual_adds_and_matches_transformers_within_bf16(monkeypatch):
     """Qwen3.5-2B-shaped decoder layers (GDN, then attention), fp32 transformers as the truth: with the decoder
     patch every layer runs the add + RMSNorm kernel once and ``down_proj`` accumulates into the sum; each layer's
-    output is as close to fp32 as transformers' bf16 forward. A hook on a layer's MLP keeps that layer unfused."""
+    output is as close to fp32 as transformers' bf16 forward. A hook on a layer's MLP keeps that layer's end add
+    unfused (and the hook fires)."""
     from flashqla_kernels.gdn_layer import ops
     from flashqla_kernels.gdn_layer import patch as layer_patch
 
     types = ("linear_attention", "full_attention")
     model32, model = _qwen35_layer(layers=types), _qwen35_layer(layers=types).to(torch.bfloat16)
     calls = []
-    add_norm, act = ops.add_rms_norm, layer_patch._mlp_activation
+    add_norm, down_reason = ops.add_rms_norm, layer_patch._down_residual_reason
     monkeypatch.setattr(ops, "add_rms_norm", lambda *a, **k: calls.append("add_norm") or add_norm(*a, **k))
-    monkeypatch.setattr(layer_patch, "_mlp_activation", lambda *a, **k: calls.append("down") or act(*a, **k))
+    monkeypatch.setattr(layer_patch, "_down_residual_reason",
+                        lambda *a: (lambda r: calls.append("down" if r is None else "down unfused") or r)(
+                            down_reason(*a)))
     ids = torch.randint(0, 1024, (2, 777), device=DEV)
 
     def outputs(m):
@@ -165,23 +168,28 @@ def test_patched_decoder_fuses_both_residual_adds_and_matches_transformers_withi
                 h.remove()
         return got
 
+    fired = []
     with torch.no_grad():
         truth, theirs = outputs(model32), outputs(model)
+        with patched_gdn_layers(decoder=False):
+            unfused = outputs(model)
         with patched_gdn_layers():
             ours = outputs(model)
             assert calls == ["add_norm", "down"] * 2, calls
             calls.clear()
-            handle = model.model.layers[1].mlp.register_forward_hook(lambda m, a, o: None)
+            handle = model.model.layers[1].mlp.register_forward_hook(lambda m, a, o: fired.append(o.shape))
             try:
                 hooked = outputs(model)
             finally:
                 handle.remove()
-            assert calls == ["add_norm", "down", "add_norm"], calls
+    assert calls == ["add_norm", "down", "add_norm", "down unfused"], calls
+    assert fired == [torch.Size([2, 777, 2048])], fired
     for i, kind in enumerate(types):
-        e_ours, e_theirs = _rel(ours[i], truth[i]), _rel(theirs[i], truth[i])
+        e_ours, e_theirs, e_hooked = _rel(ours[i], truth[i]), _rel(theirs[i], truth[i]), _rel(hooked[i], truth[i])
         print(f"decoder layer {i} ({kind}): rel-L2 vs fp32 transformers: ours {e_ours:.2e}, transformers bf16 "
-              f"{e_theirs:.2e}, ours with a hooked MLP {_rel(hooked[i], truth[i]):.2e}")
-        assert e_ours <= max(1.2 * e_theirs, 1e-2) and _rel(hooked[i], truth[i]) <= max(1.2 * e_theirs, 1e-2)
+              f"{e_theirs:.2e}, ours with a hooked MLP {e_hooked:.2e}; ours bit for bit the unfused decoder's: "
+              f"{torch.equal(ours[i], unfused[i])} (rel-L2 {_rel(ours[i], unfused[i]):.1e})")
+        assert e_ours <= max(1.2 * e_theirs, 1e-2) and e_hooked <= max(1.2 * e_theirs, 1e-2)
 
 
 SILU_CASES = {
