@@ -93,7 +93,7 @@ def run_module(module_name: str, out_file: Path, header: str, only: str = "", be
             if type(err).__name__ == "Skipped":
                 lines.append(f"SKIP {case_id} {buf.getvalue().strip()} ({err})")
             elif type(err).__name__ == "XFailed":  # pytest.xfail: an expected failure, reported with its reason
-                lines.append(f"XFAIL {case_id} ({err})")
+                lines.append(f"XFAIL {case_id} ({err}) {buf.getvalue().strip()}".rstrip())
             elif isinstance(err, Exception):
                 failures += 1
                 lines.append(f"FAIL {case_id} {buf.getvalue().strip()}\n{traceback.format_exc(limit=4)}")
