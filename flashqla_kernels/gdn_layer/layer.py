@@ -84,10 +84,22 @@ def layer_unsupported_reason(layer: torch.nn.Module, cache: Any = None, kwargs: 
     return None
 
 
-def _plain_projection(proj: Any) -> bool:
-    """Whether ``proj(h)`` is exactly ``F.linear(h, proj.weight)``: a bias-free ``nn.Linear`` no hook observes."""
-    return (type(proj) is torch.nn.Linear and proj.bias is None and not proj._forward_hooks
-            and not proj._forward_pre_hooks and getattr(proj, "_hf_hook", None) is None)
+def hooked(module: torch.nn.Module) -> bool:
+    """Whether hooks observe ``module``'s call: torch forward (pre-)hooks, or an accelerate hook (offloading,
+    device placement) that its replaced ``forward`` fires."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or getattr(module, "_hf_hook", None) is not None)
+
+
+def plain_linear_reason(name: str, proj: Any) -> str | None:
+    """Why ``F.linear(h, proj.weight)`` in a GEMM of our own would not be what calling ``proj`` (named ``name``)
+    computes, or None: it must be a bias-free ``nn.Linear`` that no hook observes."""
+    if type(proj) is not torch.nn.Linear:  # quantised / LoRA / offloaded projections run their own forward
+        return f"{name} is a {type(proj).__name__}, not a plain nn.Linear"
+    if proj.bias is not None:
+        return f"{name} has a bias"
+    if hooked(proj):
+        return f"{name} has hooks, which the fused GEMM would skip"
+    return None
 
 
 def _project_b_a(layer: torch.nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +107,8 @@ def _project_b_a(layer: torch.nn.Module, h: torch.Tensor) -> tuple[torch.Tensor,
     weights (stacked per call, so an edit of either weight, even through ``.data``, is seen): the two outputs of
     Hv channels each are too narrow for a GEMM to do more than read h, and this reads it once."""
     pb, pa = layer.in_proj_b, layer.in_proj_a
-    if not (_plain_projection(pb) and _plain_projection(pa) and pb.weight.dtype == pa.weight.dtype):
+    if (plain_linear_reason("in_proj_b", pb) or plain_linear_reason("in_proj_a", pa)
+            or pb.weight.dtype != pa.weight.dtype):
         return pb(h), pa(h)
     ba = torch.nn.functional.linear(h, torch.cat((pb.weight, pa.weight)))
     return ba.split((pb.out_features, pa.out_features), dim=-1)

@@ -25,7 +25,7 @@ same sequence of module calls (input norm, token mixer, post-attention norm, MLP
 as this transformers version spells it) and two fusions on CUDA sm_90 bf16/fp16 tensors: the mid-layer residual add
 with the post-attention RMSNorm in one kernel (``ops.add_rms_norm``, when ``rms_norms``), and, for the dense MLP
 classes (when ``mlp``), the end-of-layer residual add as ``down_proj``'s GEMM accumulating into the mid-layer sum
-(``addmm_``: one rounding where transformers rounds twice). A part observed by hooks, or not plain (a quantised
+(``addmm_`` with beta = 1; on the H200 cuBLAS's result is bit for bit transformers' add, GPU test). A part observed by hooks, or not plain (a quantised
 ``down_proj``, a projection with a bias, an MoE block), is called as a module, as transformers does.
 
 Explicit, idempotent and restorable: importing this module changes nothing.
@@ -42,6 +42,8 @@ import torch
 
 from flashqla_kernels.gdn_layer import hopper, ops  # hopper imports no tilelang until a kernel runs
 from flashqla_kernels.gdn_layer.layer import gdn_layer_forward, layer_unsupported_reason
+from flashqla_kernels.gdn_layer.layer import hooked as _hooked
+from flashqla_kernels.gdn_layer.layer import plain_linear_reason as _plain_linear_reason
 
 __all__ = ["patch_gdn_layers", "unpatch_gdn_layers", "patched_gdn_layers", "gdn_layers_patched", "GDN_CLASSES",
            "NORM_CLASSES", "MLP_CLASSES", "ATTENTION_CLASSES", "DECODER_CLASSES", "attention_fallback_reason",
@@ -130,23 +132,6 @@ def _mlp_kernel_reason(mlp, x) -> str | None:
     if mlp.gate_proj.out_features % 64:
         return f"intermediate size {mlp.gate_proj.out_features} is not a multiple of 64"
     return ops.glue_kernel_reason(x)
-
-
-def _hooked(module) -> bool:
-    """Whether hooks observe ``module``'s call: torch forward (pre-)hooks, or an accelerate hook (offloading,
-    device placement) that its replaced ``forward`` fires."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or getattr(module, "_hf_hook", None) is not None)
-
-
-def _plain_linear_reason(name: str, proj) -> str | None:
-    """Why reading ``proj.weight`` into a GEMM of our own would not be what calling ``proj`` computes, or None."""
-    if type(proj) is not torch.nn.Linear:  # quantised / LoRA / offloaded projections run their own forward
-        return f"{name} is a {type(proj).__name__}, not a plain nn.Linear"
-    if proj.bias is not None:
-        return f"{name} has a bias"
-    if _hooked(proj):
-        return f"{name} has hooks, which the fused GEMM would skip"
-    return None
 
 
 def _fused_gemm_reason(mlp, x=None) -> str | None:
