@@ -80,6 +80,8 @@ DECODER_CLASSES = (
     ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeDecoderLayer"),
 )
 _MIXERS = {"linear_attention": "linear_attn", "full_attention": "self_attn"}
+_NORM_NAMES = frozenset(c for _, c in NORM_CLASSES)  # checked on every layer call: built once
+_MLP_NAMES = frozenset(c for _, c in MLP_CLASSES)
 _SILU_TYPES = ("SiLU", "SiLUActivation")  # torch.nn.SiLU, transformers' ACT2FN["silu"]
 # The MLP's gate and up projections as one GEMM with the SwiGLU in its epilogue (``ops.swiglu``) where the kernel
 # runs and the projections are plain, hook-free, bias-free nn.Linear; off: two cuBLAS GEMMs and the silu_mul kernel.
@@ -191,7 +193,7 @@ def attention_fallback_reason(attn, hidden_states, position_embeddings, cache) -
             return f"no {name} with a weight"
         if norm._forward_hooks or norm._forward_pre_hooks:
             return f"{name} has hooks, which the fused q/k preparation would skip"
-        if type(norm).__name__ not in {c for _, c in NORM_CLASSES}:
+        if type(norm).__name__ not in _NORM_NAMES:
             return f"{name} is {type(norm).__name__}, not a zero-centred RMSNorm"
     if _norm_eps(attn.q_norm) != _norm_eps(attn.k_norm):
         return "q_norm and k_norm have different eps"
@@ -276,7 +278,7 @@ def _add_norm_reason(norm, residual, h) -> str | None:
     """Why the mid-layer residual add and ``post_attention_layernorm`` stay two steps, or None."""
     if _hooked(norm):
         return "post_attention_layernorm has hooks, which see the sum as its input"
-    if type(norm).__name__ not in {c for _, c in NORM_CLASSES}:
+    if type(norm).__name__ not in _NORM_NAMES:
         return f"post_attention_layernorm is {type(norm).__name__}, not a zero-centred RMSNorm"
     if h.shape != residual.shape or h.dtype != residual.dtype:
         return f"the mixer returns {tuple(h.shape)} {h.dtype} for a {tuple(residual.shape)} {residual.dtype} residual"
@@ -287,7 +289,7 @@ def _add_norm_reason(norm, residual, h) -> str | None:
 def _down_residual_reason(mlp, h, s) -> str | None:
     """Why the end-of-layer residual add stays an add after the MLP's module call (not ``down_proj``'s GEMM
     accumulating into the mid-layer sum ``s``), or None."""
-    if type(mlp).__name__ not in {c for _, c in MLP_CLASSES}:
+    if type(mlp).__name__ not in _MLP_NAMES:
         return f"the MLP is a {type(mlp).__name__}, not a dense gate/up/down MLP"
     if _hooked(mlp):
         return "the MLP has hooks, which see its output"
