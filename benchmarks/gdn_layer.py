@@ -10,22 +10,24 @@ Arms (one run, one process):
                  ``silu(gate) * up`` in its epilogue and the attention layers' q/k norm + RoPE and gate kernels
                  and the decoder layers' residual adds fused into the post-attention norm and ``down_proj``
                  (``patch_gdn_layers``' defaults ``rms_norms=True, mlp=True, attention=True, decoder=True``);
+  ours_op        ``patch_transformers()``: the op patch alone, as a user calls it (automatic backend), transformers'
+                 GDN layer, norms, MLP, attention and decoder layers around our chunk op (no fused layer);
   ours+graph     ``ours`` captured once into a CUDA graph and replayed (same static input ids, the kept outputs are the
                  graph's): what the forward costs with no host launch overhead at all, i.e. how much of the gap
                  between wall time and CUDA time is the host's (the hooks ran at capture);
-  ours+flash     ``ours`` with SDPA restricted to its flash backend: the attention backend's effect (H200, seventh
-                 session: flash 13.1 ms against cuDNN's 5.8 ms a forward, 182 K against 189 K tokens/s). Under graph
+  ours+flash     ``ours`` with SDPA restricted to its flash backend: the attention backend's effect (H200: flash
+                 13.1 ms against cuDNN's 5.8 ms a forward, 182 K against 189 K tokens/s). Under graph
                  capture transformers materialises the causal mask (``is_tracing``), so ``ours+graph``'s attention
                  is cuDNN with a mask (27 ms) and flash, which takes no mask, cannot run there;
   ours+swiglu, ours+silu_mul   ``ours`` with the MLP's gate and up projections in one GEMM with the SwiGLU in its
-                 epilogue (``patch.FUSED_MLP_GEMM`` on, the default), and as two cuBLAS GEMMs + the silu_mul kernel
-                 (off);
+                 epilogue (``patching.mlp.FUSED_MLP_GEMM`` on, the default), and as two cuBLAS GEMMs + the silu_mul
+                 kernel (off);
   ours-decoder   ``ours`` without the decoder-layer patch (``decoder=False``): transformers' decoder forward, its two
                  residual adds as add kernels, against ``ours``' add + post-attention norm kernel and ``down_proj``
                  accumulating into the sum;
   ours+compile   the fused GDN layer left eager (graph breaks there), ``torch.compile`` of the rest of ``model.model``:
                  inductor fuses the MLP / attention-layer / RMSNorm glue (our RMSNorm and MLP kernels not used);
-  qla_op         transformers' layer with our FlashQLA-style chunk op patched in
+  qla_op         transformers' layer with our FlashQLA-style chunk op patched in, the kernels forced
                  (``patch_transformers(backend="tilelang")``);
   fla            transformers' layer as imported: FLA's Triton op when flash-linear-attention is importable;
   torch          transformers' pure-torch op (``__wrapped__``), at ``--torch-batch`` sequences (memory);
@@ -38,14 +40,13 @@ and reductions / copies / elementwise / attention / other; "glue" = everything b
 Usage: first, anywhere with nvcc, ``TILELANG_CACHE_DIR=.tlcache python benchmarks/gdn_layer.py --precompile``; then
 on the GPU (carrying ``.tlcache``, same ``TILELANG_CACHE_DIR``) ``python benchmarks/gdn_layer.py [--arms ours,...]``,
 which writes ``gdn_layer.json`` and ``gdn_layer.md`` to ``--out`` after every arm. ``--tiny`` is a CPU dry run.
-``--gpu-tests`` instead runs every case of ``tests/flashqla_kernels/test_gdn_layer_gpu.py`` as plain function calls
+``--gpu-tests`` instead runs every case of ``tests/flashqla_kernels/test_decoder_gpu.py`` as plain function calls
 (no pytest runner needed on the device) and writes ``gdn_layer_gpu_tests.txt`` (PASS/FAIL per case, printed errors).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import importlib.metadata as md
 import json
 import os
@@ -62,9 +63,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layer_kernels import precompile  # noqa: E402 - the precompile list, in its own module
 
-MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
-ARMS = ("ours", "qla_op", "fla", "torch", "compile", "ours+compile", "ours+graph", "ours+flash", "ours+swiglu",
-        "ours+silu_mul", "ours-decoder")
+ARMS = ("ours", "ours_op", "qla_op", "fla", "torch", "compile", "ours+compile", "ours+graph", "ours+flash",
+        "ours+swiglu", "ours+silu_mul", "ours-decoder")
 ANCHOR_TOKENS_PER_S = {"qla_op": 99.7e3, "fla": 96.9e3, "torch": 41.6e3}  # anchors-h200.md (FlashQLA / FLA / torch)
 CATEGORIES = [  # (bucket, kernel-name pattern), first match wins
     ("elementwise", r"attention_gate_mul"),  # the attention layers' glue kernel, not attention itself
@@ -107,17 +107,19 @@ class Arms:
     """Puts the model in each arm's configuration; ``use(name)`` returns the callable to run (maybe compiled)."""
 
     def __init__(self, model, device: str):
-        import flashqla_kernels  # noqa: F401 (fails early if the package is missing)
+        from transformers.models.qwen3_5 import modeling_qwen3_5
+
+        from flashqla_kernels.patching import mlp as mlp_patch  # fails early if the package is missing
 
         self.model, self.device = model, device
-        self.module = importlib.import_module(MODULE)
+        self.module = modeling_qwen3_5
         self.originals = {n: getattr(self.module, n) for n in ("torch_chunk_gated_delta_rule",
                                                                 "torch_recurrent_gated_delta_rule")}
         closure = self.originals["torch_chunk_gated_delta_rule"].__closure__ or []
         self.has_fla = any(getattr(c.cell_contents, "__module__", "").startswith("fla") for c in closure
                            if callable(c.cell_contents))
         self.backend = "tilelang" if device == "cuda" else None
-        self.fused_mlp_gemm = importlib.import_module("flashqla_kernels.gdn_layer.patch").FUSED_MLP_GEMM
+        self.fused_mlp_gemm = mlp_patch.FUSED_MLP_GEMM
 
     def reason_unavailable(self, name: str) -> str | None:
         if name == "fla" and not self.has_fla:
@@ -129,8 +131,10 @@ class Arms:
         return None
 
     def use(self, name: str):
-        from flashqla_kernels import patch_transformers, unpatch_transformers
-        from flashqla_kernels.gdn_layer import patch as layer_patch
+        from flashqla_kernels.patching import (
+            gdn_layers_patched, patch_gdn_layers, patch_transformers, unpatch_transformers,
+        )
+        from flashqla_kernels.patching import mlp as mlp_patch
 
         unpatch_transformers()
         for n, f in self.originals.items():
@@ -138,16 +142,18 @@ class Arms:
         base = name.removesuffix("+compile")
         # the MLP's gate/up GEMMs: fused with the SwiGLU (+swiglu), two cuBLAS GEMMs + silu_mul (+silu_mul), else the
         # package default
-        layer_patch.FUSED_MLP_GEMM = {"ours+swiglu": True, "ours+silu_mul": False}.get(name, self.fused_mlp_gemm)
+        mlp_patch.FUSED_MLP_GEMM = {"ours+swiglu": True, "ours+silu_mul": False}.get(name, self.fused_mlp_gemm)
         if name in ("ours", "ours+graph", "ours+flash", "ours+swiglu", "ours+silu_mul"):
             patch_transformers(backend=self.backend, fused_layer=True)
         elif name == "ours-decoder":  # transformers' decoder forward: its residual adds as two add kernels
             patch_transformers(backend=self.backend)
-            layer_patch.patch_gdn_layers(self.backend, decoder=False)
+            patch_gdn_layers(self.backend, decoder=False)
         elif name == "ours+compile":
             # the norms, the MLP and the attention glue are left to inductor here: compilation against hand fusion
             patch_transformers(backend=self.backend)
-            layer_patch.patch_gdn_layers(self.backend, rms_norms=False, mlp=False, attention=False)
+            patch_gdn_layers(self.backend, rms_norms=False, mlp=False, attention=False)
+        elif name == "ours_op":  # the op patch as a user calls it: the automatic backend
+            patch_transformers()
         elif base in ("qla_op", "compile"):
             patch_transformers(backend=self.backend)
         elif base == "torch":
@@ -158,7 +164,7 @@ class Arms:
         # Leave our kernels eager: dynamo breaks the graph around them and compiles the rest.
         for n in self.originals:
             setattr(self.module, n, torch.compiler.disable(getattr(self.module, n)))
-        if layer_patch.gdn_layers_patched():
+        if gdn_layers_patched():
             cls = self.module.Qwen3_5GatedDeltaNet
             cls.forward = torch.compiler.disable(cls.forward)
         return torch.compile(self.model.model)
@@ -310,7 +316,7 @@ def write(out: Path, result: dict) -> None:
              f"torch {v['torch']}, transformers {v['transformers']}, triton {v['triton']}, tilelang {v['tilelang']}, "
              f"fla {v['fla-core'] or v['flash-linear-attention']}, commit {v['commit']}. Model: {result['model']}; "
              f"{result['batch']} x {result['seqlen']} tokens per forward, use_cache=False, every decoder-layer output "
-             "kept by a hook. Bar (issue 7): ours >= 2x qla_op, glue <= 25% of CUDA time.", "",
+             "kept by a hook. Bar: ours >= 2x qla_op, glue <= 25% of CUDA time.", "",
              "| arm | tokens/s | ms/forward | x qla_op | CUDA ms | glue % | " + " | ".join(buckets) + " |",
              "|---|---|---|---|---|---|" + "---|" * len(buckets)]
     qla = next((r["tokens_per_s"] for r in result["arms"] if r["arm"] == "qla_op" and "tokens_per_s" in r), None)
@@ -376,10 +382,12 @@ def run_gpu_tests(out: Path, only: str = "") -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import plain_tests
 
+    plain_tests.install_pytest_stand_in()  # before the test module's marks run
+    from tests.flashqla_kernels import test_decoder_gpu as gpu_tests
+
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    name = "tests.flashqla_kernels.test_gdn_layer_gpu"
-    return plain_tests.run_module(name, out / "gdn_layer_gpu_tests.txt",
-                                  f"# {name} on {gpu} (commit {versions('cpu')['commit']})", only,
+    return plain_tests.run_module(gpu_tests, out / "gdn_layer_gpu_tests.txt",
+                                  f"# {gpu_tests.__name__} on {gpu} (commit {versions('cpu')['commit']})", only,
                                   before_each=lambda: torch.manual_seed(0))
 
 
@@ -395,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="CPU dry run of every code path on a tiny model")
     parser.add_argument("--precompile", action="store_true", help="only fill the TileLang cache (CPU is enough)")
     parser.add_argument("--jobs", type=int, default=1, help="processes for --precompile")
-    parser.add_argument("--gpu-tests", action="store_true", help="only run the GDN-layer GPU tests (plain calls)")
+    parser.add_argument("--gpu-tests", action="store_true", help="only run the decoder GPU tests (plain calls)")
     parser.add_argument("--only", default="", help="with --gpu-tests: comma-separated substrings of the case ids")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also profile N forwards of each arm: GPU idle, its gaps and the host op at each")

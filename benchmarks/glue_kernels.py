@@ -1,4 +1,4 @@
-"""The GDN layer's glue kernels alone on the H200, against the memory floor, with their CTA-shape variants.
+"""The decoder's glue kernels alone on the H200, against the memory floor, with their CTA-shape variants.
 
 Each kernel runs on one layer's tensors of the Qwen3.5-2B-shaped forward of ``gdn_layer.py`` (8 x 4096 tokens):
 the conv + gates stage (Hk = Hv = 16, K = V = 128, conv width 4), the decoder RMSNorm (2048 channels), the gated
@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from topk_encode import time_ms  # noqa: E402 - CUDA-event median, shared by the benchmarks
 
-GLUE = "flashqla_kernels.gdn_layer.hopper."
 B, T, HK, HV, D, KC, D_MODEL, D_FF = 8, 4096, 16, 16, 128, 4, 2048, 6144
 H_ATT, HKV_ATT, D_ATT, R_ATT = 8, 2, 256, 64
 BF16 = "bfloat16"
-# (stage, module, builder, builder args): the default specialisation first, then the variants
+# (stage, module of flashqla_kernels.decoder.hopper, builder, builder args): the default specialisation first, then
+# the variants
 VARIANTS = [
     # the launcher's default: the pipelined conv, 4 tiles of 32 tokens a CTA (BT, threads, tiles[, stages])
     ("conv", "conv_gates", "build_conv_qkv_gates", (HK, HV, D, KC, BF16, False, False, 32, 128, 4)),
@@ -52,11 +52,12 @@ VARIANTS = [
 
 
 def _compile(module: str, builder: str, args: tuple):
-    import importlib
+    from flashqla_kernels import toolkit
+    from flashqla_kernels.decoder.hopper import attn_glue, conv_gates, gated_norm, rms_norm, silu_mul
 
-    from flashqla_kernels.gated_delta_rule.hopper import _common
-
-    return _common.compile_kernel(getattr(importlib.import_module(GLUE + module), builder), *args)
+    modules = {"attn_glue": attn_glue, "conv_gates": conv_gates, "gated_norm": gated_norm, "rms_norm": rms_norm,
+               "silu_mul": silu_mul}
+    return toolkit.compile_kernel(getattr(modules[module], builder), *args)
 
 
 def _inputs(stage: str) -> tuple[list[torch.Tensor], int]:

@@ -1,10 +1,9 @@
-"""Which TileLang kernels ``gdn_layer.py`` and the GDN-layer GPU tests compile: the precompile list of the whole-model
+"""Which TileLang kernels ``gdn_layer.py`` and the decoder GPU tests compile: the precompile list of the whole-model
 benchmark (the chunk kernels of the default and base paths, every glue specialisation), compiled on a CPU box with
 nvcc into TileLang's cache so the device loads them instead of JIT-compiling (``gdn_layer.py --precompile``).
 """
 from __future__ import annotations
 
-import importlib
 import sys
 from pathlib import Path
 
@@ -17,11 +16,11 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
     import chunk_kernels
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.flashqla_kernels import test_gdn_layer_gpu as gpu_tests
+    from tests.flashqla_kernels import test_decoder_gpu as gpu_tests
 
-    from flashqla_kernels.gdn_layer.hopper import conv_gates, swiglu_gemm
+    from flashqla_kernels.decoder.hopper import conv_gates, swiglu_gemm
 
-    glue = "flashqla_kernels.gdn_layer.hopper."
+    glue = "flashqla_kernels.decoder.hopper."
     bf16, names = "bfloat16", {torch.bfloat16: "bfloat16", torch.float16: "float16"}
     specs = []
     # the chunk kernels of the package default and the base path: the benchmark (Hv = 16; 1 and 8 sequences) and
@@ -68,12 +67,26 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
     return list(dict.fromkeys(specs))
 
 
-def _compile_spec(spec: tuple[str, str, tuple]) -> str:
-    from flashqla_kernels.gated_delta_rule.hopper import _common
+def _glue_modules() -> dict:
+    """The decoder's kernel modules by dotted name (importing them imports tilelang)."""
+    from flashqla_kernels.decoder.hopper import attn_glue, conv_gates, gated_norm, rms_norm, silu_mul, swiglu_gemm
 
+    return {m.__name__: m for m in (attn_glue, conv_gates, gated_norm, rms_norm, silu_mul, swiglu_gemm)}
+
+
+def _compile_spec(spec: tuple[str, str, tuple]) -> str:
     module, builder, args = spec
+    glue = _glue_modules()
+    if module not in glue:  # a chunk kernel: compiled as chunk_kernels compiles its stages
+        import chunk_kernels
+
+        stage = next(s for s, target in chunk_kernels.STAGE_BUILDERS.items() if target == (module, builder))
+        _, _, err = chunk_kernels.build_one((stage, args))
+        return f"{builder}{args}: {err[:200]}" if err else ""
+    from flashqla_kernels import toolkit
+
     try:
-        _common.compile_kernel(getattr(importlib.import_module(module), builder), *args)
+        toolkit.compile_kernel(getattr(glue[module], builder), *args)
         return ""
     except Exception as err:  # report and go on: one broken specialisation must not stop the others
         return f"{builder}{args}: {type(err).__name__}: {str(err)[:200]}"

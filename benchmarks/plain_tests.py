@@ -1,6 +1,9 @@
 """Run a pytest module's test functions as plain calls, on a host where pytest may be missing (the GPU machine's
 bare image): parametrize marks expanded, a minimal ``monkeypatch``, ``pytest.skip`` reported as SKIP and
 ``pytest.xfail`` as XFAIL, each case's printed lines kept, PASS / SKIP / XFAIL / FAIL per case written to a file.
+
+Call ``install_pytest_stand_in()`` before importing the test module (its ``pytest.mark`` decorators run at import),
+then ``run_module(module, ...)``.
 """
 from __future__ import annotations
 
@@ -62,19 +65,20 @@ class MonkeyPatch:
         self._undo.clear()
 
 
-def run_module(module_name: str, out_file: Path, header: str, only: str = "", before_each=None) -> int:
-    """Import ``module_name`` (with a stand-in ``pytest.mark`` when pytest is missing), run every case (or those whose
-    id contains one of the comma-separated ``only`` substrings) and write PASS / SKIP / FAIL lines under ``header``
-    to ``out_file``; ``before_each()`` runs before each case (e.g. seeding). Returns the number of failures."""
+def install_pytest_stand_in() -> None:
+    """Make ``import pytest`` give a stand-in with ``pytest.mark`` where pytest is not installed (no-op where it is)."""
     try:
         import pytest  # noqa: F401
     except ImportError:
         import types
 
         sys.modules["pytest"] = types.SimpleNamespace(mark=MarkFactory())
-    import importlib
 
-    module = importlib.import_module(module_name)
+
+def run_module(module, out_file: Path, header: str, only: str = "", before_each=None) -> int:
+    """Run every case of the imported test ``module`` (or those whose id contains one of the comma-separated ``only``
+    substrings) and write PASS / SKIP / FAIL lines under ``header`` to ``out_file``; ``before_each()`` runs before
+    each case (e.g. seeding). Returns the number of failures."""
     lines, failures = [header], 0
     keys = [x for x in only.split(",") if x]
     for case_id, fn, kwargs in test_cases(module):

@@ -34,7 +34,7 @@ import torch
 ROOT = str(Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, ROOT)
-from flashqla_kernels.gdn_layer.hopper.swiglu_gemm import (  # noqa: E402
+from flashqla_kernels.decoder.hopper.swiglu_gemm import (  # noqa: E402
     DEFAULT_CONFIG, build_swiglu_gemm, builder_args, swiglu_gemm, swiglu_reference)
 
 M, K, N = 32768, 2048, 6144
@@ -51,7 +51,8 @@ VARIANTS = [
     ("grid s4 p16", replace(DEFAULT_CONFIG, persistent=False)),
     ("grid s3 p8", replace(DEFAULT_CONFIG, persistent=False, stages=3, panel=8)),
 ]
-# The GPU tests' specialisations of the default config (tests/flashqla_kernels/test_swiglu_gemm.py): (N, K, dtype)
+# The GPU tests' specialisations of the default config (tests/flashqla_kernels/test_decoder_hopper_swiglu_gemm.py):
+# (N, K, dtype)
 TEST_SHAPES = [(6144, 2048, "bfloat16"), (6144, 2048, "float16"), (256, 128, "bfloat16"), (256, 128, "float16")]
 ROUNDS, REPS, WARMUP = 10, 10, 5
 CHECK_ROWS = 1024
@@ -66,11 +67,11 @@ def specialisations(sms: int = H200_SMS) -> list[tuple]:
 
 
 def precompile(sms: int) -> int:
-    from flashqla_kernels.gated_delta_rule.hopper._common import compile_kernel
+    from flashqla_kernels import toolkit
 
     specs = specialisations(sms)
     for args in specs:
-        compile_kernel(build_swiglu_gemm, *args)
+        toolkit.compile_kernel(build_swiglu_gemm, *args)
     return len(specs)
 
 
@@ -82,7 +83,7 @@ def arms(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> dict:
     """name -> a call. On CPU (the dry run) torch stands in for the silu_mul kernel and the fused kernels."""
     on_gpu = x.is_cuda
     if on_gpu:
-        from flashqla_kernels.gdn_layer.hopper.silu_mul import silu_mul
+        from flashqla_kernels.decoder.hopper.silu_mul import silu_mul
     else:
         def silu_mul(g, u):
             return (torch.nn.functional.silu(g.float()) * u.float()).to(g.dtype)

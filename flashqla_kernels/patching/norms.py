@@ -1,0 +1,35 @@
+"""The families' zero-centred RMSNorms (decoder, final and q/k norms) on the one-pass kernel.
+
+The replacement runs ``ops.rms_norm``'s kernel on CUDA sm_90 bf16/fp16 tensors of a multiple of 64 channels and
+transformers' own forward otherwise (off Hopper, in fp32, with grad), so off the kernel nothing changes.
+"""
+from __future__ import annotations
+
+from flashqla_kernels.decoder import ops
+from flashqla_kernels.patching import families, registry
+
+__all__ = ["ROLE", "GROUP", "NORM_NAMES", "make_forward", "norm_eps", "is_zero_centred_norm"]
+
+ROLE, GROUP = "norm", "norms"
+NORM_NAMES = families.class_names(ROLE)  # checked on every layer call: built once
+
+
+def norm_eps(norm) -> float:
+    """A norm module's epsilon (``eps`` or ``variance_epsilon``; 1e-6 where it has neither)."""
+    return float(getattr(norm, "eps", getattr(norm, "variance_epsilon", 1e-6)))
+
+
+def is_zero_centred_norm(module) -> bool:
+    """Whether ``module`` is one of the families' zero-centred RMSNorms (by class name)."""
+    return type(module).__name__ in NORM_NAMES
+
+
+def make_forward(original, backend: str | None):
+    """The RMSNorm forward replacing ``original``: the kernel where it runs, else transformers'."""
+    def forward(self, hidden_states):
+        if backend != "torch" and ops.glue_kernel_reason(hidden_states) is None and hidden_states.shape[-1] % 64 == 0:
+            return ops.rms_norm(hidden_states, self.weight, self.eps, backend=backend)
+        return original(self, hidden_states)
+
+    forward.__doc__ = f"flashqla_kernels RMSNorm (backend={backend!r}): the kernel on sm_90, else transformers'."
+    return registry.mark(forward, backend, original)

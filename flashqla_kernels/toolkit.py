@@ -1,0 +1,92 @@
+"""The one TileLang toolkit every kernel of the project builds with: the sm_90a target, pass configs, TileLang's dtype
+names, the compile cache, and output allocation that tests can poison with NaN.
+
+A kernel module defines ``build_<name>(*ints_and_dtype_names) -> prim_func`` and its launcher calls
+``compile_kernel(build_<name>, *args)``: compiled once per argument tuple per process (and TileLang's disk cache
+across processes). Compiling needs nvcc but no GPU, so CI on a CPU machine builds every kernel.
+
+Importing this module does not import tilelang (the kernels' modules do, on their first call), so the dispatcher and
+the public ops can import it anywhere.
+
+Example:
+    >>> from flashqla_kernels import toolkit
+    >>> kernel = toolkit.compile_kernel(build_rms_norm, 2048, toolkit.tl_dtype(torch.bfloat16), 1e-6)
+    >>> y = toolkit.empty_like(x)                # NaN-filled inside ``with toolkit.poisoned_outputs():``
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+
+__all__ = ["TARGET", "LOG2E", "tl_dtype", "pass_configs", "compile_kernel", "poisoned_outputs", "empty", "empty_like"]
+
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+LOG2E = 1.4426950408889634
+
+_TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_poison = False
+
+
+def tl_dtype(dtype: torch.dtype) -> str:
+    """TileLang's name for a torch dtype (bfloat16, float16 or float32).
+
+    Raises:
+        ValueError: for any other dtype.
+    """
+    try:
+        return _TORCH_TO_TL[dtype]
+    except KeyError:
+        raise ValueError(f"no TileLang kernel takes {dtype}; expected one of {tuple(_TORCH_TO_TL)}") from None
+
+
+def pass_configs(fast_math: bool = True) -> dict:
+    """The pass configs every kernel compiles with; ``fast_math`` (default on) maps exp2 / rsqrt to the fast
+    hardware instructions, which the kernels' error budgets assume."""
+    import tilelang
+
+    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: fast_math}
+
+
+def compile_kernel(builder: Callable, *args):
+    """Compile ``builder(*args)`` for sm_90a once per argument tuple; returns the callable JIT kernel.
+
+    A builder may carry a ``pass_configs`` dict attribute that overrides the defaults of :func:`pass_configs`.
+    """
+    return _compile_cached(builder, tuple(args))
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_cached(builder: Callable, args: tuple):
+    import tilelang
+    from tvm.target import Target
+
+    configs = {**pass_configs(), **getattr(builder, "pass_configs", {})}
+    return tilelang.compile(builder(*args), target=Target(TARGET), pass_configs=configs)
+
+
+@contextlib.contextmanager
+def poisoned_outputs() -> Iterator[None]:
+    """Inside, every kernel output is allocated filled with NaN (integers with -1), so a test proves each element is
+    written. Restores the previous setting on exit."""
+    global _poison
+    previous, _poison = _poison, True
+    try:
+        yield
+    finally:
+        _poison = previous
+
+
+def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.empty`` for a kernel's output (NaN / -1 filled under :func:`poisoned_outputs`)."""
+    if _poison:
+        fill = float("nan") if dtype.is_floating_point else -1
+        return torch.full(tuple(shape), fill, dtype=dtype, device=device)
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def empty_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A contiguous output with ``x``'s shape and device (and ``dtype`` or x's), poisoned as :func:`empty`."""
+    return empty(x.shape, dtype or x.dtype, x.device)

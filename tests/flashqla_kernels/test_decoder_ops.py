@@ -1,0 +1,70 @@
+"""The decoder's glue ops (``flashqla_kernels.decoder.ops``) dispatch through ``flashqla_kernels.dispatch``: off Hopper
+the torch formulation runs, and a forced kernel raises the reason."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashqla_kernels.decoder import ops
+
+
+def test_dispatch_uses_torch_off_hopper_and_forced_kernels_raise_the_reason():
+    B, T, Hk, Hv, D = 1, 5, 2, 4, 16
+    qkv = torch.randn(B, T, (2 * Hk + Hv) * D, dtype=torch.bfloat16)
+    a, b = torch.randn(B, T, Hv, dtype=torch.bfloat16), torch.randn(B, T, Hv, dtype=torch.bfloat16)
+    w = torch.randn((2 * Hk + Hv) * D, 4, dtype=torch.bfloat16)
+    A_log, dt_bias = torch.zeros(Hv), torch.zeros(Hv)
+    assert "CUDA" in ops.glue_kernel_reason(qkv)
+    q, k, v, g, beta = ops.conv_qkv_gates(qkv, w, None, a, b, A_log, dt_bias, Hk=Hk, K=D, Hv=Hv, V=D)
+    assert q.dtype == torch.bfloat16 and g.dtype == torch.float32
+    torch.testing.assert_close(q.float().norm(dim=-1), torch.ones(B, T, Hk), atol=1e-2, rtol=0)
+    with pytest.raises(ValueError, match="cannot run conv_qkv_gates on these inputs: tensors are on cpu"):
+        ops.conv_qkv_gates(qkv, w, None, a, b, A_log, dt_bias, Hk=Hk, K=D, Hv=Hv, V=D, backend="tilelang")
+    with pytest.raises(ValueError, match="cannot run gated_norm on these inputs"):
+        ops.gated_norm(v, v, torch.ones(D), 1e-6, backend="tilelang")
+    with pytest.raises(ValueError, match="cannot run rms_norm on these inputs"):
+        ops.rms_norm(v, torch.zeros(D), 1e-6, backend="tilelang")
+    torch.testing.assert_close(ops.rms_norm(v.float(), torch.zeros(D), 1e-6).pow(2).mean(-1),
+                               torch.ones(v.shape[:-1]), atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="cannot run silu_mul on these inputs: tensors are on cpu"):
+        ops.silu_mul(v, v, backend="tilelang")
+    assert torch.equal(ops.silu_mul(v, v), (torch.nn.functional.silu(v.float()) * v.float()).bfloat16())
+    with pytest.raises(ValueError, match="backend must be None"):
+        ops.gated_norm(v, v, torch.ones(D), 1e-6, backend="triton")
+    # the attention gate on SDPA's head-major output: torch off Hopper (the transpose, then the gate), the reason when
+    # the kernel is forced
+    attn, qg = torch.randn(2, 3, 5, 8, dtype=torch.bfloat16), torch.randn(2, 5, 3, 16, dtype=torch.bfloat16)
+    want = attn.transpose(1, 2).reshape(2, 5, 24) * torch.sigmoid(qg[..., 8:].reshape(2, 5, 24))
+    assert torch.equal(ops.gate_mul_head_major(attn, qg), want)
+    with pytest.raises(ValueError, match="cannot run gate_mul_head_major on these inputs: tensors are on cpu"):
+        ops.gate_mul_head_major(attn, qg, backend="tilelang")
+    pytest.importorskip("tilelang")
+    from flashqla_kernels.decoder.hopper import attn_glue
+
+    with pytest.raises(ValueError, match=r"qg must be \[B, L, H, 2 D\] = \(2, 5, 3, 16\)"):
+        attn_glue.gate_mul_head_major(attn, qg[:, :4])  # the launcher checks shapes before any kernel is built
+
+
+def test_every_stage_asks_the_dispatcher_with_the_grad_check_last(monkeypatch):
+    """As on an H200 (the device verifier passing): a bf16 input that requires grad takes the differentiable torch
+    path with backend=None, and a forced kernel names the grad; the decision functions say the same."""
+    from flashqla_kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "hopper_reason", lambda *tensors: None)
+    x = torch.randn(3, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.zeros(64)
+    y = ops.rms_norm(x, w, 1e-6)
+    assert y.requires_grad and torch.equal(y, ops.torch_path.rms_norm_zero_centred(x, w, 1e-6))
+    with pytest.raises(ValueError, match="cannot run rms_norm on these inputs: an input requires grad"):
+        ops.rms_norm(x, w, 1e-6, backend="tilelang")
+    assert ops.glue_kernel_reason(x) == dispatch.grad_reason(x)
+    with torch.no_grad():
+        assert ops.glue_kernel_reason(x) is None
+    o = torch.randn(1, 2, 4, 96, dtype=torch.bfloat16)
+    decision = ops.gated_norm_decision(o, o)
+    assert not decision.kernel and "head dim V=96 unsupported" in decision.reasons[0]
+    qkv = torch.randn(1, 2, 8 * 128, dtype=torch.bfloat16)
+    a = torch.randn(1, 2, 4, dtype=torch.bfloat16)
+    assert ops.conv_qkv_gates_decision(qkv, a, a, Hk=2, K=128, Hv=4, V=128, Kc=4).kernel
+    assert "conv width 9" in ops.conv_qkv_gates_decision(qkv, a, a, Hk=2, K=128, Hv=4, V=128, Kc=9).reasons[0]
+    assert "dtype torch.float32 unsupported by the glue kernels" in ops.dtype_reason(qkv.float())
