@@ -11,26 +11,20 @@
 # each) and, when an earlier call brought it back, .tlc_dev/triton_cache.tar.xz. Every call returns both caches as
 # $OUT/cache.tar.xz (now with FlashQLA's JIT kernels too) and $OUT/triton_cache.tar.xz (FLA's compiled Triton
 # kernels, when under 8 MB): copy them into .tlc_dev/ for the next call. Phases:
-#   gdn-segments the context-parallel rows of gdn-bench (GDN_CONFIGS, default 0,2,3,5,6) once per forced segment length
-#                (FLASHQLA_KERNELS_SEGMENT_CHUNKS in GDN_SEGMENTS, default "16 32 64 128"; 0 = no split), results in
-#                segments-N/; GDN_SEGMENT_S limits each
-#   gdn-tests    the Gated DeltaNet GPU suite: default launcher (variants.DEFAULT_VARIANT), then each other variant of
-#                variants.ALL_VARIANTS in its own pytest process
-#   gdn-bench    benchmarks/gdn_forward.py, every variant, stages timed alone too (narrow with GDN_VARIANTS=ws16,...
-#                and GDN_CONFIGS=0,7,8,9; GDN_BENCH_ARGS="--skip-fla --skip-torch" times ours and FlashQLA only;
-#                GDN_TESTS_S / GDN_BENCH_S override the phase limits; GDN_TEST_VARIANTS narrows gdn-tests;
-#                gdn-bench:0,1,2 runs those configs, e.g. half the suite per GPU of a --split, joined afterwards by
-#                gdn_forward.py --merge)
+#   gdn-tests    the Gated DeltaNet GPU suite (the launcher and the public op against the float64 reference)
+#   gdn-bench    benchmarks/gdn_forward.py: the public op beside FLA and FlashQLA (GDN_CONFIGS=0,7,8,9 narrows it;
+#                GDN_BENCH_ARGS="--skip-fla --skip-torch" times ours and FlashQLA only; gdn-bench:0,1,2 runs those
+#                configs, e.g. half the suite per GPU of a --split, joined afterwards by gdn_forward.py --merge)
+#   encode-tests the fused TopK SAE encode's GPU tests (tests/saes, marker gpu)
 #   encode       benchmarks/topk_encode.py (fused TopK SAE encode vs torch)
 #   collect      benchmarks/collect_throughput.py (bare forward / capture / SAE codes; ours vs FLA vs torch GDN)
-#   layer-tests  benchmarks/gdn_layer.py --gpu-tests (the fused GDN layer against transformers' layer; LAYER_TESTS_ONLY=
+#   layer-tests  benchmarks/gdn_layer.py --gpu-tests (the fused decoder against transformers' layers; LAYER_TESTS_ONLY=
 #                silu_mul,mlp runs only the cases whose ids contain one of those)
-#   layer        benchmarks/gdn_layer.py, every arm (ours, qla_op, fla, torch, compile, ours+compile); LAYER_PROFILE=N
-#                also profiles N forwards of each arm (GPU idle, its gaps and the host op at each, sync sites)
+#   layer        benchmarks/gdn_layer.py, every arm (ours, ours_op, qla_op, fla, torch, compile, ours+compile);
+#                LAYER_PROFILE=N also profiles N forwards of each arm
 #   collect-profile  benchmarks/collect_profile.py: torch.profiler of (a) and a steady (c1) step: GPU idle, blocking calls
-#   glue         benchmarks/glue_kernels.py: each glue kernel (and its CTA-shape variants) alone against the copy floor
+#   glue         benchmarks/glue_kernels.py: each glue kernel alone against the copy floor
 #   swiglu       the fused gate/up GEMM with the SwiGLU epilogue: its GPU tests, then benchmarks/swiglu_gemm.py
-#   ws-trace     benchmarks/gdn_ws_trace.py: clock64 timeline of the default fused stage's chunk step
 set -o pipefail
 export PYTHONUNBUFFERED=1 FLA_FLASH_QLA=0 TILELANG_CACHE_DIR=/tmp/tlcache TRITON_CACHE_DIR=/tmp/triton_cache
 export PYTHONPATH=/tmp/site:/tmp/pyt:$PWD
@@ -38,7 +32,7 @@ OUT=${OUT:-/tmp/h200-out}
 mkdir -p "$OUT" /tmp/site /tmp/pyt /tmp/tlcache /tmp/triton_cache
 t0=$(date +%s)
 [ -d /tmp/site/tilelang ] || tar xJf .gpudeps/site.tar.xz -C /tmp/site || exit 1
-[ -f /tmp/pyt/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+[ -f /tmp/pyt/.done ] || [ ! -d .whl ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/pyt .whl/*.whl && touch /tmp/pyt/.done; } || exit 1
 # TLC_ARCHIVE: a smaller archive of only the kernels of this call's phases (the carry limit is 64 MiB in all)
 tlc=${TLC_ARCHIVE:-.tlc_dev/cache.tar.xz}
@@ -72,17 +66,8 @@ phase() {  # phase NAME SECONDS COMMAND...: run with a limit, tee to $OUT/NAME.l
 }
 
 gdn_tests() {
-    python3 benchmarks/gdn_forward.py --variants all --precompile 14 --precompile-only
-    python3 -m pytest -q --timeout 300 -p no:cacheprovider tests/flashqla_kernels/test_hopper_gpu.py \
+    python3 -m pytest -q -rfE --timeout 300 -p no:cacheprovider tests/flashqla_kernels/test_hopper_gpu.py \
         tests/flashqla_kernels/test_dispatch_gpu.py
-    # every other variant of variants.ALL_VARIANTS, or the comma-separated GDN_TEST_VARIANTS
-    local names=${GDN_TEST_VARIANTS:-$(python3 -c "from flashqla_kernels.gated_delta_rule.hopper import variants as v
-print(','.join(x for x in v.ALL_VARIANTS if x != v.DEFAULT_VARIANT))")}
-    for v in ${names//,/ }; do
-        echo "== variant $v"
-        FLASHQLA_TEST_VARIANTS=$v timeout "${VARIANT_TEST_S:-120}" python3 -m pytest -q --timeout 60 --timeout-method thread \
-            -p no:cacheprovider -m gpu tests/flashqla_kernels/test_hopper_variants.py 2>&1 | tail -15
-    done
 }
 
 export -f gdn_tests
@@ -103,13 +88,10 @@ for p in "$@"; do
         gdn-tests) phase gdn-tests "${GDN_TESTS_S:-330}" gdn_tests ;;
         gdn-bench|gdn-bench:*)  # gdn-bench:0,1,2 names the configs of this GPU (a --split half of the suite)
                    cfg=${p#gdn-bench}; cfg=${cfg#:}
-                   phase gdn-bench "${GDN_BENCH_S:-420}" python3 benchmarks/gdn_forward.py --variants "${GDN_VARIANTS:-all}" \
+                   phase gdn-bench "${GDN_BENCH_S:-420}" python3 benchmarks/gdn_forward.py \
                        --configs "${cfg:-${GDN_CONFIGS:-}}" --stages --precompile 14 --out "$OUT" ${GDN_BENCH_ARGS:-} ;;
-        gdn-segments) for seg in ${GDN_SEGMENTS:-16 32 64 128}; do  # the context-parallel rows at forced segment lengths
-                          FLASHQLA_KERNELS_SEGMENT_CHUNKS=$seg phase "gdn-segments-$seg" "${GDN_SEGMENT_S:-60}" \
-                              python3 benchmarks/gdn_forward.py --variants default --configs "${GDN_CONFIGS:-0,2,3,5,6}" \
-                              --skip-fla --skip-torch --out "$OUT/segments-$seg"
-                      done ;;
+        encode-tests) phase encode-tests "${ENCODE_TESTS_S:-240}" python3 -m pytest -q -rfE --timeout 200 -p no:cacheprovider \
+                          -m gpu tests/saes ;;
         encode) phase encode "${ENCODE_S:-240}" python3 benchmarks/topk_encode.py --precompile 14 --out "$OUT" ;;
         collect) phase collect "${COLLECT_S:-420}" python3 benchmarks/collect_throughput.py --out "$OUT" --steps 3 \
                      --budget-s "$(( ${COLLECT_S:-420} - 60 ))" ;;
@@ -119,9 +101,8 @@ for p in "$@"; do
                              --steps "${PROFILE_STEPS:-5}" ;;
         glue) phase glue "${GLUE_S:-120}" python3 benchmarks/glue_kernels.py --out "$OUT" ;;
         swiglu) phase swiglu "${SWIGLU_S:-240}" bash -c "python3 -m pytest -q -rA --timeout 120 -p no:cacheprovider -m gpu \
-                    tests/flashqla_kernels/test_swiglu_gemm.py; python3 benchmarks/swiglu_gemm.py --out $OUT" ;;
-        ws-trace) phase ws-trace "${TRACE_S:-120}" python3 benchmarks/gdn_ws_trace.py --out "$OUT" ;;
-        layer) phase layer "${LAYER_S:-400}" python3 benchmarks/gdn_layer.py --arms "${LAYER_ARMS:-ours,qla_op,fla,torch,compile,ours+compile}" \
+                    tests/flashqla_kernels/test_decoder_hopper_swiglu_gemm.py; python3 benchmarks/swiglu_gemm.py --out $OUT" ;;
+        layer) phase layer "${LAYER_S:-400}" python3 benchmarks/gdn_layer.py --arms "${LAYER_ARMS:-ours,ours_op,qla_op,fla,torch,compile,ours+compile}" \
                    --profile "${LAYER_PROFILE:-0}" --out "$OUT" ;;
         *) echo "unknown phase $p" | tee -a "$OUT/phases.log" ;;
     esac

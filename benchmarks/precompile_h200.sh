@@ -28,11 +28,10 @@ if [ "$set_name" = layer ]; then
 fi
 py=.venv/bin/python
 quiet() { grep -v ' \[TileLang:.*INFO' || true; }
-[ "$set_name" = layer ] || $py benchmarks/gdn_forward.py --variants all --precompile "$jobs" --precompile-only --sms 132 2>&1 | quiet
+[ "$set_name" = layer ] || $py benchmarks/gdn_forward.py --precompile "$jobs" --precompile-only --sms 132 2>&1 | quiet
 $py benchmarks/topk_encode.py --precompile "$jobs" --precompile-only 2>&1 | quiet
 $py benchmarks/collect_throughput.py --precompile 2>&1 | quiet
 $py benchmarks/gdn_layer.py --precompile --jobs "$jobs" 2>&1 | quiet
-[ "$set_name" = layer ] || $py benchmarks/gdn_ws_trace.py --precompile 2>&1 | quiet
 $py benchmarks/glue_kernels.py --precompile 2>&1 | quiet
 $py benchmarks/swiglu_gemm.py --precompile 2>&1 | quiet
 rm -rf "$TILELANG_CACHE_DIR"/*/*/.staging
