@@ -6,9 +6,8 @@ Arms, per GDN backend (ours = ``flashqla_kernels.patch_transformers(backend="til
 ``collect`` uses by itself on Hopper; FLA = transformers with
 flash-linear-attention importable, torch = transformers' pure-torch ``torch_chunk_gated_delta_rule``):
   (a) bare forward of the text model, called as ``collect`` calls it (no hooks, no lm_head, the per-layer-type mask
-      mapping of ``adapter.unpadded_masks()`` that spares transformers' packed-sequence check and its device sync;
-      until the seventh session a plain ``model.model(input_ids=...)``, whose sync a forward left FLA's and the torch
-      path's host-heavy forwards 6-17% slower than their own collection steps);
+      mapping of ``adapter.unpadded_masks()`` that spares transformers' packed-sequence check and its device sync:
+      with that sync, FLA's and the torch path's host-heavy forwards ran 6-17% slower than their own collection steps);
   (b) ``collect`` of all 24 ``resid_post`` points, dense bf16, into the store on local disk (fsync per shard);
   (c1) ``collect`` of SAE codes (32K wide, k = 100) at layer 23 (the whole forward runs), codes written;
   (c24) the same at all 24 layers.
@@ -18,8 +17,8 @@ Encode backend: ``saes.fused_encode`` (TileLang on sm_90); the ``*-torch-encode`
 and the final fsync included: "end to end"). For the code arms also the steady state a long run converges to: one
 more ``collect`` call of ``n + 2`` steps (n = ``--steady-steps``) timing each step as it reaches the host
 (``collect(on_step=...)``), and ms/step = the mean interval between steps 2 and n + 2 (the store set-up, the pipeline
-filling and the final drain fall outside it). Until the seventh session this was the difference of two calls' wall
-times, which the per-call costs made noisy (a (c24) "steady" MFU of 125% in one run). (a) is a steady-state measure
+filling and the final drain fall outside it), not the difference of two calls' wall times, which the per-call costs
+make noisy (a (c24) "steady" MFU of 125% in one run). (a) is a steady-state measure
 itself (warm-up excluded), so the bar (c1) >= 90% of (a) compares steady states; both are reported. MFU = (model FLOPs + SAE-encode FLOPs) x tokens/s /
 the bf16 matmul peak measured in the same run.
 
@@ -36,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import importlib.metadata as md
 import inspect
 import json
@@ -69,7 +67,6 @@ def _bare_qwen_scope_package() -> None:
 _bare_qwen_scope_package()
 
 B, T, D_SAE, K, D_MODEL, N_LAYERS, DEVICE = 8, 4096, 32768, 100, 2048, 24, "cuda"
-GDN_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
 
 
 def model_config(tiny: bool = False):
@@ -124,7 +121,9 @@ class Backends:
     """Switch transformers' Qwen3.5 GDN op between ours, FLA and the pure-torch path (module global swap)."""
 
     def __init__(self):
-        self.module = importlib.import_module(GDN_MODULE)
+        from transformers.models.qwen3_5 import modeling_qwen3_5
+
+        self.module = modeling_qwen3_5
         self.original = self.module.torch_chunk_gated_delta_rule
         cells = [c.cell_contents for c in (self.original.__closure__ or []) if callable(c.cell_contents)]
         self.fla = any(getattr(f, "__module__", "").startswith("fla") for f in cells)
@@ -232,14 +231,14 @@ def collect_arm(model, docs, work: Path, steps: int, *, points=None, saes=None, 
 
 def check_store(model, path: Path, saes) -> dict:
     """The store's first row against a direct capture: dense max |diff|, code-index agreement."""
-    from hooks import collect as forward_collect
+    from hooks import capture_forward, resid_post
     from qwen_scope.store import ActivationStore
 
     store = ActivationStore(path, verify=True)
     ids = store.token_ids()[:T][None].to(DEVICE)
     points = [p for p in store.points if store.point_info(p)["dense"]][-1:] + list(
-        f"resid_post.{n}" for n in (saes or {}))[:1]
-    cap = forward_collect(model, points, input_ids=ids)
+        resid_post(n) for n in (saes or {}))[:1]
+    cap = capture_forward(model, points, input_ids=ids)
     out = {}
     for p in points:
         x = cap[p][0]
@@ -256,22 +255,22 @@ def check_store(model, path: Path, saes) -> dict:
 
 
 def correctness(model, backends: Backends, names: list[str]) -> dict:
-    from hooks import collect as forward_collect
+    from hooks import capture_forward, resid_post
 
     g = torch.Generator(device=DEVICE).manual_seed(2)
     ids = torch.randint(0, model.config.vocab_size, (1, T), generator=g, device=DEVICE)
     outs, result = {}, {}
     for name in names:
         backends.use(name)
-        last = f"resid_post.{N_LAYERS - 1}"
-        outs[name] = forward_collect(model, [last], input_ids=ids)[last].float()
+        last = resid_post(N_LAYERS - 1)
+        outs[name] = capture_forward(model, [last], input_ids=ids)[last].float()
     ref = outs.get("fla", outs.get("torch"))
     for name, o in outs.items():
         vs = "fla" if "fla" in outs else "torch"
         result[f"gdn {name} vs {vs} rel-L2 (last resid_post)"] = float((o - ref).norm() / ref.norm())
         result[f"gdn {name} vs {vs} max |difference| (last resid_post; max |value| {ref.abs().max():.3g})"] = float(
             (o - ref).abs().max())
-    from saes.fused_encode import explain_backend, fused_encode
+    from saes.fused import explain_backend, fused_encode
 
     sae = random_sae(0)
     x = outs[names[0]][0].bfloat16()
@@ -433,21 +432,25 @@ def main() -> None:
                     sec = sync_time(run, args.steps)
                 bare[backend] = sec
             elif arm == "b":
+                from hooks import resid_post
+
                 sec, info = collect_arm(model, docs, args.work, args.steps,
-                                        points=[f"resid_post.{n}" for n in range(N_LAYERS)], check=backend == "ours")
+                                        points=[resid_post(n) for n in range(N_LAYERS)], check=backend == "ours")
                 row["note"] = f"{info['bytes'] / info['n_tokens'] / 1024:.0f} KiB/token written"
             else:
                 layers = [N_LAYERS - 1] if arm.startswith("c1") else list(range(N_LAYERS))
                 saes = {n: sae_all[n] for n in layers}
                 if arm.endswith("torch-encode"):
-                    fe = importlib.import_module("saes.fused_encode")
-                    saved, fe.unsupported_reason = fe.unsupported_reason, lambda x, sae: "forced torch"
+                    from saes import fused as fe
+
+                    # no verifier passes: fused_encode takes its torch path
+                    saved, fe._verifiers = fe._verifiers, lambda x, sae: (lambda: "forced torch",)
                 try:
                     sec, info = collect_arm(model, docs, args.work, args.steps, saes=saes,
                                             check=backend == "ours" and arm == "c1", steady_steps=args.steady_steps)
                 finally:
                     if arm.endswith("torch-encode"):
-                        fe.unsupported_reason = saved
+                        fe._verifiers = saved
                 sae_flops = len(layers) * 2 * D_MODEL * D_SAE
             row.update(ms_per_step=1e3 * sec, tokens_per_s=B * T / sec,
                        mfu=(flops + sae_flops) * B * T / sec / (result["peak_tflops"] * 1e12))

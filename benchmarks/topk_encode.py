@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import os
 import platform
@@ -27,9 +26,8 @@ from pathlib import Path
 import torch
 
 from saes import TopKSAE
+from saes import fused as fe
 from saes import hopper_topk as hk
-
-fe = importlib.import_module("saes.fused_encode")  # the module (saes.fused_encode is the function)
 
 SHAPES = [(2048, 32768, 100), (4096, 65536, 50), (4096, 65536, 100)]
 
@@ -152,7 +150,7 @@ def bench_shape(d_model: int, d_sae: int, k: int, configs: list[tuple[int, int]]
 
 
 def merge_test_variants() -> list[tuple]:
-    """The merge kernels the GPU tests compile: (NT, c, k) of tests/saes/test_topk_merge.py, and the first pass of
+    """The merge kernels the GPU tests compile: (NT, c, k) of tests/saes/test_hopper_topk.py, and the first pass of
     fused_encode at the tests' (d_sae, k)."""
     sizes = [(128, 8, 100), (7, 5, 33), (4, 8, 32), (16, 1, 10), (1, 8, 5), (256, 6, 100), (256, 5, 50),
              (128, 32, 100)]

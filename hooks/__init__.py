@@ -2,14 +2,14 @@
 
 Importing this package changes nothing global; hooks exist only inside ``capture`` / ``intervene`` blocks.
 """
-from hooks.adapters import QwenAdapter, get_adapter, supported_families
-from hooks.capture import Capture, Intervention, InterventionContext, capture, collect, intervene
-from hooks.points import KINDS, HookPoint, parse_hook_name, valid_hook_names
+from hooks.adapters import HYBRID_FAMILIES, QwenAdapter, get_adapter, supported_families
+from hooks.capture import Capture, Intervention, InterventionContext, capture, capture_forward, intervene
+from hooks.points import KINDS, HookPoint, parse_hook_name, resid_post, valid_hook_names
 from hooks.positions import parse_positions, position_mask
 
 __all__ = [
-    "QwenAdapter", "get_adapter", "supported_families",
-    "Capture", "Intervention", "InterventionContext", "capture", "collect", "intervene",
-    "KINDS", "HookPoint", "parse_hook_name", "valid_hook_names",
+    "HYBRID_FAMILIES", "QwenAdapter", "get_adapter", "supported_families",
+    "Capture", "Intervention", "InterventionContext", "capture", "capture_forward", "intervene",
+    "KINDS", "HookPoint", "parse_hook_name", "resid_post", "valid_hook_names",
     "parse_positions", "position_mask",
 ]

@@ -16,8 +16,8 @@ from typing import ClassVar
 from torch import nn
 
 __all__ = ["QwenAdapter", "Qwen3Adapter", "Qwen3MoeAdapter", "Qwen3NextAdapter", "Qwen3_5Adapter",
-           "Qwen3_5MoeAdapter", "Qwen3_5VLAdapter", "Qwen3_5MoeVLAdapter", "ADAPTERS", "get_adapter",
-           "supported_families"]
+           "Qwen3_5MoeAdapter", "Qwen3_5VLAdapter", "Qwen3_5MoeVLAdapter", "ADAPTERS", "HYBRID_FAMILIES",
+           "get_adapter", "supported_families"]
 
 
 # text model forward -> whether it takes a {layer type: mask} mapping as attention_mask (read once from its source)
@@ -45,6 +45,10 @@ class QwenAdapter:
         layer_types: per block, ``"linear_attention"`` (Gated DeltaNet) or ``"full_attention"``.
         final_norm, embed, unembed: the final RMSNorm, token embedding and ``lm_head`` (None for a bare text model).
         family: short family name, e.g. ``"qwen3_5"``.
+
+    Class attributes a family declares: ``family``, ``label``, ``model_types``, the module paths, and ``hybrid``:
+    whether its decoder mixes Gated DeltaNet (``linear_attention``) layers with full attention (the layers the
+    fused GDN kernels of ``flashqla_kernels`` serve).
     """
 
     family: ClassVar[str] = ""
@@ -196,6 +200,10 @@ class Qwen3_5MoeVLAdapter(Qwen3_5MoeAdapter):
 ADAPTERS: tuple[type[QwenAdapter], ...] = (
     Qwen3_5VLAdapter, Qwen3_5MoeVLAdapter, Qwen3Adapter, Qwen3MoeAdapter, Qwen3NextAdapter, Qwen3_5Adapter,
     Qwen3_5MoeAdapter)
+
+
+# The families with Gated DeltaNet layers, from the adapters' own declarations.
+HYBRID_FAMILIES: tuple[str, ...] = tuple(a.family for a in ADAPTERS if a.hybrid)
 
 
 def _model_type(model: nn.Module) -> str | None:

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from hooks.adapters import QwenAdapter, get_adapter
-from hooks.points import HookPoint, parse_hook_name
+from hooks.points import HookPoint, parse_hook_name, resid_post
 from hooks.positions import parse_positions, position_mask
 
-__all__ = ["InterventionContext", "Capture", "Intervention", "capture", "collect", "intervene"]
+__all__ = ["InterventionContext", "Capture", "Intervention", "capture", "capture_forward", "intervene"]
 
 Edit = Callable[[torch.Tensor, "InterventionContext"], "torch.Tensor | None"]
 
@@ -276,7 +276,7 @@ def intervene(model: nn.Module, edits: Mapping[str, Edit | Sequence[Edit]]) -> I
         point = parse_hook_name(name, adapter.n_layers)
         if not point.writable:
             raise ValueError(f"{point.name} is capture-only (editing the norm input would not change the residual); "
-                             f"edit attn_out.{point.layer} or resid_post.{point.layer} instead")
+                             f"edit {HookPoint('attn_out', point.layer)} or {resid_post(point.layer)} instead")
         for j, fn in enumerate([fns] if callable(fns) else list(fns)):
             pairs.append((point, _counted(fn, point.name, handle) if j == 0 else fn))
     with _hooked(adapter, pairs):
@@ -291,13 +291,14 @@ def _counted(fn: Edit, name: str, handle: Intervention) -> Edit:
 
 
 class _StopForward(Exception):
-    """Raised by ``collect`` after the deepest requested point so later blocks are not computed."""
+    """Raised by ``capture_forward`` after the deepest requested point so later blocks are not computed."""
 
 
-def collect(model: nn.Module, points: str | Sequence[str], *, stop_early: bool = True,
-            positions: None | int | str | Sequence[int] = None, dtype: torch.dtype | None = None,
-            device: torch.device | str | None = None, **forward_kwargs) -> Capture:
-    """Run one cache-less, gradient-free forward pass and return the activations at ``points``.
+def capture_forward(model: nn.Module, points: str | Sequence[str], *, stop_early: bool = True,
+                    positions: None | int | str | Sequence[int] = None, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None, **forward_kwargs) -> Capture:
+    """Run one cache-less, gradient-free forward pass and return the activations at ``points``: ``capture`` around
+    one forward. (The corpus-scale collection into a store is ``qwen_scope.collect``.)
 
     Args:
         model: a supported Qwen model.
@@ -311,7 +312,7 @@ def collect(model: nn.Module, points: str | Sequence[str], *, stop_early: bool =
         a ``Capture`` (``cap[name]`` is [B, T_kept, d_model]).
 
     Example:
-        >>> cap = collect(model, ["resid_post.12"], input_ids=ids)   # blocks 13.. never run
+        >>> cap = capture_forward(model, ["resid_post.12"], input_ids=ids)   # blocks 13.. never run
     """
     adapter = get_adapter(model)
     names = [points] if isinstance(points, (str, HookPoint)) else list(points)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["HookPoint", "KINDS", "WRITABLE_KINDS", "parse_hook_name", "valid_hook_names"]
+__all__ = ["HookPoint", "KINDS", "WRITABLE_KINDS", "parse_hook_name", "resid_post", "valid_hook_names"]
 
 KINDS = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
 WRITABLE_KINDS = ("resid_pre", "resid_post", "attn_out", "mlp_out")
@@ -63,6 +63,23 @@ class HookPoint:
 
     def __str__(self) -> str:
         return self.name
+
+
+def resid_post(layer: int) -> str:
+    """The canonical name of block ``layer``'s output, the site every Qwen-Scope SAE reads; the one place the rest of
+    the project gets that name from.
+
+    Args:
+        layer: decoder block (0-based; negative counts from the end once ``parse_hook_name`` knows the depth).
+
+    Returns:
+        ``HookPoint("resid_post", layer).name``.
+
+    Example:
+        >>> resid_post(12)
+        'resid_post.12'
+    """
+    return HookPoint("resid_post", int(layer)).name
 
 
 def valid_hook_names(n_layers: int | None = None) -> list[str]:

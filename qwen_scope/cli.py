@@ -2,17 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import pkgutil
 import sys
 
-from qwen_scope import __version__, commands
+from qwen_scope import __version__
+from qwen_scope.commands import collect, demo, explore, features, releases, steer
 
-
-def _command_modules():
-    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
-        if not info.name.startswith("_"):
-            yield importlib.import_module(f"{commands.__name__}.{info.name}")
+# One module per subcommand, in the order ``--help`` lists them.
+COMMANDS = (collect, demo, explore, features, releases, steer)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--traceback", action="store_true",
                         help="show the full Python traceback of an error instead of its one-line message")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in _command_modules():
+    for module in COMMANDS:
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)

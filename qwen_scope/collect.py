@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hooks import get_adapter, parse_hook_name
+from hooks import HYBRID_FAMILIES, get_adapter, parse_hook_name, resid_post
 from qwen_scope.collect_loop import collect_rank
 from qwen_scope.store_writer import ShardWriter, merge_manifest
 
@@ -212,9 +212,9 @@ def _resolve_model(model, tokenizer, dtype, device, rank):
 
 
 def _resolve_saes(saes, release, sae_layers, adapter, device, sae_dtype) -> dict[str, nn.Module]:
-    """``{"resid_post.{n}": TopKSAE}`` from ready SAEs or a release (all layers unless ``sae_layers``)."""
+    """``{resid_post(n): TopKSAE}`` from ready SAEs or a release (all layers unless ``sae_layers``)."""
     if saes is not None:
-        return {parse_hook_name(f"resid_post.{n}", adapter.n_layers).name: sae for n, sae in dict(saes).items()}
+        return {parse_hook_name(resid_post(n), adapter.n_layers).name: sae for n, sae in dict(saes).items()}
     if release is None:
         if sae_layers:
             raise ValueError(f"sae_layers={list(sae_layers)} needs release=... (--release), e.g. "
@@ -224,11 +224,11 @@ def _resolve_saes(saes, release, sae_layers, adapter, device, sae_dtype) -> dict
 
     out = {}
     for n in (range(adapter.n_layers) if sae_layers is None else sae_layers):
-        name = parse_hook_name(f"resid_post.{n}", adapter.n_layers).name
-        sae = load(release, int(name.split(".")[1]), device=device, dtype=sae_dtype,
+        point = parse_hook_name(resid_post(n), adapter.n_layers)
+        sae = load(release, point.layer, device=device, dtype=sae_dtype,
                    expected_d_model=adapter.d_model)
         sae.compute_dtype = sae_dtype
-        out[name] = sae
+        out[point.name] = sae
     return out
 
 
@@ -309,7 +309,7 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
         model: a loaded Qwen model or a model id / directory (loaded in ``dtype``; bf16 on GPU by default).
         corpus: a ``datasets`` Dataset/IterableDataset (see ``load_corpus``) or a list of strings / dicts.
         points: hook points stored dense, e.g. ``["resid_post.12"]`` (any alias ``hooks`` accepts).
-        sae_layers, release: store SAE codes (top-k values + indices) at ``resid_post.{n}`` of these layers, from
+        sae_layers, release: store SAE codes (top-k values + indices) at ``resid_post.<n>`` of these layers, from
             this release (all layers when ``sae_layers`` is None). saes: ready ``{layer: TopKSAE}`` instead.
         token_budget: real tokens to store, over all ranks. context_len: tokens per packed row.
         out_dir: the store directory. batch_size: rows per forward ``[batch_size, context_len]``.
@@ -387,17 +387,14 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
             dist.destroy_process_group()
 
 
-_GDN_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl")
-
-
 def _gdn_layers(adapter, device: torch.device, wanted: bool | None) -> tuple[contextlib.AbstractContextManager, str]:
     """The transformers patch the collection runs under, and how the GDN layers run, in words."""
     if wanted is False:
-        return contextlib.nullcontext(), "as loaded (gdn_kernels=False)" if adapter.family in _GDN_FAMILIES else ""
-    if adapter.family not in _GDN_FAMILIES:
+        return contextlib.nullcontext(), "as loaded (gdn_kernels=False)" if adapter.hybrid else ""
+    if not adapter.hybrid:
         if wanted:
             raise ValueError(f"gdn_kernels=True but {adapter.family!r} models have no Gated DeltaNet layers "
-                             f"(families with them: {', '.join(_GDN_FAMILIES)}); leave gdn_kernels unset")
+                             f"(families with them: {', '.join(HYBRID_FAMILIES)}); leave gdn_kernels unset")
         return contextlib.nullcontext(), ""
     import flashqla_kernels
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from hooks import collect as forward_collect
+from hooks import capture_forward
 from qwen_scope.store_writer import ShardWriter
 
 __all__ = ["collect_rank"]
@@ -112,7 +112,7 @@ def encoder(sae) -> Callable[[torch.Tensor], tuple]:
     """``x [n, d_model] -> (SparseCodes, overflow or None)``: ``saes.fused_encode_async`` (TileLang on Hopper, no
     host sync; ``overflow`` a device flag) where present, else ``encode_sparse`` (exact, no flag)."""
     try:
-        from saes.fused_encode import fused_encode_async
+        from saes.fused import fused_encode_async
     except ImportError:
         return lambda x: (sae.encode_sparse(x), None)
     return lambda x: fused_encode_async(x, sae)
@@ -190,9 +190,9 @@ def _launch(adapter, batch: Batch, device: torch.device, dense: list[str], encod
     # check and its device sync, one a step that left the H200 idle while the host caught up
     masks = adapter.unpadded_masks()
     if masks is None:
-        cap = forward_collect(adapter.model, dense + list(encoders), input_ids=ids)
+        cap = capture_forward(adapter.model, dense + list(encoders), input_ids=ids)
     else:
-        cap = forward_collect(adapter.text_model, dense + list(encoders), input_ids=ids, attention_mask=masks)
+        cap = capture_forward(adapter.text_model, dense + list(encoders), input_ids=ids, attention_mask=masks)
     index = None if batch.full else batch.keep_index.to(device, non_blocking=True)
     if batch.full:  # no mask to apply (boolean indexing of [B, L] on the host costs ~ms a column)
         token_ids, positions = batch.ids.reshape(-1).int(), torch.arange(L, dtype=torch.int32).repeat(B)
@@ -229,7 +229,7 @@ def finish(step: Step, store_dtype: torch.dtype) -> dict[str, torch.Tensor]:
         step.out = {k: v.clone() if v.is_pinned() else v for k, v in step.out.items()}
     for name, overflow, acts, sae in step.pending:
         if bool(overflow[0]):
-            from saes.fused_encode import fused_encode
+            from saes.fused import fused_encode
 
             codes = fused_encode(acts, sae)
             step.out[f"sae.{name}.values"] = codes.values.to(store_dtype).cpu()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hooks import collect
+from hooks import capture_forward
 from saes import TopKSAE
 
 __all__ = ["FeatureDiff", "LayerComparison", "Comparison", "compare"]
@@ -181,7 +181,7 @@ def compare(scope, text_a: str | Sequence[str], text_b: str | Sequence[str],
             keep = kept(ids.cpu(), other)
             if not keep.any():
                 continue
-            cap = collect(scope.model, points, input_ids=ids[None])
+            cap = capture_forward(scope.model, points, input_ids=ids[None])
             with torch.no_grad():
                 for n in layer_list:
                     active, total = _side_stats(saes[n], cap[scope.hook_name(n)][0][keep.to(ids.device)], raw)

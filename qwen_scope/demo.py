@@ -145,7 +145,7 @@ def run_demo(config: DemoConfig = DemoConfig(), *, echo: Callable[[str], None] =
     seconds: dict[str, float] = {}
     t = time.time()
     scope, layer = _load_scope(config)
-    sae, point = scope.sae(layer), f"resid_post.{layer}"
+    sae, point = scope.sae(layer), scope.hook_name(layer)
     seconds["load"] = time.time() - t
     echo(f"[1/5] loaded {scope.model_name} with an SAE at layer {layer} (d_sae {sae.d_sae}, k {sae.k})")
 

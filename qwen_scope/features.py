@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hooks import collect
+from hooks import capture_forward
 from saes import SparseCodes, TopKSAE
 
 __all__ = ["FeatureStat", "LayerFeatures", "TextFeatures", "text_features", "encode_layer"]
@@ -40,7 +40,7 @@ class LayerFeatures:
     """SAE codes of every token of a text at one layer.
 
     Attributes:
-        layer: decoder block whose output (``resid_post.{layer}``) the SAE read.
+        layer: decoder block whose output (``resid_post.<layer>``) the SAE read.
         values: [T, k] float32, top activations per token, sorted descending (0 = padding slot).
         indices: [T, k] int64 feature ids.
         cosine_per_token: [T] cosine between the residual and its reconstruction.
@@ -151,7 +151,7 @@ def encode_layer(sae: TopKSAE, resid: torch.Tensor, layer: int, *, top_k: int | 
 
     Args:
         sae: the SAE of ``layer``.
-        resid: [T, d_model] residual (``resid_post.{layer}``) of one text.
+        resid: [T, d_model] residual (``resid_post.<layer>``) of one text.
         layer: its layer, for bookkeeping.
         top_k: features kept per token (default ``sae.k``: every active one).
         dense: also store the [T, d_sae] codes.
@@ -204,7 +204,7 @@ def text_features(scope, text: str, layers: int | Iterable[int] | None = None, *
         raise ValueError("no layers to read: attach SAEs first (Scope.load_saes) or pass layers=")
     saes = {n: scope.sae(n) for n in layer_list}
     ids = scope.tokenize(text, template)
-    cap = collect(scope.model, [scope.hook_name(n) for n in layer_list], input_ids=ids)
+    cap = capture_forward(scope.model, [scope.hook_name(n) for n in layer_list], input_ids=ids)
     per_layer = {}
     with torch.no_grad():
         for n in layer_list:

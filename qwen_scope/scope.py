@@ -8,7 +8,6 @@ An SAE of layer n reads ``resid_post.n``: the output of decoder block n.
 """
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hooks import QwenAdapter, get_adapter
+from hooks import QwenAdapter, get_adapter, resid_post
 from saes import Release, TopKSAE, check_d_model, get_release, load
 
 __all__ = ["Scope"]
@@ -25,22 +24,6 @@ __all__ = ["Scope"]
 def _model_name(model: nn.Module) -> str | None:
     name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
     return str(name) if name else None
-
-
-def _stem(name: str) -> str:
-    """``"Qwen/Qwen3.5-2B-Base"`` -> ``"qwen3.5-2b"``: the checkpoint family without org and ``-Base``."""
-    tail = Path(name.rstrip("/")).name.lower()
-    return re.sub(r"-base$", "", tail)
-
-
-def _trained_on(name: str) -> str | None:
-    """"base" / "instruct" when a model name says so (Qwen instruct checkpoints carry no suffix), else None."""
-    tail = Path(name.rstrip("/")).name.lower()
-    if tail.endswith("-base"):
-        return "base"
-    if re.fullmatch(r"qwen3(\.5)?-[\w.-]+", tail):
-        return "instruct"
-    return None
 
 
 class Scope:
@@ -132,7 +115,7 @@ class Scope:
         return loaded
 
     def add_sae(self, layer: int, sae: TopKSAE) -> TopKSAE:
-        """Attach ``sae`` at ``layer`` (reading ``resid_post.{layer}``) after checking that it fits the model."""
+        """Attach ``sae`` at ``layer`` (reading ``resid_post.<layer>``) after checking that it fits the model."""
         layer = self._check_layer(layer, f"SAE for layer {layer}")
         check_d_model(sae, self.adapter.d_model, self.model_name)
         rel = getattr(sae, "release", None)
@@ -158,19 +141,9 @@ class Scope:
             warnings.warn(f"{release.id} covers {release.n_layers} layers ({release.model_id}) but "
                           f"{self.model_name or 'this model'} has {self.adapter.n_layers}: is it the right model?",
                           UserWarning, stacklevel=3)
-        if self.model_name is None:
-            return
-        model_kind = _trained_on(self.model_name)
-        same_family = _stem(self.model_name) == _stem(release.model_id)
-        if model_kind and model_kind != release.trained_on and same_family:
-            warnings.warn(
-                f"{release.id} was trained on the {release.trained_on} model {release.model_id}, but "
-                f"{self.model_name} is the {model_kind} model. Qwen's card says this transfer is usually "
-                f"reasonable; expect somewhat lower reconstruction quality (check Scope.features(...).fve).",
-                UserWarning, stacklevel=3)
-        elif model_kind and not same_family:
-            warnings.warn(f"{release.id} was trained on {release.model_id}, not on {self.model_name}",
-                          UserWarning, stacklevel=3)
+        mismatch = release.model_mismatch(self.model_name) if self.model_name else None
+        if mismatch:
+            warnings.warn(mismatch, UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -196,8 +169,8 @@ class Scope:
         return self.saes[layer]
 
     def hook_name(self, layer: int) -> str:
-        """Canonical hook point an SAE of ``layer`` reads: ``resid_post.{layer}``."""
-        return f"resid_post.{layer}"
+        """Canonical hook point an SAE of ``layer`` reads: ``hooks.resid_post(layer)``, e.g. ``"resid_post.12"``."""
+        return resid_post(layer)
 
     def tokenize(self, text: str, template: str | None = None) -> torch.Tensor:
         """Token ids [1, T] of ``text`` on the model's device.

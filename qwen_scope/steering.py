@@ -1,6 +1,6 @@
 """Steering with SAE features during generation: add a decoder direction, clamp a feature, ablate a feature.
 
-Edits act on ``resid_post.{layer}`` (the SAE's own site) on the prefill and on every decode step. Qwen's demo adds
+Edits act on ``resid_post.<layer>`` (the SAE's own site) on the prefill and on every decode step. Qwen's demo adds
 the raw decoder column, ``h + a * W_dec[:, i]``; ``scale="unit"`` uses the unit direction, ``scale="norm"`` makes
 ``a`` a fraction of each token's residual norm. A clamp sets the SAE code of the feature to a value while keeping
 the SAE's error term: ``h' = decode(z with z_i = v) + (h - decode(z)) = h + (v - z_i) W_dec[:, i]``; ablation is a
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hooks import InterventionContext, intervene, parse_positions, position_mask
+from hooks import InterventionContext, intervene, parse_positions, position_mask, resid_post
 from saes import TopKSAE
 
 __all__ = ["FeatureEdit", "add", "clamp", "ablate", "PRESETS", "steering", "Generation", "SteeringResult",
@@ -34,7 +34,7 @@ class FeatureEdit:
     """One edit of one SAE feature at one layer.
 
     Attributes:
-        layer: SAE layer (the edit acts on ``resid_post.{layer}``).
+        layer: SAE layer (the edit acts on ``resid_post.<layer>``).
         feature: feature id in [0, d_sae).
         mode: ``"add"`` (add ``value`` times the direction), ``"clamp"`` (set the code to ``value``) or
             ``"ablate"`` (set the code to 0).
@@ -180,7 +180,7 @@ def steering(scope, edits: Sequence[FeatureEdit], *, saes: Mapping[int, TopKSAE]
     model = getattr(scope, "model", scope)
     table = dict(saes) if saes is not None else dict(getattr(scope, "saes", {}))
     by_layer = _group_edits(table, edits)
-    fns = {f"resid_post.{n}": _LayerSteer(table[n], es, prompt_length) for n, es in by_layer.items()}
+    fns = {resid_post(n): _LayerSteer(table[n], es, prompt_length) for n, es in by_layer.items()}
     with intervene(model, fns) as handle:
         yield handle.fired
 

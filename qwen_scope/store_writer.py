@@ -18,7 +18,6 @@ from safetensors.torch import save_file
 FORMAT = "qwen-scope-activations"
 VERSION = 1
 MANIFEST = "manifest.json"
-_META_KEYS = ("token_ids", "doc_index", "positions")
 
 
 # ---------------------------------------------------------------------------------------------- file helpers

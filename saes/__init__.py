@@ -1,6 +1,6 @@
 """Sparse autoencoders: TopK math, the Qwen-Scope release registry, loading, sae-lens interop, training."""
 from saes.bank import SAEBank
-from saes.fused_encode import fused_encode, fused_encode_async
+from saes.fused import fused_encode, fused_encode_async
 from saes.interop import from_sae_lens, to_sae_lens
 from saes.loading import SAEFileError, check_d_model, load, read_release_file
 from saes.registry import Release, get_release, list_releases, parse_repo_id

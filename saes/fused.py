@@ -13,8 +13,9 @@ Two backends, one result (``SparseCodes`` equal to ``TopKSAE.encode_sparse`` up 
   ``max_block_bytes`` at a time; bit-for-bit ``encode_sparse`` when the input fits one block, else equal to the last
   fp32 bits (BLAS may round a row differently inside a smaller matmul). Inference only: no gradients either way.
 
-``backend=None`` picks ``"tilelang"`` where ``unsupported_reason`` returns None, else ``"torch"``;
-``explain_backend`` says which and why.
+``backend=None`` picks ``"tilelang"`` where every verifier of ``flashqla_kernels.dispatch`` passes (an sm_90 GPU,
+bf16/fp16 operands of one dtype, block-aligned sizes, tilelang importable), else ``"torch"``; ``explain_backend`` says
+which and why.
 
 Host syncs. ``fused_encode`` synchronises to find the uncertain rows (``nonzero``) and re-runs only those.
 ``fused_encode_async`` never reads GPU data on the host: the uncertain rows are compacted into buffers of fixed
@@ -25,14 +26,12 @@ are then not certified: encode again with ``fused_encode``). A loop that launche
 """
 from __future__ import annotations
 
-import importlib
-
 import torch
 
+from flashqla_kernels import dispatch
 from saes import hopper_topk
 from saes.topk import SparseCodes
 
-BACKENDS = ("tilelang", "torch")
 # Tokens per kernel launch: bounds the candidate buffer (N * d_sae / 256 * c * 4 bytes: 64 MiB at 32K wide, c = 8).
 CHUNK_TOKENS = 16384
 # Bytes of fp32 pre-activations the torch backend materialises per block of rows.
@@ -45,48 +44,57 @@ RERUN_ROWS_PER_CHUNK = hopper_topk.BLOCK_M
 FALLBACK_ROWS = 64
 
 
-def unsupported_reason(x: torch.Tensor, sae) -> str | None:
-    """Why the TileLang backend cannot encode ``x`` with ``sae`` (None = it can).
-
-    Args:
-        x: ``[..., d_model]`` input.
-        sae: a ``TopKSAE`` (anything with ``W_enc [d_sae, d_model]``, ``b_enc [d_sae]`` and ``k``).
-    Returns:
-        A sentence naming the obstacle and the fix, or None.
-    """
-    W_enc, k = sae.W_enc, sae.k
-    d_sae, d_model = W_enc.shape
-    if not (x.is_cuda and W_enc.is_cuda and sae.b_enc.is_cuda):
-        return f"x and the SAE must be on a CUDA device (x on {x.device}, W_enc on {W_enc.device})"
-    if x.device != W_enc.device:
-        return f"x is on {x.device} but W_enc on {W_enc.device}; move one of them"
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
-        name = torch.cuda.get_device_name(x.device)
-        return f"the kernel is built for Hopper (sm_90); {name} is sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}"
-    if x.dtype not in hopper_topk._TL_DTYPES or W_enc.dtype != x.dtype:
-        return (f"needs x and W_enc both bfloat16 or both float16, got x {x.dtype} and W_enc {W_enc.dtype}; "
+def _dtype_reason(x: torch.Tensor, sae) -> str | None:
+    """Why the kernel cannot take the operands' dtypes (it reads bf16 or fp16, x and W_enc alike), or None."""
+    if x.dtype not in hopper_topk.DTYPES or sae.W_enc.dtype != x.dtype:
+        return (f"needs x and W_enc both bfloat16 or both float16, got x {x.dtype} and W_enc {sae.W_enc.dtype}; "
                 f"load the SAE with dtype=torch.bfloat16 and pass bf16 activations")
+    return None
+
+
+def _shape_reason(sae) -> str | None:
+    """Why the kernel's tiling cannot cover the SAE's sizes (d_model, d_sae, k), or None."""
+    d_sae, d_model = sae.W_enc.shape
     if d_model % hopper_topk.BLOCK_K:
         return f"d_model={d_model} is not a multiple of {hopper_topk.BLOCK_K}"
     if d_sae % hopper_topk.BLOCK_N:
         return f"d_sae={d_sae} is not a multiple of {hopper_topk.BLOCK_N}"
-    if hopper_topk.candidates_per_tile(k, d_sae) * (d_sae // hopper_topk.BLOCK_N) < k:
-        return f"k={k} is too large for d_sae={d_sae} (more than the per-tile candidates can hold)"
+    if hopper_topk.candidates_per_tile(sae.k, d_sae) * (d_sae // hopper_topk.BLOCK_N) < sae.k:
+        return f"k={sae.k} is too large for d_sae={d_sae} (more than the per-tile candidates can hold)"
+    return None
+
+
+def _tilelang_reason() -> str | None:
+    """Why the kernel cannot be compiled here (tilelang is not importable), or None."""
     try:
-        importlib.import_module("tilelang")
+        import tilelang  # noqa: F401
     except ImportError as err:
         return f"tilelang is not importable ({err}); pip install tilelang==0.1.15"
     return None
 
 
+def _verifiers(x: torch.Tensor, sae) -> tuple[dispatch.Verifier, ...]:
+    """The kernel's requirements on one call, in the order ``dispatch.decide`` checks them."""
+    return (lambda: dispatch.hopper_reason(x, sae.W_enc, sae.b_enc), lambda: _dtype_reason(x, sae),
+            lambda: _shape_reason(sae), _tilelang_reason)
+
+
 def explain_backend(x: torch.Tensor, sae, backend: str | None = None) -> str:
-    """One line: the backend ``fused_encode(x, sae, backend=backend)`` would use, and why."""
-    reason = unsupported_reason(x, sae)
-    if backend == "torch":
-        return "torch (asked for)"
-    if reason is None:
-        return "tilelang (fused sm_90a kernel)"
-    return f"{'error' if backend == 'tilelang' else 'torch'}: tilelang unavailable because {reason}"
+    """The backend ``fused_encode(x, sae, backend=backend)`` would use, and why, as ``dispatch.explain`` words it.
+
+    Args:
+        x: ``[..., d_model]`` input. sae: a ``TopKSAE``. backend: as for ``fused_encode``.
+    Returns:
+        ``"fused_encode: backend <name>"`` and one indented line per backend considered (``"fused_encode: error:
+        ..."`` where ``fused_encode`` would raise).
+
+    Example:
+        >>> print(explain_backend(torch.randn(4, 2048), sae))
+        fused_encode: backend torch
+          tilelang: not used: tensors are on cpu; the TileLang kernels run on CUDA tensors of an sm_90 GPU only
+          torch: runs every input the op accepts
+    """
+    return dispatch.explain("fused_encode", backend, *_verifiers(x, sae))
 
 
 def fused_encode(x: torch.Tensor, sae, *, backend: str | None = None) -> SparseCodes:
@@ -109,8 +117,8 @@ def fused_encode(x: torch.Tensor, sae, *, backend: str | None = None) -> SparseC
         >>> sae = saes.load("qwen-scope-3.5-2b-base-w32k-l100", layer=12, device="cuda", dtype=torch.bfloat16)
         >>> codes = fused_encode(resid, sae)          # resid [B, T, 2048] bf16 -> values/indices [B, T, 100]
     """
-    x2, reason = _check_call("fused_encode", x, sae, backend)
-    if reason is not None:
+    x2, decision = _check_call("fused_encode", x, sae, backend)
+    if not decision.kernel:
         return _shaped(_encode_torch(x2, sae), x, sae)
     return _shaped(_encode_tilelang(x2, sae), x, sae)
 
@@ -140,8 +148,8 @@ def fused_encode_async(x: torch.Tensor, sae, *, backend: str | None = None) -> t
         >>> if overflow.item():
         ...     codes = fused_encode(resid, sae)
     """
-    x2, reason = _check_call("fused_encode_async", x, sae, backend)
-    if reason is not None:
+    x2, decision = _check_call("fused_encode_async", x, sae, backend)
+    if not decision.kernel:
         return _shaped(_encode_torch(x2, sae), x, sae), torch.zeros((), dtype=torch.bool, device=x.device)
     codes, overflow = _encode_tilelang_async(x2, sae)
     return _shaped(codes, x, sae), overflow
@@ -153,19 +161,19 @@ def rerun_capacity(n_tokens: int) -> int:
     return min(n_tokens, -(-n_tokens // CHUNK_TOKENS) * RERUN_ROWS_PER_CHUNK)
 
 
-def _check_call(name: str, x: torch.Tensor, sae, backend: str | None) -> tuple[torch.Tensor, str | None]:
-    """Validate a ``fused_encode*`` call; returns ``x`` as ``[N, d_model]`` and why TileLang will not run (None = it
-    will)."""
-    if backend not in (None, *BACKENDS):
-        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+def _check_call(name: str, x: torch.Tensor, sae, backend: str | None) -> tuple[torch.Tensor, dispatch.Decision]:
+    """Validate a ``fused_encode*`` call; returns ``x`` as ``[N, d_model]`` and the backend decision.
+
+    Raises:
+        ValueError: an unknown backend, ``x`` not a float tensor ``[..., d_model]``, or ``backend="tilelang"`` on
+            inputs the kernel cannot take (naming the reason).
+    """
+    dispatch.check_backend(backend)
     d_model = sae.W_enc.shape[1]
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.shape[-1:] != (d_model,):
         got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x must be a float tensor [..., d_model={d_model}], got {got}")
-    reason = unsupported_reason(x, sae) if backend != "torch" else "torch backend asked for"
-    if backend == "tilelang" and reason is not None:
-        raise ValueError(f"{name}(backend='tilelang') cannot run: {reason}; use backend='torch' or None")
-    return x.reshape(-1, d_model), reason
+    return x.reshape(-1, d_model), dispatch.decide(name, backend, *_verifiers(x, sae))
 
 
 def _shaped(codes: SparseCodes, x: torch.Tensor, sae) -> SparseCodes:
@@ -312,7 +320,7 @@ def _recompute(x: torch.Tensor, sae) -> SparseCodes:
     instead of encode_sparse's fp32 GEMM on a converted copy of W_enc (H200, 64 rows at 2048 -> 32768: 0.07 against
     0.57 ms, paid on every ``fused_encode_async`` call); equal to it up to the fp32 summation order."""
     W_enc = sae.W_enc.detach()
-    if not (x.is_cuda and x.dtype in hopper_topk._TL_DTYPES and W_enc.dtype == x.dtype):
+    if not (x.is_cuda and x.dtype in hopper_topk.DTYPES and W_enc.dtype == x.dtype):
         return sae.encode_sparse(x)
     try:
         pre = torch.mm(x, W_enc.T, out_dtype=torch.float32)

@@ -15,24 +15,38 @@ bf16/fp16 operands) and never writes it to memory. Its epilogue turns each accum
 top-k's, and a row whose top-k could need a (c+1)-th element of some tile is flagged (its c-th key beats the k-th
 selected key) and recomputed by the caller. ``merge_candidates_kernel`` does the same in one TileLang kernel, one warp
 a row with the row's keys in registers (the k-th key by a bitwise search of warp-reduced counts, a ballot compaction,
-a rank placement; ``merge_candidates_twin`` is that algorithm in torch, for CPU tests). Importing this module does not
-import tilelang.
+a rank placement; ``merge_candidates_twin`` is that algorithm in torch, for CPU tests).
+
+Every kernel compiles through ``flashqla_kernels.toolkit.compile_kernel`` (sm_90a, cached per argument tuple) with
+fast math off: nvcc's fast math flushes denormals to zero, which would change the keys of tiny pre-activations.
+Importing this module does not import tilelang.
 """
 
-import functools
 import math
 
 import torch
+
+from flashqla_kernels import toolkit
 
 BLOCK_M, BLOCK_N, THREADS = 128, 256, 256
 # (BLOCK_K, pipeline stages): the mainloop knobs; 64 x 3 stages = 144 KiB of shared memory.
 DEFAULT_CONFIG = (64, 3)
 BLOCK_K = DEFAULT_CONFIG[0]
-TARGET = {"kind": "cuda", "arch": "sm_90a"}
-_TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# The operand dtypes the kernels read (TileLang's names from ``toolkit.tl_dtype``).
+DTYPES = (torch.bfloat16, torch.float16)
 # The column of a positive key sits in its 8 low mantissa bits.
 _LOW_BITS = 8
 assert BLOCK_N <= 1 << _LOW_BITS
+
+
+def _compile(builder, *args):
+    """``toolkit.compile_kernel(builder, *args)`` with fast math off (the builder's ``pass_configs``, set on its
+    first compile: the key is tilelang's, so it waits until tilelang is imported)."""
+    if not hasattr(builder, "pass_configs"):
+        import tilelang
+
+        builder.pass_configs = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
+    return toolkit.compile_kernel(builder, *args)
 
 
 def candidates_per_tile(k: int, d_sae: int, flag_rate: float = 1e-3) -> int:
@@ -140,31 +154,26 @@ def build_topk_candidates_from_preacts(d_sae: int, c: int, dtype: str = "bfloat1
     return sae_topk_epilogue
 
 
-@functools.lru_cache(maxsize=None)
 def compile_topk_candidates_from_preacts(d_sae: int, c: int, dtype: str = "bfloat16"):
     """Compile the unfused candidate kernel for sm_90a (cached like ``compile_topk_candidates``)."""
-    import tilelang
-
-    return tilelang.compile(build_topk_candidates_from_preacts(d_sae, c, dtype), target=TARGET)
+    return _compile(build_topk_candidates_from_preacts, d_sae, c, dtype)
 
 
 def topk_candidates_from_preacts(pre: torch.Tensor, c: int) -> torch.Tensor:
     """Launch the unfused kernel on ``pre [N, d_sae]`` (bf16/fp16, bias included); returns ``cand [N, NT, c]`` int32."""
     n, d_sae = pre.shape
-    kernel = compile_topk_candidates_from_preacts(d_sae, c, _TL_DTYPES[pre.dtype])
-    cand = torch.empty(n, d_sae // BLOCK_N, c, device=pre.device, dtype=torch.int32)
+    kernel = compile_topk_candidates_from_preacts(d_sae, c, toolkit.tl_dtype(pre.dtype))
+    cand = toolkit.empty((n, d_sae // BLOCK_N, c), torch.int32, pre.device)
     if n:
         kernel(pre, cand)
     return cand
 
 
-@functools.lru_cache(maxsize=None)
 def compile_topk_candidates(d_model: int, d_sae: int, c: int, dtype: str = "bfloat16",
                             config: tuple[int, int] = DEFAULT_CONFIG):
-    """Compile (JIT, cached on disk by tilelang) the candidate kernel for sm_90a; works without a GPU."""
-    import tilelang
-
-    return tilelang.compile(build_topk_candidates(d_model, d_sae, c, dtype, config), target=TARGET)
+    """Compile (JIT, cached per process by the toolkit and on disk by tilelang) the candidate kernel for sm_90a;
+    works without a GPU."""
+    return _compile(build_topk_candidates, d_model, d_sae, c, dtype, tuple(config))
 
 
 def precompile(variants: list[tuple], workers: int = 8) -> None:
@@ -206,8 +215,8 @@ def topk_candidates(x: torch.Tensor, W_enc: torch.Tensor, b_enc: torch.Tensor, c
     """
     n, d_model = x.shape
     d_sae = W_enc.shape[0]
-    kernel = compile_topk_candidates(d_model, d_sae, c, _TL_DTYPES[x.dtype], tuple(config or DEFAULT_CONFIG))
-    cand = torch.empty(n, d_sae // BLOCK_N, c, device=x.device, dtype=torch.int32)
+    kernel = compile_topk_candidates(d_model, d_sae, c, toolkit.tl_dtype(x.dtype), tuple(config or DEFAULT_CONFIG))
+    cand = toolkit.empty((n, d_sae // BLOCK_N, c), torch.int32, x.device)
     if n:
         kernel(x, W_enc, b_enc, cand)
     return cand
@@ -404,12 +413,9 @@ def build_merge_candidates(n_slots: int, c: int, k: int):
     return sae_merge_candidates
 
 
-@functools.lru_cache(maxsize=None)
 def compile_merge_candidates(n_slots: int, c: int, k: int):
     """Compile the merge kernel for sm_90a (cached like ``compile_topk_candidates``; works without a GPU)."""
-    import tilelang
-
-    return tilelang.compile(build_merge_candidates(n_slots, c, k), target=TARGET)
+    return _compile(build_merge_candidates, n_slots, c, k)
 
 
 def merge_candidates_kernel(cand: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -427,9 +433,9 @@ def merge_candidates_kernel(cand: torch.Tensor, k: int) -> tuple[torch.Tensor, t
         raise ValueError(f"merge_candidates_kernel needs k <= NT * c <= {MERGE_MAX_SLOTS}, got k={k}, NT={n_tiles}, "
                          f"c={c}; use merge_candidates")
     kernel = compile_merge_candidates(n_tiles * c, c, k)
-    values = torch.empty(n, k, device=cand.device, dtype=torch.float32)
-    indices = torch.empty(n, k, device=cand.device, dtype=torch.long)
-    flagged = torch.empty(n, device=cand.device, dtype=torch.bool)
+    values = toolkit.empty((n, k), torch.float32, cand.device)
+    indices = toolkit.empty((n, k), torch.long, cand.device)
+    flagged = toolkit.empty((n,), torch.bool, cand.device)
     if n:
         kernel(cand.reshape(n, n_tiles * c).contiguous(), values, indices, flagged.view(torch.uint8))
     return values, indices, flagged

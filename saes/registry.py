@@ -13,6 +13,8 @@ from functools import lru_cache
 from pathlib import Path
 
 _CSV = Path(__file__).with_name("releases.csv")
+# A checkpoint name that says which Qwen model it is (instruct checkpoints carry no suffix): "qwen3.5-2b", "qwen3-8b".
+_QWEN_NAME = re.compile(r"qwen\d[\w.-]*")
 _REPO_RE = re.compile(r"^(?:(?P<org>[\w.-]+)/)?SAE-Res-(?P<model>[\w.-]+?)-W(?P<width>\d+)K-L0_(?P<k>\d+)$",
                       re.IGNORECASE)
 
@@ -67,28 +69,28 @@ class Release:
         """File of ``layer`` inside the repo: ``layer{n}.sae.pt``."""
         return f"layer{int(layer)}.sae.pt"
 
-    @staticmethod
-    def hook_name(layer: int) -> str:
-        """Canonical hook point of the SAE of ``layer``: ``resid_post.{n}`` (output of decoder block n)."""
-        return f"resid_post.{int(layer)}"
-
     def model_mismatch(self, model_id: str) -> str | None:
-        """Why applying this set to ``model_id`` deserves a warning, or ``None`` when it is the training model.
+        """Why applying this set to ``model_id`` deserves a warning, or ``None``.
 
-        Base-trained SAEs on the matching instruct model are reasonable (the model card says so) but shifted;
-        any other model is a different residual stream.
+        ``None`` for the training model (hub id or a directory of that name), and for a name that says nothing about
+        the checkpoint (a local directory such as ``/tmp/run-3``: no claim either way). Base-trained SAEs on the
+        matching instruct model (or the reverse) are reasonable, the model card says, but shifted; any other Qwen
+        model is a different residual stream.
+
+        Example:
+            >>> rel = get_release("qwen-scope-3.5-2b-base-w32k-l100")
+            >>> rel.model_mismatch("Qwen/Qwen3.5-2B-Base") is None, rel.model_mismatch("/tmp/run-3") is None
+            (True, True)
+            >>> rel.model_mismatch("Qwen/Qwen3.5-2B")   # "... is its post-trained sibling (the instruct model): ..."
         """
-        def split(name: str) -> tuple[str, bool]:
-            name = name.strip().rstrip("/").split("/")[-1].lower()
-            return (name[:-5], True) if name.endswith("-base") else (name, False)
-
-        (theirs, their_base), (ours, our_base) = split(model_id), split(self.model_id)
-        if theirs == ours and their_base == our_base:
+        (theirs, their_base), (ours, our_base) = _checkpoint(model_id), _checkpoint(self.model_id)
+        if (theirs, their_base) == (ours, our_base) or not (their_base or _QWEN_NAME.fullmatch(theirs)):
             return None
         if theirs == ours:
-            return (f"{self.id} was trained on {self.model_id} ({self.trained_on}); {model_id} is the "
-                    f"{'base' if their_base else 'post-trained'} sibling: features transfer "
-                    f"but activations shift (expect lower explained variance)")
+            sibling = "base sibling" if their_base else "post-trained sibling (the instruct model)"
+            return (f"{self.id} was trained on the {self.trained_on} model {self.model_id}; {model_id} is its "
+                    f"{sibling}: the model card says features transfer reasonably, but activations shift (expect "
+                    f"somewhat lower reconstruction quality: check the explained variance)")
         return f"{self.id} was trained on {self.model_id}, not {model_id}: its features may not apply"
 
     def check_layer(self, layer: int) -> int:
@@ -100,6 +102,13 @@ class Release:
             raise ValueError(f"{self.id} has no layer {layer}; valid layers are {valid} "
                              f"({self.n_layers or 'unknown number of'} layers of {self.model_id})")
         return layer
+
+
+def _checkpoint(name: str) -> tuple[str, bool]:
+    """``"Qwen/Qwen3.5-2B-Base"`` -> ``("qwen3.5-2b", True)``: the checkpoint's last path part, lower case, without
+    ``-base``, and whether it had it."""
+    tail = name.strip().rstrip("/").split("/")[-1].lower()
+    return (tail[:-5], True) if tail.endswith("-base") else (tail, False)
 
 
 @lru_cache(maxsize=1)

@@ -306,7 +306,7 @@ def save_sae(sae: TopKSAE, directory: str | Path, layer: int, *, formats: tuple[
     Args:
         sae: the SAE (release form).
         directory: the release directory; name it ``SAE-Res-{Model}-W{d_sae/1024}K-L0_{k}`` so ``saes.load`` can infer k.
-        layer: decoder-block index the SAE reads (``resid_post.{layer}``).
+        layer: decoder-block index the SAE reads (its output: hook point ``resid_post.<layer>``).
         formats: any of ``"pt"``, ``"safetensors"``.
         dtype: dtype written (fp32 like the release; bf16 halves the size).
         metadata: extra string-able entries for the safetensors header.

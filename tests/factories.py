@@ -9,8 +9,12 @@ from pathlib import Path
 
 import torch
 
+import hooks
+
+# The families a tiny model is built for (all but the Qwen3.5-MoE VL wrapper) ...
 FAMILIES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl")
-HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl")
+# ... and those of them with Gated DeltaNet layers, as the adapters declare them.
+HYBRID_FAMILIES = tuple(f for f in FAMILIES if f in hooks.HYBRID_FAMILIES)
 
 D_MODEL = 64
 VOCAB = 256

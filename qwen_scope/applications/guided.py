@@ -29,13 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hooks import intervene
+from hooks import intervene, resid_post
 
 __all__ = ["FeaturePenalty"]
 
 
 class FeaturePenalty:
-    """Penalty on the pre-activations of ``features`` of ``sae`` at ``resid_post.{layer}``.
+    """Penalty on the pre-activations of ``features`` of ``sae`` at ``resid_post.<layer>``.
 
     Args:
         sae: a ``TopKSAE`` (its weights are read, never trained).
@@ -76,7 +76,7 @@ class FeaturePenalty:
 
     @contextlib.contextmanager
     def watch(self, model: nn.Module) -> Iterator[Callable[..., torch.Tensor]]:
-        """Read ``resid_post.{layer}`` with gradients during forwards inside the block; yields ``last(mask=None)``,
+        """Read ``resid_post.<layer>`` with gradients during forwards inside the block; yields ``last(mask=None)``,
         the penalty of the most recent forward. The hook is removed on exit.
 
         Raises (from ``last``):
@@ -90,11 +90,11 @@ class FeaturePenalty:
 
         def last(mask: torch.Tensor | None = None) -> torch.Tensor:
             if not seen:
-                raise RuntimeError(f"no forward pass reached resid_post.{self.layer} inside FeaturePenalty.watch(); "
+                raise RuntimeError(f"no forward pass reached {resid_post(self.layer)} inside FeaturePenalty.watch(); "
                                    "run the model inside the with-block first")
             return self(seen[0], mask)
 
-        with intervene(model, {f"resid_post.{self.layer}": keep}):
+        with intervene(model, {resid_post(self.layer): keep}):
             yield last
 
     def __repr__(self) -> str:

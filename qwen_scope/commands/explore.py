@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from hooks import resid_post
+
 NAME = "explore"
 HELP = "mine a feature database from a collection store and write the HTML dashboard"
 
@@ -49,7 +51,7 @@ def _sae_point(store, layer: int | None) -> tuple[str, dict]:
             raise SystemExit(f"the store has SAE codes at {sorted(sae_points)}; choose one with --layer")
         point = next(iter(sae_points))
     else:
-        point = f"resid_post.{layer}"
+        point = resid_post(layer)
         if point not in sae_points:
             raise SystemExit(f"the store has no SAE codes at {point}; it has {sorted(sae_points)}")
     return point, sae_points[point]

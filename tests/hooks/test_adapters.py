@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hooks import get_adapter, supported_families
-from tests.factories import D_MODEL, FAMILIES, HYBRID_FAMILIES, N_LAYERS, tiny_model
+from hooks import HYBRID_FAMILIES, get_adapter, supported_families
+from tests.factories import D_MODEL, FAMILIES, N_LAYERS, tiny_model
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -22,6 +22,13 @@ def test_adapter_exposes_the_decoder_stack_of_every_family(family):
     for n, kind in enumerate(adapter.layer_types):
         assert hasattr(adapter.layers[n], "linear_attn" if kind == "linear_attention" else "self_attn")
         assert adapter.mixer(n) is getattr(adapter.layers[n], "linear_attn" if kind == "linear_attention" else "self_attn")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hybrid_is_declared_exactly_where_the_model_has_gated_deltanet_layers(family):
+    adapter = get_adapter(tiny_model(family))
+    assert adapter.hybrid == ("linear_attention" in adapter.layer_types) == (family in HYBRID_FAMILIES)
+    assert set(HYBRID_FAMILIES) == {"qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"}
 
 
 def test_vl_wrapper_finds_the_language_model_layers():

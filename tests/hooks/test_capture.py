@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hooks import capture, collect, get_adapter
+from hooks import capture, capture_forward, get_adapter
 from tests.factories import D_MODEL, FAMILIES, N_LAYERS, tiny_model
 
 ALL_POINTS = [f"{k}.{n}" for n in range(N_LAYERS) for k in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")]
@@ -100,13 +100,13 @@ def test_two_separate_passes_are_not_silently_concatenated():
         cap["resid_post.0"]
 
 
-def test_collect_stops_after_the_deepest_point_with_the_same_values():
+def test_capture_forward_stops_after_the_deepest_point_with_the_same_values():
     model = tiny_model("qwen3_5")
     ids = _ids()
     ran = []
     handle = model.model.layers[3].register_forward_hook(lambda *a: ran.append(3))
     try:
-        cap = collect(model, ["resid_post.1", "blocks.2.hook_resid_post"], input_ids=ids)
+        cap = capture_forward(model, ["resid_post.1", "blocks.2.hook_resid_post"], input_ids=ids)
         assert ran == []
         with torch.no_grad(), capture(model, ["resid_post.1", "resid_post.2"]) as ref:
             model(input_ids=ids, use_cache=False)
@@ -116,3 +116,29 @@ def test_collect_stops_after_the_deepest_point_with_the_same_values():
     assert torch.equal(cap["resid_post.1"], ref["resid_post.1"])
     assert torch.equal(cap["resid_post.2"], ref["resid_post.2"])
     assert _hook_count(model) == 0
+
+
+def test_capture_forward_accepts_use_cache_among_the_forward_kwargs():
+    # Callers forward their usual model kwargs; capture_forward forces use_cache=False and must not raise
+    # "got multiple values for keyword argument 'use_cache'".
+    model = tiny_model("qwen3")
+    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), capture(model, ["resid_post.1"]) as ref:
+        model(input_ids=ids, use_cache=False)
+    for use_cache in (False, True):
+        cap = capture_forward(model, ["resid_post.1"], input_ids=ids, use_cache=use_cache)
+        assert torch.equal(cap["resid_post.1"], ref["resid_post.1"])
+    assert not model.model.layers[1]._forward_hooks and not model.model._forward_pre_hooks
+
+
+def test_capture_accessors_name_the_recorded_points_for_a_missing_one():
+    model = tiny_model("qwen3")
+    with capture(model, ["resid_post.1"]) as cap:
+        pass  # the model never ran
+    assert cap.calls("resid_post.1") == []
+    # positions() must not die in torch.cat with "expected a non-empty list of Tensors".
+    with pytest.raises(KeyError, match=r"nothing captured at resid_post.1"):
+        cap.positions("resid_post.1")
+    for accessor in (cap.calls, cap.positions, cap.__getitem__):
+        with pytest.raises(KeyError, match=r"nothing captured at resid_post.2.*\['resid_post.1'\]"):
+            accessor("blocks.2.hook_resid_post")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from hooks import HookPoint, parse_hook_name
+from hooks import HookPoint, parse_hook_name, resid_post
 
 
 @pytest.mark.parametrize("name, kind, layer", [
@@ -49,3 +49,8 @@ def test_unknown_name_lists_valid_names():
 def test_out_of_range_layer_names_the_depth():
     with pytest.raises(ValueError, match="layer 4 out of range for a model with 4 blocks"):
         parse_hook_name("resid_post.4", n_layers=4)
+
+
+def test_resid_post_builds_the_canonical_name_of_the_sae_site():
+    assert resid_post(12) == "resid_post.12" == HookPoint("resid_post", 12).name
+    assert parse_hook_name(resid_post(-1), n_layers=4) == HookPoint("resid_post", 3)

@@ -1,4 +1,5 @@
-"""`qwen-scope features` / `steer` run on the bundled nano model when no --model / --release is given."""
+"""The ``qwen-scope`` command line: `features` / `steer` run on the bundled nano model when no --model / --release is
+given; library errors are one-line messages; bad option values are refused, naming the option, before a model loads."""
 from __future__ import annotations
 
 import json
@@ -6,7 +7,8 @@ import json
 import pytest
 
 from qwen_scope import nano_scope
-from qwen_scope.cli import main
+from qwen_scope.cli import COMMANDS, main
+from qwen_scope.commands import steer as steer_cmd
 
 
 def test_features_defaults_to_the_nano_model_and_matches_the_api(tmp_path):
@@ -41,3 +43,32 @@ def test_library_errors_are_one_line_messages_with_exit_status_2(capsys):
 def test_traceback_flag_reraises():
     with pytest.raises(ValueError, match="got 99"):
         main(["--traceback", "features", "--layers", "99", "--text", "x"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layer", "1", "--feature", "3", "--strength", "huge"], r"bad --strength 'huge'.*'light'"),
+    (["--layer", "1", "--feature", "3", "--sweep", "1,x"], r"bad --sweep value 'x'"),
+    (["--layer", "1", "--feature", "3", "--sweep", "1,2", "--mode", "ablate"], r"--sweep varies.*--mode add"),
+])
+def test_steer_refuses_bad_numbers_with_the_option_named(argv, message, monkeypatch):
+    # The checks must fire before the (slow) model load.
+    monkeypatch.setattr(steer_cmd, "build_scope", lambda *a: pytest.fail("loaded a model before checking"))
+    with pytest.raises(SystemExit, match=message):
+        main(["steer", "--prompt", "hi", *argv])
+
+
+def test_collect_refuses_a_release_without_sae_layers_instead_of_ignoring_it(tmp_path):
+    # A release without layers must not be dropped silently, storing only the dense points.
+    with pytest.raises(SystemExit, match=r"--release REL needs --sae-layers \(e\.g\. 6,12 or all\)"):
+        main(["collect", "model", str(tmp_path / "c.jsonl"), "--out", str(tmp_path / "o"), "--tokens", "10",
+              "--points", "resid_post.1", "--release", "REL"])
+
+
+def test_every_command_module_is_listed():
+    import pkgutil
+
+    import qwen_scope.commands
+
+    modules = sorted(i.name for i in pkgutil.iter_modules(qwen_scope.commands.__path__) if not i.name.startswith("_"))
+    assert [m.__name__.rsplit(".", 1)[1] for m in COMMANDS] == modules
+    assert [m.NAME for m in COMMANDS] == modules

@@ -1,5 +1,6 @@
 """``qwen-scope explore``: a real collection store (tiny model saved to disk + an SAE release directory) in, the
-dashboard and the feature database out, with the numbers of the store."""
+dashboard and the feature database out, with the numbers of the store; a database in OUT mined from another point or
+store is refused, --rebuild keeps the labels."""
 from __future__ import annotations
 
 import json
@@ -68,8 +69,17 @@ def test_database_matches_the_store(run):
     assert card["maxActApprox"] == pytest.approx(best.value)
 
 
-def test_explore_reuses_the_database_and_can_skip_the_model(run, capsys):
-    root, out, _ = run
+def _copy(run, tmp_path):
+    """A copy of the module's dashboard to change: the tests that read ``run``'s own see it as built."""
+    root, out, code = run
+    assert code == 0
+    dest = tmp_path / "dash"
+    shutil.copytree(out, dest)
+    return root, dest
+
+
+def test_explore_reuses_the_database_and_can_skip_the_model(run, tmp_path, capsys):
+    root, out = _copy(run, tmp_path)
     release = root / "SAE-Res-Qwen3.5-Nano-Base-W0K-L0_8"
     assert main(["explore", "--store", str(root / "store"), "--release", str(release), "--out", str(out),
                  "--features", "3,4", "--no-model"]) == 0
@@ -90,3 +100,41 @@ def test_explore_explains_an_unloadable_model(run, tmp_path):
     with pytest.raises(SystemExit, match="--no-model"):
         main(["explore", "--store", str(root / "store"), "--release", str(release), "--out", str(tmp_path),
               "--model", str(tmp_path / "no-such-model"), "--features", "1"])
+
+
+def test_explore_refuses_a_database_mined_at_another_point(run, tmp_path):
+    root, dest = _copy(run, tmp_path)
+    db = FeatureDatabase.load(dest / "database")
+    db.meta["point"] = "resid_post.0"
+    db.save(dest / "database")
+    with pytest.raises(SystemExit, match=r"mined with point='resid_post.0'.*resid_post.2.*--rebuild"):
+        main(["explore", "--store", str(root / "store"), "--out", str(dest), "--features", "1", "--no-model"])
+
+
+def test_explore_refuses_a_database_of_another_store(run, tmp_path):
+    root, dest = _copy(run, tmp_path)
+    db = FeatureDatabase.load(dest / "database")
+    db.meta["store_config_hash"] = "0123456789abcdef"
+    db.save(dest / "database")
+    with pytest.raises(SystemExit, match="store_config_hash='0123456789abcdef'"):
+        main(["explore", "--store", str(root / "store"), "--out", str(dest), "--features", "1", "--no-model"])
+
+
+def test_rebuild_keeps_the_labels_of_the_same_point(run, tmp_path):
+    root, dest = _copy(run, tmp_path)
+    db = FeatureDatabase.load(dest / "database")
+    db.annotate(5, label="digits", notes="fires on numbers")
+    release = db.meta["release"]
+    assert main(["explore", "--store", str(root / "store"), "--release", release, "--out", str(dest),
+                 "--features", "5", "--no-model", "--rebuild"]) == 0
+    again = FeatureDatabase.load(dest / "database")
+    assert again.label(5) == "digits" and again.notes(5) == "fires on numbers"
+    assert torch.equal(again.count, db.count)
+
+
+def test_page_count_is_this_runs_selection_not_every_file_in_features(run, tmp_path, capsys):
+    root, dest = _copy(run, tmp_path)
+    assert len(list((dest / "features").glob("*.html"))) == 12
+    assert main(["explore", "--store", str(root / "store"), "--out", str(dest), "--features", "3,4",
+                 "--no-model"]) == 0
+    assert "dashboard with 2 feature pages" in capsys.readouterr().out

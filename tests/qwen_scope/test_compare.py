@@ -6,6 +6,7 @@ import torch
 
 from hooks import capture
 from qwen_scope.compare import compare
+from qwen_scope.scope import Scope
 from tests.qwen_scope.scope_helpers import tiny_scope
 
 A, B = "The cat sat on the mat.", "The dog ran far away!"
@@ -69,3 +70,12 @@ def test_lists_of_texts_pool_their_positions():
     za, zb = _codes(scope, 1, A)[1:], _codes(scope, 1, B)[1:]
     assert pooled.n_a == len(A) + len(B) - 2
     torch.testing.assert_close(pooled.rate_a, (torch.cat([za, zb]) > 0).float().mean(0))
+
+
+def test_compare_without_sae_layers_says_so():
+    scope = tiny_scope(layers=(1,))
+    bare = Scope(scope.model, scope.tokenizer)
+    with pytest.raises(ValueError, match="no layers to compare.*load_saes"):
+        bare.compare("ab", "cd")
+    with pytest.raises(ValueError, match="no layers to compare"):
+        scope.compare("ab", "cd", layers=[])

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from hooks import capture
-from qwen_scope.features import text_features
 from tests.qwen_scope.scope_helpers import tiny_scope
 
 TEXT = "Paris is in France."
@@ -114,3 +113,29 @@ def test_features_command_prints_tokens_and_writes_json(tmp_path, capsys):
     assert main(["features", "--model", str(model_dir), "--release", str(release_dir), "--layers", "1",
                  "--text", "hello there", "--versus", "bye now"]) == 0
     assert "rate_a" in capsys.readouterr().out
+
+
+def test_table_of_a_one_token_text_does_not_claim_position_0_was_excluded():
+    scope = tiny_scope(layers=(1,))
+    feats = scope.features("a", layers=1)
+    assert feats[1].first == 0
+    assert "excluded" not in feats.table(1).splitlines()[0]
+    longer = scope.features("ab", layers=1)
+    assert longer[1].first == 1 and "(position 0 excluded)" in longer.table(1).splitlines()[0]
+
+
+def test_negative_top_k_is_refused_instead_of_dropping_the_last_feature():
+    scope = tiny_scope(layers=(1,))
+    with pytest.raises(ValueError, match="top_k must be >= 0.*got -1"):
+        scope.features("abc", layers=1, top_k=-1)
+    assert scope.features("abc", layers=1, top_k=3)[1].values.shape == (3, 3)
+
+
+def test_top_include_first_false_leaves_position_0_out_even_when_computed_with_skip_first_false():
+    scope = tiny_scope(layers=(1,))
+    kept = scope.features("abcd", layers=1, skip_first=False)
+    skipped = scope.features("abcd", layers=1, skip_first=True)
+    assert kept.top(1, 50, include_first=False) == skipped.top(1, 50)
+    assert all(s.count <= 3 for s in kept.top(1, 50, include_first=False))
+    assert kept.top(1, 50) == skipped.top(1, 50, include_first=True)
+    assert max(s.count for s in kept.top(1, 50)) == 4

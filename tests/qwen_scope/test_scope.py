@@ -67,3 +67,12 @@ def test_from_pretrained_loads_a_local_model_and_release(tmp_path):
     assert scope.release == get_release("SAE-Res-Qwen3.5-Nano-Base-W0K-L0_8")
     with pytest.raises(KeyError, match=r"loaded layers are \[0, 2\]"):
         scope.sae(1)
+
+
+def test_missing_layer_past_the_last_block_is_not_told_to_load_it():
+    scope = tiny_scope(layers=(1,))
+    n = scope.adapter.n_layers
+    with pytest.raises(KeyError, match=rf"no SAE at layer {n}; loaded layers are \[1\]\. .*blocks 0\.\.{n - 1} only"):
+        scope.sae(n)
+    with pytest.raises(KeyError, match=r"no SAE at layer 0.*load_saes\(release, \[0\]\)"):
+        scope.sae(0)

@@ -193,3 +193,19 @@ def test_bf16_model_with_fp32_sae_steers_within_bf16_rounding():
     assert steered.dtype == torch.bfloat16
     expected = (base.float() + 4.0 * scope.sae(1).W_dec[:, 2]).bfloat16()
     torch.testing.assert_close(steered, expected, atol=0, rtol=0)
+
+
+def test_add_with_an_unknown_preset_names_the_presets():
+    with pytest.raises(ValueError, match=r"'huge' is not a preset.*'light': 5\.0"):
+        add(1, 3, "huge")
+    assert add(1, 3, "strong").value == 100.0
+
+
+def test_sweep_generates_once_per_strength_plus_one_baseline(monkeypatch):
+    scope = tiny_scope(layers=(1,))
+    calls = []
+    generate = scope.model.generate
+    monkeypatch.setattr(scope.model, "generate", lambda *a, **k: calls.append(1) or generate(*a, **k))
+    result = sweep(scope, "ab", 1, 3, [0.0, 50.0], max_new_tokens=2, baseline=True)
+    assert len(calls) == 3 and len(result.runs) == 2
+    assert result.runs[0].token_ids.tolist() == result.baseline.token_ids.tolist()

@@ -6,18 +6,15 @@ matches encode_sparse on random and structured inputs."""
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from saes import SparseCodes, TopKSAE
+from saes import fused as fe
 from saes import hopper_topk as hk
 from tests.factories import random_sae_state
-
-# The package re-exports the function under the module's name, so reach the module itself.
-fe = importlib.import_module("saes.fused_encode")
 
 BN = hk.BLOCK_N
 
@@ -85,11 +82,16 @@ def test_package_exports_the_function():
 
 def test_cpu_input_falls_back_to_torch_and_tilelang_request_explains_why():
     sae, x = _sae(), torch.randn(4, 64)
-    assert "CUDA" in fe.unsupported_reason(x, sae)
-    assert fe.explain_backend(x, sae).startswith("torch")
-    with pytest.raises(ValueError, match=r"backend='tilelang'\) cannot run: x and the SAE must be on a CUDA"):
+    assert fe.explain_backend(x, sae).splitlines() == [
+        "fused_encode: backend torch",
+        "  tilelang: not used: tensors are on cpu; the TileLang kernels run on CUDA tensors of an sm_90 GPU only",
+        "  torch: runs every input the op accepts"]
+    assert fe.explain_backend(x, sae, "torch") == "fused_encode: backend torch\n  torch: requested with backend='torch'"
+    assert fe.explain_backend(x, sae, "tilelang").startswith("fused_encode: error: backend='tilelang' cannot run")
+    with pytest.raises(ValueError, match=r"backend='tilelang' cannot run fused_encode on these inputs: tensors are "
+                                         r"on cpu; the TileLang kernels run on CUDA"):
         fe.fused_encode(x, sae, backend="tilelang")
-    with pytest.raises(ValueError, match="backend must be one of"):
+    with pytest.raises(ValueError, match="backend must be None"):
         fe.fused_encode(x, sae, backend="triton")
     with pytest.raises(ValueError, match=r"d_model=64\]"):
         fe.fused_encode(torch.randn(4, 32), sae)
@@ -279,7 +281,7 @@ def test_fused_encode_takes_the_multipass_path_and_async_the_fixed_capacity_one(
     want = fe._encode_tilelang(x, sae, c=4, candidates=twin)
     real_async, real_multi = fe._encode_tilelang_async, fe._encode_tilelang
     calls = []
-    monkeypatch.setattr(fe, "unsupported_reason", lambda x, sae: None)
+    monkeypatch.setattr(fe, "_verifiers", lambda x, sae: ())  # every verifier passes: the TileLang route
     monkeypatch.setattr(fe, "_encode_tilelang_async", lambda x, sae: calls.append("async")
                         or real_async(x, sae, c=4, candidates=twin, capacity=capacity))
     monkeypatch.setattr(fe, "_encode_tilelang", lambda x, sae: calls.append("multi")
@@ -299,9 +301,9 @@ def test_async_torch_backend_returns_encode_sparse_and_never_overflows():
     ref = sae.encode_sparse(x)
     _assert_same_codes(codes, ref)
     assert overflow.dtype == torch.bool and overflow.shape == () and overflow.device == x.device and not overflow
-    with pytest.raises(ValueError, match=r"fused_encode_async\(backend='tilelang'\) cannot run: x and the SAE must"):
+    with pytest.raises(ValueError, match=r"backend='tilelang' cannot run fused_encode_async on these inputs: tensors"):
         fe.fused_encode_async(x, sae, backend="tilelang")
-    with pytest.raises(ValueError, match="backend must be one of"):
+    with pytest.raises(ValueError, match="backend must be None"):
         fe.fused_encode_async(x, sae, backend="triton")
 
 
@@ -352,7 +354,7 @@ def test_async_path_never_reads_tensor_data_on_the_host(monkeypatch, narrow):
     _assert_same_codes(codes, fe._encode_tilelang(x, sae, chunk_tokens=64, c=c, candidates=source))
     # The public function too (validation, reshapes), on its TileLang route.
     real_async = fe._encode_tilelang_async
-    monkeypatch.setattr(fe, "unsupported_reason", lambda x, sae: None)
+    monkeypatch.setattr(fe, "_verifiers", lambda x, sae: ())  # every verifier passes: the TileLang route
     monkeypatch.setattr(fe, "_encode_tilelang_async", lambda x, sae: real_async(x, sae, c=c, candidates=source))
     with _no_host_reads(monkeypatch):
         codes, overflow = fe.fused_encode_async(x.reshape(2, 100, 64), sae, backend="tilelang")
@@ -388,7 +390,7 @@ def test_fused_encode_reads_the_device_once_when_no_row_is_flagged(monkeypatch, 
     flagged = bool(hk.merge_candidates(twin(x, sae.W_enc, sae.b_enc, c), sae.k)[2].any())
     assert flagged is crowded
     real_multi = fe._encode_tilelang
-    monkeypatch.setattr(fe, "unsupported_reason", lambda x, sae: None)
+    monkeypatch.setattr(fe, "_verifiers", lambda x, sae: ())  # every verifier passes: the TileLang route
     monkeypatch.setattr(fe, "_encode_tilelang", lambda x, sae: real_multi(x, sae, c=c, candidates=twin))
     with _CountHostReads() as counter:
         codes = fe.fused_encode(x, sae, backend="tilelang")
@@ -462,7 +464,7 @@ def test_kernel_matches_encode_sparse_up_to_ties_on_hopper(case, n, d_model, d_s
         sae = TopKSAE(w, torch.zeros(d_model, d_sae, device="cuda"), b, torch.zeros(d_model, device="cuda"), k=k)
         sae = sae.to(torch.bfloat16)
         x = x.bfloat16()
-    assert fe.unsupported_reason(x, sae) is None
+    assert fe.explain_backend(x, sae).startswith("fused_encode: backend tilelang")
     got = fe.fused_encode(x, sae, backend="tilelang")
     assert got.values.dtype == torch.bfloat16 and got.indices.dtype == torch.long
     assert_topk_up_to_ties(got, _true_acts(x, sae), k, rel=2**-7, abs_=1e-3)

@@ -1,19 +1,16 @@
-"""The candidate merge: the TileLang merge kernel's algorithm (its torch twin, on CPU) is the top-k of the keys with
-equal keys taken in slot order, and equals the torch ``merge_candidates`` up to the order of equal keys, on random and
-adversarial candidates (ties across tiles, zero keys, everything in one tile, everything selected, c = 1, one tile);
-the kernel lowers and compiles for sm_90a without a GPU; ``fused_encode`` merges kernel candidates with it; on Hopper
-the kernel equals its twin bit for bit."""
+"""hopper_topk's candidate merge: the TileLang merge kernel's algorithm (its torch twin, on CPU) is the top-k of the
+keys with equal keys taken in slot order, and equals the torch ``merge_candidates`` up to the order of equal keys, on
+random and adversarial candidates (ties across tiles, zero keys, everything in one tile, everything selected, c = 1,
+one tile); the kernel lowers and compiles for sm_90a without a GPU; ``fused_encode`` merges kernel candidates with it;
+on Hopper the kernel equals its twin bit for bit."""
 from __future__ import annotations
-
-import importlib
 
 import pytest
 import torch
 
+from saes import fused as fe
 from saes import hopper_topk as hk
-from tests.saes.test_fused_encode import _crowded, _sae
-
-fe = importlib.import_module("saes.fused_encode")
+from tests.saes.test_fused import _crowded, _sae
 
 BN = hk.BLOCK_N
 CASES = ("random", "ties", "few-positive", "one-tile", "all-zero")

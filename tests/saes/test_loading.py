@@ -1,15 +1,15 @@
-"""saes.load through every path (hub cache offline, release dir, single file, safetensors cache), bad files, SAEBank."""
+"""saes.load through every path (hub cache offline, release dir, single file, safetensors cache) and bad files."""
 from __future__ import annotations
 
 import builtins
 import pickle
-import warnings
 
 import pytest
+import safetensors.torch
 import torch
 
 import saes.registry
-from saes import SAEBank, SAEFileError, TopKSAE, check_d_model, get_release, load
+from saes import SAEFileError, TopKSAE, check_d_model, get_release, load
 from tests.factories import D_MODEL, random_sae_state, write_hub_cache_release, write_sae_release
 
 NANO_REPO = "Qwen/SAE-Res-Qwen3.5-Nano-Base-W0K-L0_8"
@@ -137,7 +137,7 @@ class _RunsCode:
         self.marker = marker
 
     def __reduce__(self):
-        return builtins.exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",)
+        return builtins.exec, (f"with open({str(self.marker)!r}, 'w') as f: f.write('pwned')",)
 
 
 def _bad_release(tmp_path, payload=None, raw: bytes | None = None):
@@ -239,52 +239,17 @@ def test_corrupt_safetensors_cache_is_reported(tmp_path):
         load(root, 0, safetensors_cache=cache)
 
 
-# ---------------------------------------------------------------------------------------------------- SAEBank
-def test_bank_loads_lazily_and_evicts_least_recently_used(tmp_path):
-    bank = SAEBank(write_sae_release(tmp_path), max_layers=2)
-    assert bank.layers == (0, 1, 2, 3) and bank.loaded == [] and len(bank) == 4 and 3 in bank
-    first = bank[0]
-    assert bank[0] is first and bank.hits == 1
-    bank[1]
-    bank[0]
-    bank[2]  # evicts 1, the least recently used
-    assert bank.loaded == [0, 2] and bank.evictions == 1 and bank.misses == 3
-    _assert_is_state(bank[2], seed=2)
-    bank.evict(0)
-    assert bank.loaded == [2]
-    with pytest.raises(KeyError, match="layer 9 is not in this bank"):
-        bank[9]
 
+def test_failed_safetensors_cache_write_leaves_no_temporary(tmp_path, monkeypatch):
+    root = write_sae_release(tmp_path)
+    cache = tmp_path / "st"
 
-def test_bank_byte_bound_keeps_one_layer_when_only_one_fits(tmp_path):
-    per_layer = 4 * (2 * D_MODEL * 256 + 256 + D_MODEL)
-    bank = SAEBank(write_sae_release(tmp_path), max_bytes=int(1.5 * per_layer))
-    for n in (0, 1, 2):
-        bank[n]
-        assert bank.loaded == [n] and bank.nbytes == per_layer
-    half = SAEBank(write_sae_release(tmp_path), max_bytes=per_layer, dtype=torch.bfloat16)
-    half.preload([0, 1, 3])
-    assert half.loaded == [1, 3] and half.nbytes == per_layer  # two bf16 layers fit in one fp32 layer's bytes
+    def dies_halfway(tensors, filename, metadata=None):
+        with open(filename, "wb") as fh:
+            fh.write(b"partial")
+        raise OSError("No space left on device")
 
-
-def test_bank_failure_loads_nothing(tmp_path):
-    root = write_sae_release(tmp_path, repo_name="SAE-Res-Bad-W0K-L0_4", n_layers=2)
-    (root / "layer1.sae.pt").write_bytes(b"garbage")
-    bank = SAEBank(root)
-    bank[0]
-    with pytest.raises(SAEFileError):
-        bank[1]
-    assert bank.loaded == [0]
-
-
-def test_bank_of_a_release_id_resolves_through_the_hub_cache(tmp_path, monkeypatch, nano_registered):
-    write_hub_cache_release(tmp_path)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    bank = SAEBank("qwen-scope-3.5-nano-base-w0k-l8", layers=[1, 3], cache_dir=tmp_path)
-    assert bank.layers == (1, 3) and bank.path(3).name == "layer3.sae.pt"
-    _assert_is_state(bank[3], seed=3)
-    with pytest.raises(ValueError, match="valid layers are 0..3"):
-        SAEBank("qwen-scope-3.5-nano-base-w0k-l8", layers=[4])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        bank[1]
+    monkeypatch.setattr(safetensors.torch, "save_file", dies_halfway)
+    with pytest.raises(OSError, match="No space left"):
+        load(root, 1, safetensors_cache=cache)
+    assert list(cache.iterdir()) == []

@@ -66,7 +66,7 @@ def test_lookup_by_release_id_or_repo_id(name):
     r = get_release(name)
     assert r.id == "qwen-scope-3.5-2b-base-w32k-l100" and r.registered
     assert (r.d_model, r.d_sae, r.k, r.n_layers) == (2048, 32768, 100, 24)
-    assert r.filename(12) == "layer12.sae.pt" and r.hook_name(12) == "resid_post.12"
+    assert r.filename(12) == "layer12.sae.pt"
 
 
 def test_unregistered_repo_ids_are_parsed_with_k_from_the_name():
@@ -110,3 +110,5 @@ def test_model_mismatch_notes_base_instruct_and_foreign_models():
     instruct = get_release("qwen-scope-3.5-27b-w80k-l50")
     assert instruct.model_mismatch("Qwen/Qwen3.5-27B") is None
     assert "base sibling" in instruct.model_mismatch("Qwen/Qwen3.5-27B-Base")
+    # a name that says nothing about the checkpoint: no claim either way
+    assert r.model_mismatch("/tmp/some-local-dir") is None and "not /x/llama-base" in r.model_mismatch("/x/llama-base")

@@ -1,12 +1,17 @@
-"""The TopK SAE trainer: recovers planted directions, folds into the exact release form, saves what saes.load reads."""
+"""The TopK SAE trainer: recovers planted directions, folds into the exact release form, saves what saes.load reads
+(atomically, at valid layers only), logs token-weighted metrics."""
 from __future__ import annotations
 
-import torch
 import pytest
+import safetensors.torch
+import torch
 
+import saes.training
+from saes import load
 from saes.topk import TopKSAE
 from saes.training import SAETrainer, SAETrainingConfig, evaluate_sae, save_release, save_sae, train_sae
-from saes.training_data import model_activations, rebatch, store_activations, tensor_batches
+from saes.training_data import store_activations, tensor_batches
+from tests.factories import random_sae_state
 
 
 def planted(n_tokens: int, d_model: int = 32, n_feat: int = 64, active: int = 3, seed: int = 0):
@@ -17,6 +22,10 @@ def planted(n_tokens: int, d_model: int = 32, n_feat: int = 64, active: int = 3,
     idx = torch.rand(n_tokens, n_feat, generator=g).argsort(dim=1)[:, :active]
     z = torch.zeros(n_tokens, n_feat).scatter_(1, idx, 1 + torch.rand(n_tokens, active, generator=g))
     return z @ dirs + 0.5 + 0.01 * torch.randn(n_tokens, d_model, generator=g), dirs
+
+
+def _sae(seed: int = 0) -> TopKSAE:
+    return TopKSAE.from_release_state(random_sae_state(seed=seed), k=8)
 
 
 @pytest.fixture
@@ -134,70 +143,9 @@ def test_save_rejects_mixed_k_and_unknown_formats(tmp_path):
         save_sae(a, tmp_path, 0, formats=("npz",))
 
 
-def test_rebatch_keeps_every_token_and_cuts_exact_batches():
-    chunks = [torch.arange(n * 2, dtype=torch.float32).reshape(n, 2) + 1000 * i for i, n in enumerate([7, 30, 1, 50])]
-    everything = torch.cat(chunks)
-    for buffer in (0, 40):
-        batches = list(rebatch(chunks, 16, shuffle_buffer=buffer, seed=1))
-        assert [b.shape[0] for b in batches[:-1]] == [16] * (len(batches) - 1)
-        got = torch.cat(batches)
-        assert torch.equal(got[got[:, 0].argsort()], everything[everything[:, 0].argsort()])
-    assert not torch.equal(torch.cat(list(rebatch(chunks, 16, shuffle_buffer=40))), everything)
-
-
-def test_model_activations_match_block_outputs():
-    from tests.factories import tiny_model
-
-    model = tiny_model("qwen3_5")
-    ids = torch.randint(0, 256, (2, 9))
-    got = list(model_activations(model, [ids], [0, 2], skip_positions=1))[0]
-    hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
-    n_hooks = len(model.model.layers[2]._forward_hooks)
-    for n in (0, 2):
-        torch.testing.assert_close(got[n], hidden[n + 1][:, 1:].reshape(-1, hidden[0].shape[-1]))
-    single = next(model_activations(model, [ids], 2, skip_positions=0))
-    assert single.shape == (18, 64)
-    assert len(model.model.layers[2]._forward_hooks) == n_hooks
-    with pytest.raises(ValueError, match="out of range"):
-        next(model_activations(model, [ids], 7))
-
-
-def test_store_activations_reads_dense_chunks():
-    data = torch.randn(300, 8)
-
-    class FakeStore:
-        points = ["resid_post.1"]
-
-        def iter_chunks(self, point, kind="sae", chunk_tokens=64):
-            assert kind == "dense"
-            for start in range(0, 300, chunk_tokens):
-                yield start, data[start:start + chunk_tokens]
-
-    got = torch.cat(list(store_activations(FakeStore(), "resid_post.1", chunk_tokens=64, shuffle_buffer=128)))
-    assert torch.equal(got[got[:, 0].argsort()], data[data[:, 0].argsort()])
-    with pytest.raises(ValueError, match="resid_post.0"):
-        next(store_activations(FakeStore(), "resid_post.0"))
-
-
 def test_train_sae_rejects_empty_input():
     with pytest.raises(ValueError, match="no activations"):
         train_sae(iter([]), SAETrainingConfig(d_sae=8, k=2, n_tokens=10), progress=False)
-
-
-def test_store_activations_prefers_the_stores_shuffled_iterator():
-    calls = []
-
-    class ShuffledStore:
-        points = ["resid_post.0"]
-
-        def iter_shuffled(self, point, batch_size, buffer_tokens=1 << 20, seed=0, *, kind="dense", dtype=None,
-                          drop_last=False):
-            calls.append((point, batch_size, buffer_tokens, seed, kind, dtype))
-            yield torch.ones(batch_size, 4)
-
-    got = list(store_activations(ShuffledStore(), "resid_post.0", chunk_tokens=32, shuffle_buffer=64, seed=5))
-    assert calls == [("resid_post.0", 32, 64, 5, "dense", torch.float32)]
-    assert len(got) == 1 and got[0].shape == (32, 4)
 
 
 def test_learning_rate_is_constant_then_decays_linearly_to_zero():
@@ -229,14 +177,71 @@ def test_trains_from_a_collected_activation_store(tmp_path):
 
 
 def test_safetensors_only_release_directory_loads_by_layer(tmp_path):
-    import saes
-    from tests.factories import random_sae_state
-
     sae = TopKSAE.from_release_state(random_sae_state(d_model=16, d_sae=64, seed=3), k=4)
     out = tmp_path / "SAE-Res-Tiny-W0K-L0_4"
     save_sae(sae, out, 2, formats=("safetensors",))
     assert not (out / "layer2.sae.pt").exists()
-    loaded = saes.load(out, 2)
+    loaded = load(out, 2)
     x = torch.randn(5, 16)
     assert loaded.k == 4
     torch.testing.assert_close(loaded.encode(x), sae.encode(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_interrupted_save_keeps_the_previous_file_and_leaves_no_partial_one(tmp_path, monkeypatch, fmt):
+    root = tmp_path / "SAE-Res-MyModel-W0K-L0_8"
+    save_sae(_sae(seed=1), root, 0, formats=(fmt,))
+
+    def dies_halfway(obj, f, *args, **kwargs):
+        with open(f, "wb") as fh:
+            fh.write(b"PK\x03\x04 half a file")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", dies_halfway)
+    monkeypatch.setattr(safetensors.torch, "save_file", dies_halfway)
+    with pytest.raises(OSError, match="No space left"):
+        save_sae(_sae(seed=2), root, 0, formats=(fmt,))
+    monkeypatch.undo()
+    assert sorted(p.name for p in root.iterdir()) == [f"layer0.sae.{fmt}"]
+    torch.testing.assert_close(load(root, 0).W_dec.detach(), random_sae_state(seed=1)["W_dec"], rtol=0, atol=0)
+
+
+def test_a_one_token_tail_batch_does_not_turn_the_logged_fve_into_minus_infinity():
+    # 65 tokens in batches of 64: every epoch ends with a 1-token batch, whose FVE (1 - mse / 0) is undefined.
+    x = torch.randn(65, 16, generator=torch.Generator().manual_seed(0))
+    config = saes.training.SAETrainingConfig(d_sae=32, k=4, n_tokens=64 * 4, batch_size=64, log_every=2)
+    result = saes.training.train_sae(x, config, progress=False)
+    assert [h["tokens"] for h in result.history] == [65, 130]
+    for entry in result.history:
+        assert 0.0 < entry["fve"] < 1.0, entry
+    # The window mean is token-weighted: the 64-token batch dominates, the 1-token batch's undefined FVE is left out.
+    steps = []
+    trainer_step = saes.training.SAETrainer.step
+
+    def spy(self, batch):
+        steps.append((batch.shape[0], trainer_step(self, batch)))
+        return steps[-1][1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(saes.training.SAETrainer, "step", spy)
+        result = saes.training.train_sae(x, config, progress=False)
+    assert [n for n, _ in steps] == [64, 1, 64, 1]
+    assert steps[1][1]["fve"] != steps[1][1]["fve"]  # nan
+    assert result.history[0]["fve"] == pytest.approx(steps[0][1]["fve"])
+    assert result.history[0]["mse"] == pytest.approx((64 * steps[0][1]["mse"] + steps[1][1]["mse"]) / 65)
+
+
+@pytest.mark.parametrize("layer", [-1, 2.0, True])
+def test_save_sae_refuses_a_layer_no_loader_can_find(tmp_path, layer):
+    # layer=-1 would write layer-1.sae.pt, which load() and SAEBank never find.
+    root = tmp_path / "SAE-Res-MyModel-W0K-L0_8"
+    with pytest.raises(ValueError, match=r"layer must be a non-negative int.*got"):
+        save_sae(_sae(), root, layer)
+    assert not root.exists()
+
+
+def test_save_sae_accepts_a_numpy_integer_layer(tmp_path):
+    import numpy as np
+
+    paths = save_sae(_sae(), tmp_path / "SAE-Res-MyModel-W0K-L0_8", np.int64(3), formats=("pt",))
+    assert [p.name for p in paths] == ["layer3.sae.pt"]
