@@ -355,9 +355,8 @@ def precompile() -> None:
 
     from saes import hopper_topk
 
-    # the package default variant's chunk kernels at Hk = Hv = 16: 1 sequence (the checks) and B (the arms)
-    for spec in chunk_kernels.variant_specs(["default"], {(16, 16, 128, "bfloat16", n) for n in (1, B)}, 132,
-                                          final=(False, True)):
+    # the chunk kernels at Hk = Hv = 16: 1 sequence (the checks) and B (the arms)
+    for spec in chunk_kernels.chunk_specs({(16, 16, 128, "bfloat16", n) for n in (1, B)}, 132, final=(False, True)):
         _, _, err = chunk_kernels.build_one(spec)
         if err:
             raise RuntimeError(f"{spec}: {err}")

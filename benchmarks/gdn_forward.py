@@ -3,16 +3,16 @@
 The 10-config suite and method of ``shared/reference/anchors-h200.md``: packed B = 1 with cu_seqlens, q/k l2-normalised
 randn bf16, v randn bf16, g = logsigmoid(randn)/16 fp32, beta = sigmoid(randn) fp32, h0 randn fp32, final state on;
 the high-level call under torch.no_grad timed by ``triton.testing.do_bench`` (median, host overhead included).
-Correctness first: every config is checked against the float64 reference on a shortened copy (same heads, same
-code path decisions, <= 4096 tokens) and against FLA on the full inputs. Then the floor: bytes (each input read once,
-each output written once) over the measured copy bandwidth, FLOPs over the measured bf16 matmul rate.
+"ours" is the public ``flashqla_kernels.chunk_gated_delta_rule`` exactly as users call it (dispatch included);
+"internal" is the Hopper launcher it dispatches to, called directly. Correctness first: every config is checked
+against the float64 reference on a shortened copy (same heads, same code path decisions, <= 4096 tokens) and against
+FLA on the full inputs. Each row also prints the physical floor: the bytes moved (each input read once, each output
+written once) at 4.2 TB/s and the MMA FLOPs at 700 TFLOP/s (the H200's practical HBM and dense bf16 rates).
 
 Usage (on the GPU machine): ``FLA_FLASH_QLA=0 python benchmarks/gdn_forward.py [--out benchmarks/results]``.
-Writes ``gdn_forward.json`` and ``gdn_forward.md``. ``--variants default,ws,ws16,prep2,ws+prep2`` (or ``all``) also
-checks and times the kernel variants of ``hopper/variants.py`` beside the default (columns ``ours:<variant>``); each
-non-default variant first runs a smoke check in a subprocess with a timeout (a deadlocked kernel cannot hang the run)
-and is dropped, with the reason in the results, if it hangs, fails or misses the 5e-3 bar. ``--precompile N`` builds
-every kernel specialisation the run needs on N processes first. See benchmarks/README.md.
+Writes ``gdn_forward.json`` and ``gdn_forward.md``. ``--precompile N`` builds every kernel specialisation the run (and
+the GPU tests) need on N processes first; with ``--precompile-only --sms 132`` it needs no GPU. ``--stages`` also
+times each stage alone. See benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ os.environ["FLA_FLASH_QLA"] = "0"
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chunk_kernels import compile_all, variant_specs  # noqa: E402
+from chunk_kernels import chunk_specs, compile_all  # noqa: E402
 from gdn_forward_report import geomean, markdown, merge  # noqa: E402
 
 # (Hk, Hv, tokens per sequence, sequences) — anchors-h200.md, in its order
@@ -45,6 +45,9 @@ CHUNK = 64
 # MMA work per (64-token chunk, value head), K = V = 128: K K^T, Q K^T, Ag W, Pg Vd (64x64x128 each) and
 # K S, Q S, K^T Vn (64x128x128 each) -> 10.5 MFLOP.
 FLOP_PER_CHUNK_HEAD = 4 * 2 * 64 * 64 * 128 + 3 * 2 * 64 * 128 * 128
+# the physical floor's rates: H200 HBM3e bandwidth a copy reaches, dense bf16 tensor-core throughput
+FLOOR_BYTES_PER_S = 4.2e12
+FLOOR_FLOP_PER_S = 700e12
 
 
 def make_inputs(Hk, Hv, seqlen, nseq, seed=0, device="cuda"):
@@ -64,30 +67,28 @@ def make_inputs(Hk, Hv, seqlen, nseq, seed=0, device="cuda"):
     return q, k, v, g, beta, h0, cu
 
 
-def ours_fn(variant, q, k, v, g, beta, h0, cu):
-    """Our forward in one kernel variant (``default``: the package's launcher as users get it)."""
-    from flashqla_kernels.gated_delta_rule import hopper
-    from flashqla_kernels.gated_delta_rule.hopper import variants
+def ours_fn(q, k, v, g, beta, h0, cu):
+    """The public op as users call it."""
+    import flashqla_kernels
 
-    if variant == "default":
-        return lambda: hopper.chunk_gated_delta_rule_fwd(
-            q, k, v, g, beta, scale=None, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=False,
-            cu_seqlens=cu)
-    return lambda: variants.chunk_gated_delta_rule_fwd(
-        q, k, v, g, beta, scale=None, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=False,
-        cu_seqlens=cu, variant=variant)
+    return lambda: flashqla_kernels.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                                           output_final_state=True, cu_seqlens=cu)
 
 
-def ours_key(variant):
-    return "ours" if variant == "default" else f"ours:{variant}"
+def internal_fn(q, k, v, g, beta, h0, cu):
+    """The Hopper launcher the public op dispatches to, called directly (no input checks, no dispatch)."""
+    from flashqla_kernels.gated_delta_rule.hopper import forward
+
+    return lambda: forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                      cu_seqlens=cu)
 
 
-def runners(q, k, v, g, beta, h0, cu, Hk, Hv, nseq, variant_names=("default",)):
-    out = {ours_key(name): ours_fn(name, q, k, v, g, beta, h0, cu) for name in variant_names}
+def runners(q, k, v, g, beta, h0, cu, Hk, Hv, nseq):
+    out = {"ours": ours_fn(q, k, v, g, beta, h0, cu), "internal": internal_fn(q, k, v, g, beta, h0, cu)}
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
         # one int64 copy made here: FLA caches its chunk indices on the cu_seqlens object, and a fresh tensor per
-        # call would add a host sync to every call (the first recorded run did that; see the results note)
+        # call would add a host sync to every call
         cu64 = cu.long()
         out["fla"] = lambda: fla_fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu64)
     except Exception as e:  # noqa: BLE001 - report and go on
@@ -120,21 +121,21 @@ def rel_l2(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def check_vs_reference(Hk, Hv, seqlen, nseq, variant_names=("default",)):
-    """Each variant vs the float64 reference on a shortened copy of the config (<= 4096 tokens, same head layout).
-
-    Returns {variant: (rel-L2 o, rel-L2 final state, any NaN)}."""
+def check_vs_reference(Hk, Hv, seqlen, nseq):
+    """The public op vs the float64 reference on a shortened copy of the config (<= 4096 tokens, same head layout),
+    outputs poisoned with NaN. Returns (rel-L2 o, rel-L2 final state, any NaN, the dispatcher's explanation)."""
+    import flashqla_kernels
+    from flashqla_kernels import toolkit
     from flashqla_kernels.gated_delta_rule.reference import chunk_gated_delta_rule_ref
 
     short = max(1, min(seqlen, 4096 // nseq))
     q, k, v, g, beta, h0, cu = make_inputs(Hk, Hv, short, nseq, seed=1)
     d = [x.double() for x in (q, k, v, g, beta, h0)]
     ro, rht = chunk_gated_delta_rule_ref(*d[:5], initial_state=d[5], output_final_state=True, cu_seqlens=cu)
-    out = {}
-    for name in variant_names:
-        o, ht = ours_fn(name, q, k, v, g, beta, h0, cu)()
-        out[name] = (rel_l2(o, ro), rel_l2(ht, rht), bool(o.isnan().any() or ht.isnan().any()))
-    return out
+    with toolkit.poisoned_outputs():
+        o, ht = ours_fn(q, k, v, g, beta, h0, cu)()
+    why = flashqla_kernels.explain_backend(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    return rel_l2(o, ro), rel_l2(ht, rht), bool(o.isnan().any() or ht.isnan().any()), why
 
 
 def ceilings():
@@ -150,12 +151,12 @@ def ceilings():
     return 2 * 8192 ** 3 / (mm * 1e-3), 2 * x.numel() * 4 / (cp * 1e-3)
 
 
-def floor_ms(Hk, Hv, seqlen, nseq, flops_ceiling, bytes_ceiling):
+def floor_ms(Hk, Hv, seqlen, nseq):
+    """(bytes floor, FLOP floor) in ms: the bytes at FLOOR_BYTES_PER_S, the MMA FLOPs at FLOOR_FLOP_PER_S."""
     T = seqlen * nseq
     nbytes = 2 * T * Hk * K * 2 + 2 * T * Hv * V * 2 + 2 * T * Hv * 4 + 2 * nseq * Hv * K * V * 4
-    chunks = nseq * math.ceil(seqlen / CHUNK)
-    flops = chunks * Hv * FLOP_PER_CHUNK_HEAD
-    return nbytes / bytes_ceiling * 1e3, flops / flops_ceiling * 1e3
+    flops = nseq * math.ceil(seqlen / CHUNK) * Hv * FLOP_PER_CHUNK_HEAD
+    return nbytes / FLOOR_BYTES_PER_S * 1e3, flops / FLOOR_FLOP_PER_S * 1e3
 
 
 def versions():
@@ -177,80 +178,16 @@ def commit():
         return None
 
 
-# Awkward inputs a new kernel must get right before it is timed: ragged varlen (length 1, 47, chunk boundaries) with
-# and without context parallelism, fp16 GVA 4, head dims 64 and 256, no h0. (Hk, Hv, K, lens, dtype, segment_chunks)
-SMOKE_CASES = [(2, 4, 128, [1, 47, 300, 64, 1000, 130], "bfloat16", None),
-               (2, 4, 128, [1, 47, 300, 64, 1000, 130], "bfloat16", 2),
-               (1, 4, 128, [700, 5, 129], "float16", 3),
-               (2, 4, 64, [100, 47, 190], "float16", None),
-               (2, 2, 256, [100, 47, 190], "bfloat16", None)]
-RTOL_L2 = 5e-3
-
-
-def smoke(variant):
-    """One variant on SMOKE_CASES vs the float64 reference: outputs poisoned with NaN, rel-L2 <= 5e-3, bit-identical
-    on a rerun. Returns {"ok": bool, "cases": [...]}; run it in a subprocess (:func:`smoke_in_subprocess`)."""
-    import itertools
-
-    from flashqla_kernels.gated_delta_rule.hopper import forward
-    from flashqla_kernels.gated_delta_rule.reference import chunk_gated_delta_rule_ref
-
-    forward.POISON_OUTPUTS = True
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    cases = []
-    for Hk, Hv, Kd, lens, dt, seg in SMOKE_CASES:
-        Tn, N = sum(lens), len(lens)
-        rn = (lambda *shape: torch.randn(*shape, generator=gen, device="cuda"))
-        q, k = (torch.nn.functional.normalize(rn(1, Tn, Hk, Kd), dim=-1).to(getattr(torch, dt)) for _ in range(2))
-        v = rn(1, Tn, Hv, Kd).to(getattr(torch, dt))
-        g = -torch.linspace(0, 16, Hv, device="cuda") * torch.nn.functional.softplus(0.5 * rn(1, Tn, Hv) + 1)
-        beta = torch.sigmoid(rn(1, Tn, Hv))
-        h0 = rn(N, Hv, Kd, Kd) if Kd != 256 else None
-        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
-        from flashqla_kernels.gated_delta_rule.hopper import variants
-
-        run = (lambda: variants.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                                           cu_seqlens=cu, segment_chunks=seg, variant=variant))
-        (o, ht), (o2, ht2) = run(), run()
-        d = (lambda x: None if x is None else x.double())
-        ro, rht = chunk_gated_delta_rule_ref(d(q), d(k), d(v), d(g), d(beta), initial_state=d(h0),
-                                             output_final_state=True, cu_seqlens=cu)
-        c = {"case": f"{Hk}/{Hv} K={Kd} {dt} lens={lens} seg={seg}", "rel_l2_o": rel_l2(o, ro),
-             "rel_l2_state": rel_l2(ht, rht), "nan": bool(o.isnan().any() or ht.isnan().any()),
-             "deterministic": bool(torch.equal(o, o2) and torch.equal(ht, ht2))}
-        c["ok"] = (not c["nan"] and c["deterministic"] and c["rel_l2_o"] <= RTOL_L2 and c["rel_l2_state"] <= RTOL_L2)
-        cases.append(c)
-    return {"ok": all(c["ok"] for c in cases), "cases": cases}
-
-
-def smoke_in_subprocess(variant, timeout):
-    """:func:`smoke` in a child process: a kernel that deadlocks or faults costs ``timeout`` seconds, not the run."""
-    t0 = time.time()
-    try:
-        out = subprocess.run([sys.executable, __file__, "--smoke", variant], capture_output=True, text=True,
-                             timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "reason": f"timed out after {timeout} s (deadlock?)"}
-    last = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode != 0 or not last:
-        return {"ok": False, "reason": f"exit {out.returncode}: {out.stderr[-1500:]}"}
-    res = json.loads(last[-1])
-    res["seconds"] = round(time.time() - t0, 1)
-    if not res["ok"]:
-        res["reason"] = "failed: " + "; ".join(c["case"] for c in res["cases"] if not c["ok"])
-    return res
-
-
-def kernel_specs(variant_names, configs, sms):
-    """(stage, builder args) of every kernel the suite (and the smoke cases) need in these variants on ``sms`` SMs."""
-    layouts = {(Hk, Hv, K, "bfloat16", nseq) for Hk, Hv, _, nseq in configs}
-    layouts |= {(Hk, Hv, Kd, dt, len(lens)) for Hk, Hv, Kd, lens, dt, _ in SMOKE_CASES}
-    layouts |= gpu_test_layouts()
-    specs = set(variant_specs(variant_names, layouts, sms))
-    if gpu_test_layouts():
-        # test_hopper_no_final_state_returns_none (the package default): scale 0.5, no final state, one sequence
-        specs |= set(variant_specs(["default"], [(1, 2, 128, "bfloat16", 1)], sms, scale=0.5, final=(False,),
-                                   scans=False))
+def kernel_specs(configs, sms):
+    """(stage, builder args) of every kernel the suite and tests/flashqla_kernels/test_hopper_gpu.py need on ``sms``
+    SMs."""
+    specs = set(chunk_specs({(Hk, Hv, K, "bfloat16", nseq) for Hk, Hv, _, nseq in configs}, sms))
+    gpu = gpu_test_layouts()
+    if gpu:
+        # the GPU tests also force 128-wide slices, and test_hopper_no_final_state_returns_none runs scale 0.5
+        # without the final state on one sequence
+        specs |= set(chunk_specs(gpu, sms, widths=(128,)))
+        specs |= set(chunk_specs([(1, 2, 128, "bfloat16", 1)], sms, scale=0.5, final=(False,), scans=False))
     return sorted(specs)
 
 
@@ -266,15 +203,101 @@ def gpu_test_layouts():
             for Hk, Hv, Kd, _, lens, dt, extra in CASES.values()}
 
 
-def precompile(variant_names, configs, workers, sms):
+def precompile(configs, workers, sms):
     """Compile every needed kernel on ``workers`` processes (TileLang's disk cache then serves the run); works
     without a GPU given ``sms`` (132 on an H200), e.g. to fill a TILELANG_CACHE_DIR that travels to the GPU."""
-    specs = kernel_specs(variant_names, configs, sms)
+    specs = kernel_specs(configs, sms)
     t0 = time.time()
     failed = compile_all(specs, workers)
     print(f"precompiled {len(specs)} kernels in {time.time() - t0:.0f} s on {workers} processes", flush=True)
     for spec, err in failed:
         print(f"  FAILED {spec}: {err}", flush=True)
+
+
+def stage_ms(q, k, v, g, beta, h0, cu):
+    """Medians (ms) of the launcher's stages on these inputs: kkt_solve, the context-parallel maps + scan (0 when the
+    plan keeps sequences whole) and chunk_fwd, each launched alone on the others' outputs."""
+    import triton
+
+    from flashqla_kernels.gated_delta_rule import checks
+    from flashqla_kernels.gated_delta_rule.hopper import chunk_fwd, kkt_solve, plan, segment_states, state_scan
+
+    Tn, Hk, Kd = q.shape[1], q.shape[2], q.shape[3]
+    Hv, Vd = v.shape[2], v.shape[3]
+    q3, k3, v3 = q.reshape(Tn, Hk, Kd), k.reshape(Tn, Hk, Kd), v.reshape(Tn, Hv, Vd)
+    g3, b3 = g.reshape(Tn, Hv).float().contiguous(), beta.reshape(Tn, Hv).float().contiguous()
+    offsets = checks.host_offsets(cu)
+    seq_chunks = [-(-(e - s) // CHUNK) for s, e in zip(offsets, offsets[1:])]
+    bdv = plan.block_dv(seq_chunks, Hv, Kd, Vd, plan.num_sms(q.device))
+    pl = plan.make_plan(offsets, Hv, Vd // bdv, True, q.device)
+    bench = (lambda fn: triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median"))
+    gamma, ag = kkt_solve.kkt_solve(k3, g3, b3, pl.chunks, Hv)
+    out = {"kkt_solve": bench(lambda: kkt_solve.kkt_solve(k3, g3, b3, pl.chunks, Hv)), "cp": 0.0}
+
+    def cp():
+        hs, ms = segment_states.segment_states(k3, v3, ag, gamma, b3, pl, bDV=bdv)
+        return state_scan.state_scan(h0, hs, ms, pl.seqs, pl.segs.shape[0])
+
+    h_init = h0
+    if pl.segment_chunks:
+        h_init = cp()
+        out["cp"] = bench(cp)
+    o, ht = torch.empty_like(v3), torch.empty_like(h0)
+    out["chunk_fwd"] = bench(lambda: chunk_fwd.chunk_fwd(q3, k3, v3, ag, gamma, b3, h_init, pl.segs, o, ht,
+                                                         scale=Kd ** -0.5, bDV=bdv))
+    out["bDV"], out["segment_chunks"] = bdv, pl.segment_chunks
+    return out
+
+
+def run_suite(idx, skip=(), stages=False, on_row=None):
+    """Check the public op against the float64 reference, then time it, the launcher, FLA, FlashQLA and torch (but
+    the baselines named in ``skip``); ``on_row(rows)`` after each config."""
+    import triton
+
+    rows = []
+    with torch.no_grad():
+        for i in idx:
+            Hk, Hv, seqlen, nseq = SUITE[i]
+            t0 = time.time()
+            err_o, err_h, nan, why = check_vs_reference(Hk, Hv, seqlen, nseq)
+            t_check = time.time() - t0
+            inputs = make_inputs(Hk, Hv, seqlen, nseq)
+            fns = runners(*inputs, Hk, Hv, nseq)
+            for name in skip:
+                fns.pop(name, None)
+            first, outs = {}, {}
+            for name, fn in fns.items():  # first calls: JIT / autotune of the baselines happen here
+                t1 = time.time()
+                outs[name] = fn()
+                torch.cuda.synchronize()
+                first[name] = round(time.time() - t1, 1)
+            vs_fla = rel_l2(outs["ours"][0], outs["fla"][0]) if "fla" in outs else None
+            vs_internal = rel_l2(outs["ours"][0], outs["internal"][0])
+            del outs
+            ms = {}
+            for name, fn in fns.items():
+                rep = 20 if name == "torch" else 200
+                ms[name] = triton.testing.do_bench(fn, warmup=10 if name == "torch" else 50, rep=rep,
+                                                   return_mode="median")
+            bytes_floor, flop_floor = floor_ms(Hk, Hv, seqlen, nseq)
+            row = {"Hk": Hk, "Hv": Hv, "seqlen": seqlen, "nseq": nseq, "ms": ms,
+                   "speedup_vs_fla": ms["fla"] / ms["ours"] if "fla" in ms else None,
+                   "ratio_vs_flashqla": ms["flashqla"] / ms["ours"] if "flashqla" in ms else None,
+                   "rel_l2_o_vs_ref": err_o, "rel_l2_state_vs_ref": err_h, "nan": nan, "rel_l2_o_vs_fla": vs_fla,
+                   "rel_l2_o_vs_internal": vs_internal, "backend": why.splitlines()[0],
+                   "bytes_floor_ms": bytes_floor, "flop_floor_ms": flop_floor,
+                   "anchor_fla_ms": ANCHOR_FLA_MS[i], "anchor_flashqla_ms": ANCHOR_QLA_MS[i]}
+            t2 = time.time()
+            if stages:
+                row["stages_ms"] = stage_ms(*inputs)
+            row["wall_s"] = {"check": round(t_check, 1), "first_calls": first, "stages": round(time.time() - t2, 1),
+                             "total": round(time.time() - t0, 1)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if on_row is not None:
+                on_row(rows)
+            torch.cuda.empty_cache()
+    return rows
 
 
 def main():
@@ -287,68 +310,45 @@ def main():
     ap.add_argument("--merge", metavar="JSON", nargs="+",
                     help="join the rows of runs over disjoint configs (e.g. one half per GPU of one host) into "
                          "--out/gdn_forward.{json,md}")
-    ap.add_argument("--variants", default="default",
-                    help="comma-separated kernel variants to check and time beside FLA/FlashQLA ('all' = every one)")
     ap.add_argument("--configs", default="", help="comma-separated SUITE row indices (default: all 10)")
     ap.add_argument("--precompile", type=int, default=0, metavar="N", help="compile all kernels on N processes first")
     ap.add_argument("--precompile-only", action="store_true", help="stop after --precompile (no GPU needed)")
     ap.add_argument("--sms", type=int, default=0, help="SM count for --precompile without a GPU (H200: 132)")
-    ap.add_argument("--smoke-timeout", type=int, default=240, help="seconds per variant smoke check")
     ap.add_argument("--stages", action="store_true",
-                    help="also time each variant's stages alone (prep, CP maps + scan, fused): ~1 s per variant/config")
-    ap.add_argument("--smoke", metavar="VARIANT", help=argparse.SUPPRESS)
+                    help="also time each stage alone (kkt_solve, CP maps + scan, chunk_fwd): ~1 s per config")
     args = ap.parse_args()
     if args.render:
         result = json.loads(Path(args.render).read_text())
         Path(args.render).with_suffix(".md").write_text(markdown(result))
         print(markdown(result))
         return
+    out = Path(args.out)
     if args.merge:
         result = merge([json.loads(Path(p).read_text()) for p in args.merge], SUITE)
-        out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "gdn_forward.json").write_text(json.dumps(result, indent=1))
         (out / "gdn_forward.md").write_text(markdown(result))
         print(markdown(result))
         return
-    if args.smoke:
-        with torch.no_grad():
-            print(json.dumps(smoke(args.smoke)), flush=True)
-        return
-    from flashqla_kernels.gated_delta_rule.hopper.variants import ALL_VARIANTS
-
-    names = list(ALL_VARIANTS) if args.variants == "all" else [v.strip() for v in args.variants.split(",") if v.strip()]
-    names = ["default"] + [v for v in names if v != "default"]
     idx = [int(x) for x in args.configs.split(",")] if args.configs else list(range(len(SUITE)))
     if args.precompile:
         sms = args.sms or torch.cuda.get_device_properties(0).multi_processor_count
-        precompile(names, [SUITE[i] for i in idx], args.precompile, sms)
+        precompile([SUITE[i] for i in idx], args.precompile, sms)
     if args.precompile_only:
         return
-    dropped = {}
-    for name in names[1:]:
-        res = smoke_in_subprocess(name, args.smoke_timeout)
-        print(f"smoke {name}: {json.dumps(res)}", flush=True)
-        if not res["ok"]:
-            dropped[name] = res["reason"]
-    active = [v for v in names if v not in dropped]
     flops_ceiling, bytes_ceiling = ceilings()
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     def save(rows):  # after every row: a run cut short by its time limit keeps the rows it finished
-        for row in rows:
-            row["bytes_floor_ms"], row["flop_floor_ms"] = floor_ms(row["Hk"], row["Hv"], row["seqlen"], row["nseq"],
-                                                                   flops_ceiling, bytes_ceiling)
         result = {
             "gpu": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
             "versions": versions(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": commit(), "bf16_matmul_tflops": flops_ceiling / 1e12, "copy_tbps": bytes_ceiling / 1e12,
-            "method": "packed B=1 + cu_seqlens, triton.testing.do_bench median, torch.no_grad, high-level call",
+            "floor_tbps": FLOOR_BYTES_PER_S / 1e12, "floor_tflops": FLOOR_FLOP_PER_S / 1e12,
+            "method": "packed B=1 + cu_seqlens, triton.testing.do_bench median, torch.no_grad, the public op",
             "geomean_speedup_vs_fla": geomean([r["speedup_vs_fla"] for r in rows]),
             "geomean_ratio_vs_flashqla": geomean([r["ratio_vs_flashqla"] for r in rows]),
-            "variants": active, "dropped_variants": dropped, "configs_planned": len(idx),
-            "rows": rows,
+            "configs_planned": len(idx), "rows": rows,
         }
         (out / "gdn_forward.json").write_text(json.dumps(result, indent=1))
         (out / "gdn_forward.md").write_text(markdown(result))
@@ -356,97 +356,8 @@ def main():
 
     skip = {"torch"} if args.skip_torch else set()
     skip |= {"fla"} if args.skip_fla else set()
-    result = save(run_suite(idx, active, skip, args.stages, on_row=save))
+    result = save(run_suite(idx, skip, args.stages, on_row=save))
     print(markdown(result))
-
-
-def stage_ms(variant, q, k, v, g, beta, h0, cu):
-    """Medians (ms) of one variant's stages on these inputs: prep, the context-parallel maps + scan (0 when the plan
-    keeps sequences whole) and the fused stage, each launched alone on the others' outputs."""
-    import triton
-
-    from flashqla_kernels.gated_delta_rule.hopper import forward, plan, segment_states, state_scan, variants
-
-    var = variants.parse_variant(variant)
-    Tn, Hk, Kd = q.shape[1], q.shape[2], q.shape[3]
-    Hv, Vd = v.shape[2], v.shape[3]
-    q3, k3, v3 = q.reshape(Tn, Hk, Kd), k.reshape(Tn, Hk, Kd), v.reshape(Tn, Hv, Vd)
-    g3, b3 = g.reshape(Tn, Hv).float().contiguous(), beta.reshape(Tn, Hv).float().contiguous()
-    offsets = plan.host_offsets(cu)
-    bdv = forward.block_dv(len(offsets) - 1, Hv, Kd, Vd, q.device, wide_cp=var.fused != "base",
-                           seq_chunks=[-(-(e - s) // 64) for s, e in zip(offsets, offsets[1:])])
-    bdv = min(Vd, var.block_v) if var.block_v and Kd <= 128 else bdv
-    pl = plan.make_plan(offsets, Hv, Vd // bdv, True, q.device)
-    prep, fused = variants.prep_fn(var), variants.fused_fn(var, q.dtype)
-    bench = (lambda fn: triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median"))
-    gamma, a0 = prep(k3, g3, b3, pl.chunks, Hv)
-    out = {"prep": bench(lambda: prep(k3, g3, b3, pl.chunks, Hv)), "cp": 0.0}
-
-    def cp():
-        hs, ms = segment_states.segment_states(k3, v3, a0, gamma, b3, pl, bDV=bdv)
-        return state_scan.state_scan(h0, hs, ms, pl.seqs, pl.segs.shape[0])
-
-    h_init = h0
-    if pl.segment_chunks:
-        h_init = cp()
-        out["cp"] = bench(cp)
-    o, ht = torch.empty_like(v3), torch.empty_like(h0)
-    out["fused"] = bench(lambda: fused(q3, k3, v3, a0, gamma, b3, h_init, pl.segs, o, ht, scale=Kd ** -0.5, bDV=bdv))
-    out["bDV"], out["segment_chunks"] = bdv, pl.segment_chunks
-    return out
-
-
-def run_suite(idx, active, skip=(), stages=False, on_row=None):
-    """Check every active variant against the float64 reference, then time them, FLA, FlashQLA and torch (but the
-    baselines named in ``skip``); ``on_row(rows)`` after each config."""
-    import triton
-
-    rows = []
-    with torch.no_grad():
-        for i in idx:
-            Hk, Hv, seqlen, nseq = SUITE[i]
-            t0 = time.time()
-            checks = check_vs_reference(Hk, Hv, seqlen, nseq, active)
-            t_check = time.time() - t0
-            inputs = make_inputs(Hk, Hv, seqlen, nseq)
-            fns = runners(*inputs, Hk, Hv, nseq, active)
-            for name in skip:
-                fns.pop(name, None)
-            first = {}
-            outs = {}
-            for name, fn in fns.items():  # first calls: JIT / autotune of the baselines happen here
-                t1 = time.time()
-                outs[name] = fn()
-                torch.cuda.synchronize()
-                first[name] = round(time.time() - t1, 1)
-            vs_fla = rel_l2(outs["ours"][0], outs["fla"][0]) if "fla" in outs else None
-            vs_default = {v: rel_l2(outs[ours_key(v)][0], outs["ours"][0]) for v in active}
-            del outs
-            ms = {}
-            for name, fn in fns.items():
-                rep = 20 if name == "torch" else 200
-                ms[name] = triton.testing.do_bench(fn, warmup=10 if name == "torch" else 50, rep=rep,
-                                                   return_mode="median")
-            err_o, err_h, nan = checks["default"]
-            row = {"Hk": Hk, "Hv": Hv, "seqlen": seqlen, "nseq": nseq, "ms": ms,
-                   "speedup_vs_fla": ms["fla"] / ms["ours"] if "fla" in ms else None,
-                   "ratio_vs_flashqla": ms["flashqla"] / ms["ours"] if "flashqla" in ms else None,
-                   "rel_l2_o_vs_ref": err_o, "rel_l2_state_vs_ref": err_h, "nan": nan, "rel_l2_o_vs_fla": vs_fla,
-                   "anchor_fla_ms": ANCHOR_FLA_MS[i], "anchor_flashqla_ms": ANCHOR_QLA_MS[i],
-                   "variants": {v: {"ms": ms[ours_key(v)], "rel_l2_o_vs_ref": checks[v][0],
-                                    "rel_l2_state_vs_ref": checks[v][1], "nan": checks[v][2],
-                                    "rel_l2_o_vs_default": vs_default[v]} for v in active}}
-            t2 = time.time()
-            if stages:
-                row["stages_ms"] = {v: stage_ms(v, *inputs) for v in active}
-            row["wall_s"] = {"check": round(t_check, 1), "first_calls": first, "stages": round(time.time() - t2, 1),
-                             "total": round(time.time() - t0, 1)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if on_row is not None:
-                on_row(rows)
-            torch.cuda.empty_cache()
-    return rows
 
 
 if __name__ == "__main__":

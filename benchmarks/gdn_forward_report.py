@@ -10,15 +10,14 @@ def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
-
 def merge(parts: list[dict], suite: list[tuple]) -> dict:
-    """One result from runs over disjoint configs of the suite (same GPU model, commit and variants): rows in suite
-    order, geomeans over all of them; each part's date, commit and ceilings kept under ``parts``.
+    """One result from runs over disjoint configs of the suite (same GPU model and commit): rows in suite order,
+    geomeans over all of them; each part's date, commit and ceilings kept under ``parts``.
 
     Raises:
-        ValueError: the parts overlap, or differ in GPU, commit or variants.
+        ValueError: the parts overlap, or differ in GPU or commit.
     """
-    for key in ("gpu", "commit", "variants"):
+    for key in ("gpu", "commit"):
         if len({json.dumps(p[key]) for p in parts}) > 1:
             raise ValueError(f"cannot merge runs with different {key}: {[p[key] for p in parts]}")
     order = {cfg: i for i, cfg in enumerate(suite)}
@@ -39,22 +38,26 @@ def merge(parts: list[dict], suite: list[tuple]) -> dict:
 
 def markdown(r):
     f = (lambda x, p=3: "-" if x is None else f"{x:.{p}f}")
+    floor = (f"bytes at {r.get('floor_tbps', 4.2):.1f} TB/s, MMA FLOPs at "
+             f"{r.get('floor_tflops', 700):.0f} TFLOP/s")
     lines = [
         "# Gated DeltaNet forward, " + r["gpu"],
         "",
         f"{r['date']} · commit {r['commit']} · " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()),
         f"Ceilings measured in this run: bf16 matmul {r['bf16_matmul_tflops']:.0f} TFLOP/s, "
-        f"copy {r['copy_tbps']:.2f} TB/s. Method: {r['method']}.",
+        f"copy {r['copy_tbps']:.2f} TB/s. Method: {r['method']}. \"ours\" is the public "
+        f"`flashqla_kernels.chunk_gated_delta_rule`; \"internal\" the Hopper launcher it dispatches to, called "
+        f"directly. Physical floors: {floor}.",
         "",
-        "| Hk/Hv | seqs | ours ms | FLA ms | FlashQLA ms | torch ms | x FLA | x FLA anchor | x FlashQLA | x FlashQLA anchor | bytes floor "
-        "| FLOP floor | rel-L2 o / state vs fp64 | o vs FLA |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| Hk/Hv | seqs | ours ms | internal ms | FLA ms | FlashQLA ms | torch ms | x FLA | x FLA anchor | x FlashQLA "
+        "| x FlashQLA anchor | bytes floor | FLOP floor | rel-L2 o / state vs fp64 | o vs FLA |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for x in r["rows"]:
         ms = x["ms"]
         lines.append(
-            f"| {x['Hk']}/{x['Hv']} | {x['seqlen']}x{x['nseq']} | {f(ms.get('ours'))} | {f(ms.get('fla'))} | "
-            f"{f(ms.get('flashqla'))} | {f(ms.get('torch'), 1)} | {f(x['speedup_vs_fla'], 2)} | "
+            f"| {x['Hk']}/{x['Hv']} | {x['seqlen']}x{x['nseq']} | {f(ms.get('ours'))} | {f(ms.get('internal'))} | "
+            f"{f(ms.get('fla'))} | {f(ms.get('flashqla'))} | {f(ms.get('torch'), 1)} | {f(x['speedup_vs_fla'], 2)} | "
             f"{f(x['anchor_fla_ms'] / ms['ours'], 2)} | "
             f"{f(x['ratio_vs_flashqla'], 2)} | {f(x['anchor_flashqla_ms'] / ms['ours'], 2)} | "
             f"{f(x['bytes_floor_ms'])} | {f(x['flop_floor_ms'])} | "
@@ -70,43 +73,18 @@ def markdown(r):
                   "time limit.", ""]
     if r.get("note"):
         lines += [r["note"], ""]
-    lines += variants_markdown(r)
+    lines += stages_markdown(r)
     return "\n".join(lines)
 
 
-def variants_markdown(r):
-    """Per-variant table: ms, ratios to the anchor FLA and to this run's FlashQLA, errors vs fp64 and vs default."""
-    names = [v for v in r.get("variants", []) if v != "default"]
-    dropped = r.get("dropped_variants") or {}
-    if not names and not dropped and not any(x.get("stages_ms") for x in r["rows"]):
-        return []
-    f = (lambda x, p=3: "-" if x is None else f"{x:.{p}f}")
-    cols = ["default", *names]
-    lines = ["## Kernel variants (hopper/variants.py)", "",
-             "| Hk/Hv | seqs | " + " | ".join(f"{v} ms (x FLA anchor, x FlashQLA)" for v in cols)
-             + " | rel-L2 o / state vs fp64 | o vs default |",
-             "|---|---|" + "---|" * len(cols) + "---|---|"]
-    for x in r["rows"]:
-        var, qla = x["variants"], x["ms"].get("flashqla")
-        cells = [f"{f(var[v]['ms'])} ({f(x['anchor_fla_ms'] / var[v]['ms'], 2)}, "
-                 f"{f(qla / var[v]['ms'] if qla else None, 2)})" for v in cols]
-        errs = ", ".join(f"{v} {var[v]['rel_l2_o_vs_ref']:.1e}/{var[v]['rel_l2_state_vs_ref']:.1e}"
-                         + (" NaN" if var[v]["nan"] else "") for v in cols)
-        diffs = ", ".join(f"{v} {var[v]['rel_l2_o_vs_default']:.1e}" for v in names) or "-"
-        lines.append(f"| {x['Hk']}/{x['Hv']} | {x['seqlen']}x{x['nseq']} | " + " | ".join(cells)
-                     + f" | {errs} | {diffs} |")
-    lines.append("")
-    for v in cols:
-        fla = geomean([x["anchor_fla_ms"] / x["variants"][v]["ms"] for x in r["rows"]])
-        qla = geomean([x["ms"]["flashqla"] / x["variants"][v]["ms"] for x in r["rows"] if x["ms"].get("flashqla")])
-        lines.append(f"- {v}: geomean {f(fla, 2)}x the anchor FLA times, {f(qla, 2)}x this run's FlashQLA")
-    for v, why in dropped.items():
-        lines.append(f"- {v}: dropped before timing: {why}")
+def stages_markdown(r):
+    """Each stage alone (``--stages``): kkt_solve / CP maps + scan / chunk_fwd ms, with the V slice and split."""
     staged = [x for x in r["rows"] if x.get("stages_ms")]
-    if staged:
-        lines += ["", "Stages alone, ms (prep / CP maps + scan / fused; bDV, segment chunks):", ""]
-        for x in staged:
-            cells = [f"{v} {st['prep']:.3f} / {st['cp']:.3f} / {st['fused']:.3f} ({st['bDV']}, {st['segment_chunks']})"
-                     for v, st in x["stages_ms"].items()]
-            lines.append(f"- {x['Hk']}/{x['Hv']} {x['seqlen']}x{x['nseq']}: " + "; ".join(cells))
+    if not staged:
+        return []
+    lines = ["Stages alone, ms (kkt_solve / CP maps + scan / chunk_fwd; bDV, segment chunks):", ""]
+    for x in staged:
+        st = x["stages_ms"]
+        lines.append(f"- {x['Hk']}/{x['Hv']} {x['seqlen']}x{x['nseq']}: {st['kkt_solve']:.3f} / {st['cp']:.3f} / "
+                     f"{st['chunk_fwd']:.3f} ({st['bDV']}, {st['segment_chunks']})")
     return lines + [""]

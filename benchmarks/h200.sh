@@ -66,6 +66,7 @@ phase() {  # phase NAME SECONDS COMMAND...: run with a limit, tee to $OUT/NAME.l
 }
 
 gdn_tests() {
+    python3 benchmarks/gdn_forward.py --precompile 14 --precompile-only
     python3 -m pytest -q -rfE --timeout 300 -p no:cacheprovider tests/flashqla_kernels/test_hopper_gpu.py \
         tests/flashqla_kernels/test_dispatch_gpu.py
 }

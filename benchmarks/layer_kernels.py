@@ -23,11 +23,11 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
     glue = "flashqla_kernels.decoder.hopper."
     bf16, names = "bfloat16", {torch.bfloat16: "bfloat16", torch.float16: "float16"}
     specs = []
-    # the chunk kernels of the package default and the base path: the benchmark (Hv = 16; 1 and 8 sequences) and
-    # the layer tests (Hv = 32, 2 sequences), as benchmarks/chunk_kernels.py names them
+    # the chunk kernels of the benchmark (Hv = 16; 1 and 8 sequences) and the layer tests (Hv = 32, 2 sequences),
+    # as benchmarks/chunk_kernels.py names them
     layouts = {(16, Hv, 128, bf16, n) for Hv in (16, 32) for n in (1, 2, 8)}
-    for stage, args in chunk_kernels.variant_specs(["default", "base"], layouts, 132, final=(False, True)):
-        specs.append((*chunk_kernels.STAGE_BUILDERS[stage], args))
+    for stage, args in chunk_kernels.chunk_specs(layouts, 132, final=(False, True)):
+        specs.append(("chunk:" + stage, stage, args))
     bt, tiles = conv_gates.pipelined_shape(128)
     for Hv in (16, 32):
         for has_prefix in (False, True):
@@ -77,11 +77,10 @@ def _glue_modules() -> dict:
 def _compile_spec(spec: tuple[str, str, tuple]) -> str:
     module, builder, args = spec
     glue = _glue_modules()
-    if module not in glue:  # a chunk kernel: compiled as chunk_kernels compiles its stages
+    if module.startswith("chunk:"):  # a chunk kernel: compiled as chunk_kernels compiles its stages
         import chunk_kernels
 
-        stage = next(s for s, target in chunk_kernels.STAGE_BUILDERS.items() if target == (module, builder))
-        _, _, err = chunk_kernels.build_one((stage, args))
+        _, _, err = chunk_kernels.build_one((builder, args))
         return f"{builder}{args}: {err[:200]}" if err else ""
     from flashqla_kernels import toolkit
 

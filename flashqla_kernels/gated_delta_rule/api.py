@@ -1,87 +1,49 @@
 """The public op: FLA/FlashQLA-compatible ``chunk_gated_delta_rule`` and the ``recurrent_gated_delta_rule`` decode
-step, dispatched between the TileLang Hopper kernels and the torch path by verifiers that return reasons.
+step, dispatched between the TileLang Hopper kernels and the torch path by ``flashqla_kernels.dispatch``.
 
-Dispatch (``backend=None``): the TileLang kernels when every verifier passes (CUDA tensors on sm_90, dtypes and head
-dims the kernels support, no input requiring grad), else the torch path. ``backend="torch"`` always runs the torch
-path; ``backend="tilelang"`` runs the kernels or raises one ``ValueError`` naming the reason. Inputs that require grad
-fall back to the differentiable torch path with a one-time warning (no backward kernel yet).
-``explain_backend(...)`` returns the decision and every reason as text.
+Dispatch (``backend=None``): the TileLang kernels when every verifier passes (CUDA tensors on an sm_90 GPU, the
+dtypes, head dims and shapes the kernels take, T > 0, no input requiring grad), else the torch path.
+``backend="torch"`` always runs the torch path; ``backend="tilelang"`` runs the kernels or raises one ``ValueError``
+naming the reason. Inputs that require grad fall back to the differentiable torch path with a one-time warning (the
+kernels are forward-only). ``explain_backend(...)`` returns the decision and every reason as text.
 
-The Hopper module is imported lazily, only for CUDA tensors: importing this module touches neither CUDA nor tilelang.
+The Hopper launcher is imported inside the functions that need it: importing this module touches neither CUDA nor
+tilelang (nor does importing the launcher: its stage modules load tilelang on the first kernel call).
 """
 from __future__ import annotations
 
-import importlib
 import warnings
-from dataclasses import dataclass
 
-import torch
-
+from flashqla_kernels import dispatch
 from flashqla_kernels.gated_delta_rule.checks import check_inputs, resolve_scale
 from flashqla_kernels.gated_delta_rule.torch_path import (
     chunk_gated_delta_rule_torch, recurrent_gated_delta_rule_torch,
 )
 
-__all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "explain_backend", "BACKENDS", "Decision"]
+__all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "explain_backend"]
 
-BACKENDS = ("torch", "tilelang")
-_HOPPER_MODULE = "flashqla_kernels.gated_delta_rule.hopper"
+OPS = {"chunk": "chunk_gated_delta_rule", "recurrent": "recurrent_gated_delta_rule"}
 _warned_grad = False
 
 
-def _needs_grad(*xs: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
-
-
-def _tilelang_reason(q, k, v, g, beta, initial_state, cu_seqlens) -> str | None:
-    """Why the TileLang kernels cannot run these inputs (grad aside), or None."""
-    if not q.is_cuda:
-        return f"tensors are on {q.device}; the TileLang kernels run on CUDA tensors (sm_90) only"
-    if q.shape[1] == 0:
-        return "T = 0: there is nothing to compute"
-    try:
-        hopper = importlib.import_module(_HOPPER_MODULE)
-    except Exception as err:  # the kernels are optional: a broken tilelang install must not break the op
-        return f"{_HOPPER_MODULE} failed to import ({type(err).__name__}: {err})"
-    if not hasattr(hopper, "unsupported_reason") or not hasattr(hopper, "chunk_gated_delta_rule_fwd"):
-        return f"{_HOPPER_MODULE} lacks chunk_gated_delta_rule_fwd / unsupported_reason"
-    return hopper.unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens)
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The dispatcher's choice: ``backend`` ("torch" / "tilelang"), one line per reason, and whether the torch path
-    was chosen only because an input requires grad."""
-
-    backend: str
-    reasons: tuple[str, ...]
-    grad_fallback: bool = False
-
-
-def _decide(op: str, backend: str | None, q, k, v, g, beta, initial_state, cu_seqlens) -> Decision:
-    """Pick the backend. Raises ValueError for an unknown backend or a forced one that cannot run."""
-    if backend not in (None, *BACKENDS):
-        raise ValueError(f"backend must be one of None, 'torch', 'tilelang'; got {backend!r}")
-    if backend == "torch":
-        return Decision("torch", ("torch: requested with backend='torch'",))
+def _verifiers(op: str, q, k, v, g, beta, initial_state, cu_seqlens) -> tuple:
+    """The kernels' verifiers for ``op`` ("chunk" or "recurrent"), in the order the dispatcher runs them."""
     if op == "recurrent":
-        reason = "there is no TileLang decode kernel yet; the decode step runs on the torch path"
-    else:
-        reason = _tilelang_reason(q, k, v, g, beta, initial_state, cu_seqlens)
-    if reason is not None:
-        if backend == "tilelang":
-            raise ValueError(f"backend='tilelang' cannot run {op}_gated_delta_rule on these inputs: {reason}. "
-                             "Pass backend=None to fall back to the torch path automatically.")
-        return Decision("torch", (f"tilelang: not used: {reason}", "torch: runs everything the op supports"))
-    if _needs_grad(q, k, v, g, beta, initial_state):
-        if backend == "tilelang":
-            raise ValueError(f"backend='tilelang' cannot run {op}_gated_delta_rule on these inputs: an input requires "
-                             "grad and the TileLang kernels are forward-only (no backward kernel yet). Run under "
-                             "torch.no_grad() / detach the inputs, or pass backend=None for the differentiable torch "
-                             "path.")
-        return Decision("torch", ("tilelang: not used: an input requires grad and there is no backward kernel yet",
-                                  "torch: differentiable fallback"), grad_fallback=True)
-    return Decision("tilelang", ("tilelang: all verifiers passed",))
+        return (lambda: "there is no TileLang decode kernel; the decode step runs on the torch path",)
+
+    def kernel_reason():
+        from flashqla_kernels.gated_delta_rule.hopper import forward
+
+        return forward.unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens)
+
+    return (lambda: dispatch.hopper_reason(q, k, v, g, beta, initial_state),
+            lambda: "T = 0: there is nothing to compute" if q.shape[1] == 0 else None,
+            kernel_reason)
+
+
+def _decide(op: str, backend, q, k, v, g, beta, initial_state, cu_seqlens) -> dispatch.Decision:
+    return dispatch.decide(OPS[op], backend, *_verifiers(op, q, k, v, g, beta, initial_state, cu_seqlens),
+                           grad=(q, k, v, g, beta, initial_state))
 
 
 def _warn_grad_once() -> None:
@@ -99,28 +61,27 @@ def explain_backend(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     (``op="recurrent"``) would use for these arguments, and why. Same arguments as the op.
 
     Returns:
-        Multi-line text: ``"backend: torch"`` then one line per backend considered.
+        Multi-line text: ``"<op>: backend <name>"`` then one line per backend considered, or
+        ``"<op>: error: ..."`` where the call would raise.
 
     Example:
         >>> print(explain_backend(q, k, v, g, beta))
-        backend: torch
-          tilelang: not used: tensors are on cpu; the TileLang kernels run on CUDA tensors (sm_90) only
-          torch: runs everything the op supports
+        chunk_gated_delta_rule: backend torch
+          tilelang: not used: tensors are on cpu; the TileLang kernels run on CUDA tensors of an sm_90 GPU only
+          torch: runs every input the op accepts
     """
-    if op not in ("chunk", "recurrent"):
+    if op not in OPS:
         raise ValueError(f"op must be 'chunk' or 'recurrent'; got {op!r}")
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    try:
-        decision = _decide(op, backend, q, k, v, g, beta, initial_state, cu_seqlens)
-    except ValueError as err:
-        return f"error: {err}"
-    return "\n".join([f"backend: {decision.backend}", *("  " + line for line in decision.reasons)])
+    return dispatch.explain(OPS[op], backend, *_verifiers(op, q, k, v, g, beta, initial_state, cu_seqlens),
+                            grad=(q, k, v, g, beta, initial_state))
 
 
 def _tilelang_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                     cu_seqlens):
-    hopper = importlib.import_module(_HOPPER_MODULE)
-    return hopper.chunk_gated_delta_rule_fwd(
+    from flashqla_kernels.gated_delta_rule.hopper import forward
+
+    return forward.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale=resolve_scale(scale, k.shape[-1]), initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         cu_seqlens=cu_seqlens)
@@ -152,7 +113,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     decision = _decide("chunk", backend, q, k, v, g, beta, initial_state, cu_seqlens)
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
-    if decision.backend == "tilelang":
+    if decision.kernel:
         return _tilelang_chunk(*args)
     if decision.grad_fallback:
         _warn_grad_once()
@@ -164,7 +125,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     """Token-by-token gated delta rule: the decode step of generation (T = 1), fine for short T.
 
     Same conventions, Args and Returns as ``chunk_gated_delta_rule``; runs the torch path on every device
-    (``backend="tilelang"`` raises: there is no TileLang decode kernel yet).
+    (``backend="tilelang"`` raises: there is no TileLang decode kernel).
 
     Example:
         >>> o, state = recurrent_gated_delta_rule(q_t, k_t, v_t, g_t, beta_t, initial_state=state,

@@ -4,9 +4,11 @@ One place that knows the op's shapes, so every entry point raises the same actio
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-__all__ = ["check_inputs", "sequence_spans", "resolve_scale"]
+__all__ = ["check_inputs", "host_offsets", "sequence_spans", "resolve_scale"]
 
 
 def _shape(x: torch.Tensor) -> str:
@@ -78,7 +80,7 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> int:
     if B != 1:
         raise ValueError(f"with cu_seqlens the sequences are packed along T, so B must be 1; got B={B}. "
                          "Flatten with x.reshape(1, -1, *x.shape[2:]) and pass offsets.")
-    offsets = cu_seqlens.tolist()
+    offsets = host_offsets(cu_seqlens)
     if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != T:
         raise ValueError(f"cu_seqlens must start at 0 and end at T={T}; got {offsets[:4]}...{offsets[-2:]}")
     if any(b < a for a, b in zip(offsets, offsets[1:])):
@@ -86,11 +88,29 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> int:
     return len(offsets) - 1
 
 
+_HOST_OFFSETS: dict = {}
+
+
+def host_offsets(cu_seqlens: torch.Tensor) -> list[int]:
+    """``cu_seqlens.tolist()`` without a device sync when the same, unmodified tensor object comes back (every
+    layer of a model forward passes the same one; a sync per call would stall the host in the hot path). Keyed on
+    object identity, checked by weakref and version. The list is shared: do not modify it."""
+    key = id(cu_seqlens)
+    hit = _HOST_OFFSETS.get(key)
+    if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
+        return hit[2]
+    offsets = [int(x) for x in cu_seqlens.tolist()]
+    if len(_HOST_OFFSETS) > 64:
+        _HOST_OFFSETS.clear()
+    _HOST_OFFSETS[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, offsets)
+    return offsets
+
+
 def sequence_spans(B: int, T: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, int]]:
     """(batch row b, start, end) of every sequence n, in order n = 0..N-1."""
     if cu_seqlens is None:
         return [(b, 0, T) for b in range(B)]
-    offsets = cu_seqlens.tolist()
+    offsets = host_offsets(cu_seqlens)
     return [(0, s, e) for s, e in zip(offsets, offsets[1:])]
 
 

@@ -2,6 +2,7 @@
 gradients, the decode step, and dispatch (verifiers, reasons, forced backends, the grad fallback warning)."""
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -154,9 +155,10 @@ def test_scale_zero_is_honoured_not_replaced_by_default():
 def test_explain_backend_on_cpu_names_the_reason():
     q, k, v, g, beta, _ = make_inputs(1, 8, 1, 2)
     text = explain_backend(q, k, v, g, beta)
-    assert text.splitlines()[0] == "backend: torch" and "tensors are on cpu" in text
-    assert explain_backend(q, k, v, g, beta, backend="torch").startswith("backend: torch")
-    assert "no TileLang decode kernel" in explain_backend(q, k, v, g, beta, backend="tilelang", op="recurrent")
+    assert text.splitlines()[0] == "chunk_gated_delta_rule: backend torch" and "tensors are on cpu" in text
+    assert explain_backend(q, k, v, g, beta, backend="torch").startswith("chunk_gated_delta_rule: backend torch")
+    recurrent = explain_backend(q, k, v, g, beta, backend="tilelang", op="recurrent")
+    assert recurrent.startswith("recurrent_gated_delta_rule: error:") and "no TileLang decode kernel" in recurrent
 
 
 def test_forced_tilelang_on_cpu_and_unknown_backend_raise_clear_errors():
@@ -165,7 +167,7 @@ def test_forced_tilelang_on_cpu_and_unknown_backend_raise_clear_errors():
         chunk_gated_delta_rule(q, k, v, g, beta, backend="tilelang")
     with pytest.raises(ValueError, match="no TileLang decode kernel"):
         recurrent_gated_delta_rule(q, k, v, g, beta, backend="tilelang")
-    with pytest.raises(ValueError, match=r"one of None, 'torch', 'tilelang'; got 'triton'"):
+    with pytest.raises(ValueError, match=r"backend must be None \(automatic\), 'tilelang' or 'torch'; got 'triton'"):
         chunk_gated_delta_rule(q, k, v, g, beta, backend="triton")
 
 
@@ -177,12 +179,12 @@ def test_dispatch_uses_kernels_when_verifiers_pass_and_warns_once_on_grad(monkey
         calls.append(args)
         return torch.zeros(1, 8, 2, 8), None
 
-    monkeypatch.setattr(api, "_tilelang_reason", lambda *a: None)
+    monkeypatch.setattr(api, "_verifiers", lambda op, *a: ())
     monkeypatch.setattr(api, "_tilelang_chunk", fake_kernel)
     monkeypatch.setattr(api, "_warned_grad", False)
     o, _ = chunk_gated_delta_rule(q, k, v, g, beta)
     assert len(calls) == 1 and o.abs().max() == 0
-    assert explain_backend(q, k, v, g, beta).startswith("backend: tilelang")
+    assert explain_backend(q, k, v, g, beta).startswith("chunk_gated_delta_rule: backend tilelang")
 
     qg = q.clone().requires_grad_()
     with pytest.warns(UserWarning, match="forward-only"):
@@ -197,19 +199,32 @@ def test_dispatch_uses_kernels_when_verifiers_pass_and_warns_once_on_grad(monkey
     # forced backend: the kernels or one error, never a silent fallback
     with pytest.raises(ValueError, match="requires grad.*forward-only"):
         chunk_gated_delta_rule(qg, k, v, g, beta, backend="tilelang")
-    assert explain_backend(qg, k, v, g, beta, backend="tilelang").startswith("error: backend='tilelang'")
+    assert explain_backend(qg, k, v, g, beta, backend="tilelang").startswith(
+        "chunk_gated_delta_rule: error: backend='tilelang'")
     with torch.no_grad():
         chunk_gated_delta_rule(qg, k, v, g, beta, backend="tilelang")
     assert len(calls) == 3
 
 
-def test_missing_or_broken_hopper_module_is_a_reason_not_a_crash(monkeypatch):
-    class FakeCuda:
-        is_cuda, shape = True, (1, 4, 1, 16)
+@pytest.mark.parametrize("change, reason", [
+    ({}, "one dtype of (bfloat16, float16)"),
+    ({"dtype": torch.bfloat16, "K": 32}, "head dims K=32, V=8 unsupported"),
+    ({"dtype": torch.bfloat16, "T": 0}, "T = 0: there is nothing to compute"),
+    ({"dtype": torch.bfloat16, "Hv": 3, "K": 64, "V": 64}, "Hv / Hk = 3 would need slices of 3"),
+])
+def test_kernel_requirements_are_reasons_once_the_device_passes(monkeypatch, change, reason):
+    """After the device check (here: passed, as on an H200), each of the kernel's own requirements is a reason for
+    the torch path, named by explain_backend, and raised for backend='tilelang'."""
+    from flashqla_kernels import dispatch
 
-    monkeypatch.setattr(api, "_HOPPER_MODULE", "flashqla_kernels.gated_delta_rule.no_such_module")
-    reason = api._tilelang_reason(FakeCuda(), None, None, None, None, None, None)
-    assert "failed to import (ModuleNotFoundError" in reason
+    monkeypatch.setattr(dispatch, "hopper_reason", lambda *tensors: None)
+    kw = {"dtype": torch.float64, "T": 8, "Hv": 2, "K": 8, "V": 8} | change
+    q, k, v, g, beta, _ = make_inputs(1, kw["T"], 1, kw["Hv"], K=kw["K"], V=kw["V"])
+    q, k, v = (x.to(kw["dtype"]) for x in (q, k, v))
+    text = explain_backend(q, k, v, g, beta)
+    assert text.startswith("chunk_gated_delta_rule: backend torch") and reason in text
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        chunk_gated_delta_rule(q, k, v, g, beta, backend="tilelang")
 
 
 def test_input_errors_name_the_argument_and_the_fix():

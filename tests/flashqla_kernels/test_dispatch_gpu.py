@@ -28,7 +28,8 @@ def _cuda_inputs(lengths, Hk=2, Hv=4, K=128, V=128):
 
 def test_public_op_runs_the_kernels_and_matches_the_reference():
     q, k, v, g, beta, h0, cu = _cuda_inputs([1, 47, 64, 200, 65])
-    assert explain_backend(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu).startswith("backend: tilelang")
+    assert explain_backend(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu).startswith(
+        "chunk_gated_delta_rule: backend tilelang")
     o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                   use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     o_t, s_t = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,

@@ -1,7 +1,9 @@
-"""The fused TileLang Hopper forward against the float64 reference, on an sm_90 GPU (skipped elsewhere).
+"""The TileLang Hopper forward (``hopper/forward.py``'s launcher, and the public ``chunk_gated_delta_rule`` that
+dispatches to it) against the float64 reference, on an sm_90 GPU (skipped elsewhere).
 
-Every case: fresh random inputs, outputs poisoned with NaN before the kernels run (so an unwritten element fails),
-relative L2 <= 0.5% for o and the final state, no NaN, bit-identical on a second run.
+Every case: fresh random inputs, every kernel output poisoned with NaN before the kernels run (so an unwritten element
+fails), relative L2 <= 0.5% for o and the final state, no NaN, bit-identical on a second run. The launcher also runs
+every case with 128-wide V slices forced (``block_v=128``), the width the plan picks only for split sequences.
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import itertools
 import pytest
 import torch
 
+from flashqla_kernels import chunk_gated_delta_rule, explain_backend, toolkit
+from flashqla_kernels.gated_delta_rule.hopper import forward
 from flashqla_kernels.gated_delta_rule.reference import chunk_gated_delta_rule_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
@@ -59,54 +63,71 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_hopper_forward_matches_float64_reference(name, monkeypatch):
-    from flashqla_kernels.gated_delta_rule import hopper
-    from flashqla_kernels.gated_delta_rule.hopper import forward
-
-    Hk, Hv, K, V, lens, dtype, extra = CASES[name]
-    extra = dict(extra)
-    seg = extra.pop("segment_chunks", None)
-    l2 = extra.pop("l2norm", False)
-    q, k, v, g, beta, s0, cu = _inputs(Hk, Hv, K, V, lens, dtype, **extra)
-    assert hopper.unsupported_reason(q, k, v, g, beta, s0, cu) is None
-    monkeypatch.setattr(forward, "POISON_OUTPUTS", True)
-
-    def run():
-        return hopper.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=s0,
-                                                 output_final_state=True, use_qk_l2norm_in_kernel=l2,
-                                                 cu_seqlens=cu, segment_chunks=seg)
-
-    o, ht = run()
-    o2, ht2 = run()
+def _check(name, run, q, k, v, g, beta, s0, cu, l2):
+    with toolkit.poisoned_outputs():
+        o, ht = run()
+        o2, ht2 = run()
     d = (lambda x: None if x is None else x.double())
     ro, rht = chunk_gated_delta_rule_ref(d(q), d(k), d(v), d(g), d(beta), initial_state=d(s0),
                                          output_final_state=True, use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
     assert o.dtype == q.dtype and o.shape == v.shape
     assert ht.dtype == torch.float32 and ht.shape == rht.shape
-    assert not o.isnan().any() and not ht.isnan().any(), "an output element was never written (or is NaN)"
-    assert _rel(o, ro) <= RTOL_L2, f"o relative L2 {_rel(o, ro):.2e}"
-    assert _rel(ht, rht) <= RTOL_L2, f"final state relative L2 {_rel(ht, rht):.2e}"
-    assert torch.equal(o, o2) and torch.equal(ht, ht2), "two runs on the same inputs differ (a race?)"
+    assert not o.isnan().any() and not ht.isnan().any(), f"{name}: an output element was never written (or is NaN)"
+    assert _rel(o, ro) <= RTOL_L2, f"{name}: o relative L2 {_rel(o, ro):.2e}"
+    assert _rel(ht, rht) <= RTOL_L2, f"{name}: final state relative L2 {_rel(ht, rht):.2e}"
+    assert torch.equal(o, o2) and torch.equal(ht, ht2), f"{name}: two runs on the same inputs differ (a race?)"
+
+
+def _case(name):
+    Hk, Hv, K, V, lens, dtype, extra = CASES[name]
+    extra = dict(extra)
+    seg = extra.pop("segment_chunks", None)
+    l2 = extra.pop("l2norm", False)
+    return _inputs(Hk, Hv, K, V, lens, dtype, **extra), seg, l2
+
+
+@pytest.mark.parametrize("block_v", [None, 128], ids=["plan_slices", "slices_128"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_hopper_forward_matches_float64_reference(name, block_v):
+    (q, k, v, g, beta, s0, cu), seg, l2 = _case(name)
+    assert forward.unsupported_reason(q, k, v, g, beta, s0, cu) is None
+
+    def run():
+        return forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=s0,
+                                                  output_final_state=True, use_qk_l2norm_in_kernel=l2,
+                                                  cu_seqlens=cu, segment_chunks=seg, block_v=block_v)
+
+    _check(name, run, q, k, v, g, beta, s0, cu, l2)
+
+
+@pytest.mark.parametrize("name", sorted(c for c in CASES if "segment_chunks" not in CASES[c][-1]))
+def test_public_op_runs_the_kernels_and_matches_float64_reference(name):
+    """The public op as users call it (the plan's own split), forced onto the kernels so a fallback fails."""
+    (q, k, v, g, beta, s0, cu), _, l2 = _case(name)
+    assert explain_backend(q, k, v, g, beta, initial_state=s0, cu_seqlens=cu).startswith(
+        "chunk_gated_delta_rule: backend tilelang")
+
+    def run():
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=l2, cu_seqlens=cu, backend="tilelang")
+
+    with torch.no_grad():
+        _check(name, run, q, k, v, g, beta, s0, cu, l2)
 
 
 def test_hopper_context_parallel_equals_unsplit():
     """Splitting a long sequence into segments is exact: same result as the unsplit walk up to rounding."""
-    from flashqla_kernels.gated_delta_rule import hopper
-
     q, k, v, g, beta, s0, cu = _inputs(2, 4, 128, 128, [2048, 100], torch.bfloat16, gates="mild")
     kw = dict(scale=None, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=False, cu_seqlens=cu)
-    o0, h0 = hopper.chunk_gated_delta_rule_fwd(q, k, v, g, beta, segment_chunks=0, **kw)
+    o0, h0 = forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, segment_chunks=0, **kw)
     for L in (1, 4, 8):
-        o1, h1 = hopper.chunk_gated_delta_rule_fwd(q, k, v, g, beta, segment_chunks=L, **kw)
+        o1, h1 = forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, segment_chunks=L, **kw)
         assert _rel(o1, o0.double()) < 5e-3 and _rel(h1, h0.double()) < 5e-3
 
 
 def test_hopper_no_final_state_returns_none():
-    from flashqla_kernels.gated_delta_rule import hopper
-
     q, k, v, g, beta, s0, cu = _inputs(1, 2, 128, 128, [70], torch.bfloat16)
-    o, ht = hopper.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=0.5, initial_state=s0,
+    o, ht = forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=0.5, initial_state=s0,
                                               output_final_state=False, use_qk_l2norm_in_kernel=False,
                                               cu_seqlens=cu)
     ro, _ = chunk_gated_delta_rule_ref(q.double(), k.double(), v.double(), g.double(), beta.double(), scale=0.5,

@@ -8,7 +8,6 @@ import pytest
 
 import flashqla_kernels
 from flashqla_kernels.gated_delta_rule import reference, torch_path
-from flashqla_kernels.patch import _make_chunk, _make_recurrent
 
 FLA_PARAMS = ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
               "cu_seqlens"]
@@ -42,19 +41,28 @@ def test_public_functions_add_only_keyword_only_options(fn):
     assert all(params[n].default == ref[n].default for n in FLA_PARAMS)
 
 
-def test_hopper_launcher_accepts_the_op_arguments_by_keyword():
-    hopper = importlib.import_module("flashqla_kernels.gated_delta_rule.hopper")
-    params = _params(hopper.chunk_gated_delta_rule_fwd)
+def test_hopper_launcher_takes_the_op_arguments_and_only_keyword_only_options():
+    from flashqla_kernels.gated_delta_rule.hopper import forward
+
+    params = _params(forward.chunk_gated_delta_rule_fwd)
     assert list(params)[:5] == FLA_PARAMS[:5]
-    assert set(FLA_PARAMS[5:]) <= set(params)
-    assert list(_params(hopper.unsupported_reason)) == ["q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"]
+    ref = _params(reference.chunk_gated_delta_rule_ref)
+    assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY and params[n].default == ref[n].default
+               for n in FLA_PARAMS[5:])
+    # the internal options tests and benchmarks force, off by default
+    assert {n: p.default for n, p in params.items() if n not in FLA_PARAMS} == {"segment_chunks": None, "block_v": None}
+    assert list(_params(forward.unsupported_reason)) == ["q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"]
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 def test_patch_replacements_are_call_compatible_with_transformers_fallbacks(family):
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    for ours, theirs in ((_make_chunk(None), mod.torch_chunk_gated_delta_rule),
-                         (_make_recurrent(None), mod.torch_recurrent_gated_delta_rule)):
+    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    originals = [getattr(mod, n) for n in names]
+    with flashqla_kernels.patched_transformers():
+        replacements = [getattr(mod, n) for n in names]
+    assert all(ours is not theirs for ours, theirs in zip(replacements, originals))
+    for ours, theirs in zip(replacements, originals):
         theirs = getattr(theirs, "__wrapped__", theirs)
         positional = [n for n, p in _params(theirs).items() if p.kind is p.POSITIONAL_OR_KEYWORD]
         assert list(_params(ours))[:len(positional)] == positional

@@ -1,4 +1,5 @@
-"""Host-side planning: chunk and segment tables, and when to split sequences (intra-card context parallelism).
+"""Host-side planning: chunk and segment tables, the V slice one CTA owns, and when to split sequences (intra-card
+context parallelism).
 
 No tilelang here. A plan depends only on the sequence lengths and the head layout, so it is cached.
 Splitting a sequence into segments costs one extra pass over the split part (each segment's exact affine map,
@@ -7,8 +8,6 @@ Splitting a sequence into segments costs one extra pass over the split part (eac
 from __future__ import annotations
 
 import functools
-import os
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -16,14 +15,16 @@ import torch
 CHUNK = 64
 # Measured on an H200 (benchmarks/results/gdn_forward.md): splitting pays only while the unsplit CTAs (sequences x Hv x
 # V slices) leave a quarter of the SMs idle; shorter segments than MIN_SEGMENT_CHUNKS cost more in maps and scan than
-# they win. Segments aim at one CTA per SM: the warp-specialised fused stage holds one 512-thread CTA per SM, so two
-# waves of L-chunk segments take as long as one wave of 2L-chunk ones, and the longer segments halve the maps and the
-# scan. Forced lengths on the H200 (2026-11-30, default variant, ms; results/segments/): 16/32 32768x1: 64 -> 1.040,
-# 128 -> 0.953; 16/64 32768x1: 128 -> 1.710, 256 -> 1.637; 16/16 32768x1: 32 -> 0.669, 64 -> 0.570; 2/8 32768x1:
-# 32 -> 0.372, 64 -> 0.319; 16/32 8192x1: 32 -> 0.315, 16 -> 0.399, 64 -> 0.420. One CTA per SM picks the fastest
-# length on all five rows; the earlier target of two (tuned on the base fused stage) picked it on one.
+# they win. Segments aim at one CTA per SM: the chunk stage holds one 512-thread CTA per SM, so two waves of L-chunk
+# segments take as long as one wave of 2L-chunk ones, and the longer segments halve the maps and the scan. Forced
+# lengths on the H200 (ms; results/segments/): 16/32 32768x1: 64 -> 1.040, 128 -> 0.953; 16/64 32768x1: 128 -> 1.710,
+# 256 -> 1.637; 16/16 32768x1: 32 -> 0.669, 64 -> 0.570; 2/8 32768x1: 32 -> 0.372, 64 -> 0.319; 16/32 8192x1:
+# 32 -> 0.315, 16 -> 0.399, 64 -> 0.420. One CTA per SM picks the fastest length on all five rows; a target of
+# two CTAs per SM picked it on one.
 MIN_SEGMENT_CHUNKS = 32
 CTAS_PER_SM_TARGET = 1
+# kkt_solve: value heads of one GVA group solved by one CTA (64 threads each, K K^T shared)
+MAX_HEADS_PER_CTA = 4
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,7 @@ class Plan:
     """Tables the kernels read (int32, on the device) and the split chosen.
 
     chunks [NC, 2]: (start, end) of every chunk. segs [S, 4]: (start, end, init row, final row) per segment.
-    maps [R, 2]: token ranges of the non-final segments (context parallelism only, else None).
-    map_chunks [R, 2]: their chunk-index ranges; map_of_chunk / chunk_of_map [M]: every chunk inside a map, with the
-    map it belongs to (to find where each map's state stops depending on its start, see ``segment_states``).
+    maps [R, 2]: token ranges of the non-final segments, each one's affine map (context parallelism only, else None).
     seqs [N, 3]: (first segment, number of segments, first map row) per sequence (None without context parallelism).
     segment_chunks: the segment length in chunks, 0 when sequences are not split.
     """
@@ -41,9 +40,6 @@ class Plan:
     chunks: torch.Tensor
     segs: torch.Tensor
     maps: torch.Tensor | None
-    map_chunks: torch.Tensor | None
-    map_of_chunk: torch.Tensor | None
-    chunk_of_map: torch.Tensor | None
     seqs: torch.Tensor | None
     segment_chunks: int
 
@@ -64,6 +60,11 @@ def choose_segment_chunks(seq_chunks: list[int], Hv: int, nV: int, num_sms: int)
     return L if max(seq_chunks) > L else 0
 
 
+def heads_per_cta(group: int) -> int:
+    """Value heads one kkt_solve CTA solves: the largest divisor of ``group`` (= Hv / Hk) up to MAX_HEADS_PER_CTA."""
+    return max(d for d in range(1, MAX_HEADS_PER_CTA + 1) if group % d == 0)
+
+
 def choose_block_v(N: int, Hv: int, K: int, V: int, num_sms: int) -> int:
     """V slice per CTA: 32 for K = 256 (registers and shared memory), else 128, or 64 when even 64-wide slices
     of N x Hv heads would not fill half the SMs (more, shorter-lived CTAs)."""
@@ -76,34 +77,44 @@ def choose_block_v(N: int, Hv: int, K: int, V: int, num_sms: int) -> int:
 
 def wide_slices_pay(bdv: int, seq_chunks: list[int], Hv: int, K: int, V: int, num_sms: int,
                     segment_chunks: int | None = None) -> bool:
-    """Whether the warp-specialised fused stage should own 128-wide V slices where ``choose_block_v`` picks 64: when
-    long sequences are split into segments (context parallelism) and there are at least 16 value heads. That stage
-    holds one 512-thread CTA per SM, so the segments already fill the GPU and a wider slice halves the per-chunk work
-    repeated per slice (Q K^T, K S on the whole key dim, the gates). Measured on the H200 (2026-11-30, the same
-    kernels forced to 128): 16/32 32768x1 1.90 -> 1.49 ms, 16/32 8192x1 0.95 -> 0.53 ms, 16/16 32768x1 1.13 ->
-    0.97 ms; with 8 heads 64 stays faster (2/8 32768x1: 0.69 vs 0.89 ms), and unsplit short sequences keep 64
-    (16/16 2048x1: 0.20 vs 0.24 ms).
+    """Whether the chunk stage should own 128-wide V slices where ``choose_block_v`` picks 64: when long sequences
+    are split into segments (context parallelism) and there are at least 16 value heads. That stage holds one
+    512-thread CTA per SM, so the segments already fill the GPU and a wider slice halves the per-chunk work repeated
+    per slice (Q K^T, K S on the whole key dim, the gates). Measured on the H200 (the same kernels forced to 128):
+    16/32 32768x1 1.90 -> 1.49 ms, 16/32 8192x1 0.95 -> 0.53 ms, 16/16 32768x1 1.13 -> 0.97 ms; with 8 heads 64
+    stays faster (2/8 32768x1: 0.69 vs 0.89 ms), and unsplit short sequences keep 64 (16/16 2048x1: 0.20 vs 0.24 ms).
 
     Args:
         bdv: ``choose_block_v``'s width. seq_chunks: chunks per sequence. Hv, K, V: heads and dims. num_sms: SMs.
-        segment_chunks: the caller's segment length (0 = no split), None for the plan's choice (and
-            FLASHQLA_KERNELS_SEGMENT_CHUNKS).
+        segment_chunks: the caller's segment length (0 = no split), None for the plan's choice.
     """
-    if bdv != 64 or V < 128 or K > 128 or Hv < 16:
+    # K = 128 only: the segment maps give each CTA K // bDV rows of the map, so a 128-wide slice of a K = 64 head
+    # would leave the map unwritten, and K = 256 keeps 32-wide slices for registers
+    if bdv != 64 or V < 128 or K != 128 or Hv < 16:
         return False
-    if segment_chunks is None and os.environ.get("FLASHQLA_KERNELS_SEGMENT_CHUNKS"):
-        segment_chunks = int(os.environ["FLASHQLA_KERNELS_SEGMENT_CHUNKS"])
     if segment_chunks is None:
         segment_chunks = choose_segment_chunks(seq_chunks, Hv, V // 128, num_sms)
     return bool(segment_chunks) and max(seq_chunks, default=0) > segment_chunks
 
 
+def block_dv(seq_chunks: list[int], Hv: int, K: int, V: int, num_sms: int, segment_chunks: int | None = None) -> int:
+    """Width of the V slice one CTA owns: ``choose_block_v``'s, widened to 128 where ``wide_slices_pay``.
+
+    Args:
+        seq_chunks: chunks per sequence (N = its length). Hv, K, V: heads and dims. num_sms: SMs on the device.
+        segment_chunks: as for :func:`make_plan` (None: the plan's choice).
+    """
+    bdv = choose_block_v(len(seq_chunks), Hv, K, V, num_sms)
+    if wide_slices_pay(bdv, seq_chunks, Hv, K, V, num_sms, segment_chunks):
+        return 128
+    return bdv
+
+
 @functools.lru_cache(maxsize=64)
 def _tables(cu: tuple[int, ...], L: int, has_init: bool):
-    chunks, segs, maps, seqs, map_chunks = [], [], [], [], []
+    chunks, segs, maps, seqs = [], [], [], []
     for n in range(len(cu) - 1):
         bos, eos = cu[n], cu[n + 1]
-        c_bos = len(chunks)
         chunks += [(s, min(s + CHUNK, eos)) for s in range(bos, eos, CHUNK)]
         step = L * CHUNK if L else max(eos - bos, 1)
         starts = list(range(bos, eos, step)) or [bos]
@@ -115,10 +126,8 @@ def _tables(cu: tuple[int, ...], L: int, has_init: bool):
             segs.append((s, e, init, n if last else -1))
             if not last:
                 maps.append((s, e))
-                c0 = c_bos + (s - bos) // CHUNK
-                map_chunks.append((c0, c0 + (e - s + CHUNK - 1) // CHUNK))
         seqs.append((first, len(starts), first_map))
-    return chunks, segs, maps, seqs, map_chunks
+    return chunks, segs, maps, seqs
 
 
 def make_plan(cu_seqlens: list[int], Hv: int, nV: int, has_init: bool, device: torch.device,
@@ -126,48 +135,25 @@ def make_plan(cu_seqlens: list[int], Hv: int, nV: int, has_init: bool, device: t
     """Build (or fetch) the plan for packed sequences with offsets ``cu_seqlens`` [N+1].
 
     ``segment_chunks``: None picks by :func:`choose_segment_chunks`; 0 never splits; L > 0 forces L-chunk segments.
-    The environment variable FLASHQLA_KERNELS_SEGMENT_CHUNKS overrides None.
     """
-    if segment_chunks is None and os.environ.get("FLASHQLA_KERNELS_SEGMENT_CHUNKS"):
-        segment_chunks = int(os.environ["FLASHQLA_KERNELS_SEGMENT_CHUNKS"])
     if segment_chunks is None:
         seq_chunks = [(cu_seqlens[i + 1] - cu_seqlens[i] + CHUNK - 1) // CHUNK for i in range(len(cu_seqlens) - 1)]
         segment_chunks = choose_segment_chunks(seq_chunks, Hv, nV, num_sms(device))
     return _device_plan(tuple(cu_seqlens), segment_chunks, has_init, device)
 
 
-_HOST_OFFSETS: dict = {}
-
-
-def host_offsets(cu_seqlens: torch.Tensor) -> list[int]:
-    """``cu_seqlens.tolist()`` without a device sync when the same, unmodified tensor object comes back (every
-    layer of a model forward passes the same one). Keyed on object identity, checked by weakref and version."""
-    key = id(cu_seqlens)
-    hit = _HOST_OFFSETS.get(key)
-    if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
-        return hit[2]
-    offsets = [int(x) for x in cu_seqlens.tolist()]
-    if len(_HOST_OFFSETS) > 64:
-        _HOST_OFFSETS.clear()
-    _HOST_OFFSETS[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, offsets)
-    return offsets
-
-
 @functools.lru_cache(maxsize=64)
 def _device_plan(cu: tuple[int, ...], L: int, has_init: bool, device: torch.device) -> Plan:
-    chunks, segs, maps, seqs, map_chunks = _tables(cu, L, has_init)
-    mid = [r for r, (c0, c1) in enumerate(map_chunks) for _ in range(c0, c1)]
-    mch = [c for c0, c1 in map_chunks for c in range(c0, c1)]
-    parts = [[x for row in t for x in row] for t in (chunks, segs, maps, seqs, map_chunks)] + [mid, mch]
+    parts = [[x for row in t for x in row] for t in _tables(cu, L, has_init)]
+    # one host-to-device copy for all tables
     buf = torch.tensor([x for p in parts for x in p], dtype=torch.int32).to(device, non_blocking=True)
     views, at = [], 0
-    for p, width in zip(parts, (2, 4, 2, 3, 2, 1, 1)):
-        views.append(buf[at:at + len(p)].view(-1, width) if width > 1 else buf[at:at + len(p)].long())
+    for p, width in zip(parts, (2, 4, 2, 3)):
+        views.append(buf[at:at + len(p)].view(-1, width))
         at += len(p)
     cp = bool(L)
     return Plan(chunks=views[0], segs=views[1], maps=views[2] if cp else None, seqs=views[3] if cp else None,
-                map_chunks=views[4] if cp else None, map_of_chunk=views[5] if cp else None,
-                chunk_of_map=views[6] if cp else None, segment_chunks=L)
+                segment_chunks=L)
 
 
 @functools.lru_cache(maxsize=8)

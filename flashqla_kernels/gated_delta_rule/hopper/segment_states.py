@@ -3,43 +3,70 @@
 A segment maps its incoming state linearly plus a constant: ``S_end = M S_start + H`` with
 ``H`` = the end state from a zero start (V columns) and ``M`` = the map applied to the identity with V = 0 (K columns).
 One kernel computes both: CTAs with ``bv < V / bDV`` run the state recurrence on V from zeros; the others run it on
-the identity's columns with no V input.
+the identity's columns with no V input. Per chunk it is ``chunk_fwd``'s state step without the output:
+
+    U = K S,   W = V - exp(gamma) U,   Vd = Ag W,   S <- exp(gamma_C) S + K^T (exp(gamma_C - gamma) Vd)
+
+with Ag as ``kkt_solve`` wrote it (fp16; W goes to an fp16 tile to match it). A ragged tail chunk loads zero k/v/Ag
+rows, beta = 0 and gamma padded with its last valid value, so every padded row contributes exactly zero.
 
 Decay shortcut, exact to fp32: with g <= 0 and unit-norm keys, ||M|| <= exp(sum of g over the segment) and a token's
 contribution to H is scaled by at most exp(sum of g after it). Where that sum is below NEGLIGIBLE_LOG_DECAY = -40
 (exp(-40) = 4e-18, ten orders of magnitude under fp32 rounding) M is exactly representable as 0 and H only needs the
-chunks after that point, so per (segment, head) ``start[r, h]`` gives the token to start H from (-1: walk everything
-and compute M). FlashQLA's auto-CP cuts at -10 (4.5e-5: visible in bf16); heads with g = 0 get the full M here.
+chunks after that point. FlashQLA's auto-CP cuts at -10 (4.5e-5: visible in bf16); heads with g = 0 get the full M.
+Every CTA finds where its map's H walk starts itself: the map's chunk totals of gamma are staged in shared memory 256
+at a time from the map's end, and one thread adds them until the sum drops below NEGLIGIBLE_LOG_DECAY (the last chunk
+where it does is where H starts). Finding the starts in the kernel avoids ~25 small torch kernels per call (host-bound:
+the H200 timed that form of this stage at 0.47-1.08 ms across runs of the same kernels).
 
-Grid (V / bDV + K / bDV, Hv, segments). ``segs[s] = (start, end)``. Outputs H [S, Hv, K, V], M [S, Hv, K, K] fp32.
-
-``starts_in_kernel=True`` (variant part ``cpk``): every CTA finds its map's ``start`` itself (the map's chunk totals
-of gamma staged in shared memory 256 at a time from the map's end, one thread adding them until the sum drops below
-NEGLIGIBLE_LOG_DECAY: the last chunk where it does is where H starts) instead of reading the table ``warmup_starts``
-builds with ~25 small torch kernels per call (host-bound: the H200 timed the context-parallel stage at 0.47-1.08 ms
-for the same kernels across runs). Same rule, same result; ``start`` is then not read.
-
-``a_gated=True``: the ``a0`` input already holds Ag = Gamma * A0 * beta_col (``prep_v2(..., gated=True)``, variant
-part ``agp``); the tile is used as loaded and W goes to an fp16 tile to match it.
+Grid (V / bDV + K / bDV, Hv, maps), 256 threads. ``segs[r] = (start, end)`` of map r.
+Outputs H [R, Hv, K, V], M [R, Hv, K, K] fp32.
 """
 import tilelang.language as T
 import torch
 
-from flashqla_kernels.gated_delta_rule.hopper._chunk_step import make_loaders
-from flashqla_kernels.gated_delta_rule.hopper._common import CHUNK, LOG2E, compile_kernel, tl_dtype, trailing_flags
+from flashqla_kernels import toolkit
+from flashqla_kernels.gated_delta_rule.hopper.plan import CHUNK
 
 C = CHUNK
+LOG2E = toolkit.LOG2E
 THREADS = 256
 NEGLIGIBLE_LOG_DECAY = -40.0
 
 
-def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, a_gated: bool = False,
-                         starts_in_kernel: bool = False):
+def _loaders():
+    """Macros: ``load_tile`` (masked, synchronous: the ragged tail chunk), ``fetch_gates`` (register prefetch of one
+    chunk's gamma, padded with its last valid value, and beta, zero-padded; issued a chunk step before use) and
+    ``store_gates`` (those registers to shared memory)."""
+
+    @T.macro
+    def load_tile(x, x_sh, buf, cs, n, head, col0, width):
+        for i, j in T.Parallel(C, width):
+            x_sh[buf, i, j] = T.if_then_else(i < n, x[T.min(cs + i, cs + n - 1), head, col0 + j],
+                                             T.cast(0, x_sh.dtype))
+
+    @T.macro
+    def fetch_gates(gamma, beta, gnext, cs, n, bh, tx):
+        if tx < C:
+            gnext[0] = gamma[cs + T.min(tx, n - 1), bh]
+            gnext[1] = T.if_then_else(tx < n, beta[T.min(cs + tx, cs + n - 1), bh], 0.0)
+
+    @T.macro
+    def store_gates(g_sh, b_sh, gnext, tx):
+        if tx < C:
+            g_sh[tx] = gnext[0]
+            b_sh[tx] = gnext[1]
+
+    return load_tile, fetch_gates, store_gates
+
+
+def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str):
+    """The segment_states kernel: grid (V / bDV + K / bDV, Hv, maps), 256 threads."""
     group = Hv // Hk
     nV = V // bDV
     num_tokens = T.dynamic("num_tokens")
     num_segs = T.dynamic("num_segs")
-    load_tile, fetch_gates, store_gates = make_loaders(K, bDV, dtype)
+    load_tile, fetch_gates, store_gates = _loaders()
 
     @T.prim_func
     def gdn_segment_states(
@@ -63,36 +90,33 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str,
             s1 = segs[bs, 1]
             skip = T.alloc_var("int32")
             tx = T.get_thread_binding()
-            if starts_in_kernel:
-                # the map's chunk totals from its end, THREADS at a time; thread 0 sums them in order
-                tot_sh = T.alloc_shared((THREADS,), "float32")
-                found_sh = T.alloc_shared((1,), "int32")
-                acc = T.alloc_local((1,), "float32")
-                found = T.alloc_local((1,), "int32")
-                m0 = segs[bs, 0]
-                nch = T.ceildiv(s1 - m0, C)
-                acc[0] = 0.0
-                found[0] = -1
-                for blk in T.serial(T.ceildiv(nch, THREADS)):
-                    T.sync_threads()
-                    ci = nch - 1 - (blk * THREADS + tx)  # this thread's chunk, counted from the map's start
-                    tot_sh[tx] = T.if_then_else(
-                        ci >= 0, gamma[T.min(m0 + (T.max(ci, 0) + 1) * C, s1) - 1, bh], 0.0)
-                    T.sync_threads()
-                    if tx == 0:
-                        for t in T.serial(THREADS):
-                            if found[0] < 0 and blk * THREADS + t < nch:
-                                acc[0] = acc[0] + tot_sh[t]
-                                if acc[0] < NEGLIGIBLE_LOG_DECAY:
-                                    found[0] = nch - 1 - (blk * THREADS + t)
+            # where H starts: the map's chunk totals from its end, THREADS at a time; thread 0 sums them in order
+            tot_sh = T.alloc_shared((THREADS,), "float32")
+            found_sh = T.alloc_shared((1,), "int32")
+            acc = T.alloc_local((1,), "float32")
+            found = T.alloc_local((1,), "int32")
+            m0 = segs[bs, 0]
+            nch = T.ceildiv(s1 - m0, C)
+            acc[0] = 0.0
+            found[0] = -1
+            for blk in T.serial(T.ceildiv(nch, THREADS)):
+                T.sync_threads()
+                ci = nch - 1 - (blk * THREADS + tx)  # this thread's chunk, counted from the map's start
+                tot_sh[tx] = T.if_then_else(
+                    ci >= 0, gamma[T.min(m0 + (T.max(ci, 0) + 1) * C, s1) - 1, bh], 0.0)
+                T.sync_threads()
                 if tx == 0:
-                    found_sh[0] = found[0]
-                T.sync_threads()
-                skip = T.if_then_else(found_sh[0] < 0, -1, m0 + found_sh[0] * C)
-                # the planner lays the tiles below over these two buffers: everyone has read found_sh first
-                T.sync_threads()
-            else:
-                skip = start[bs, bh]
+                    for t in T.serial(THREADS):
+                        if found[0] < 0 and blk * THREADS + t < nch:
+                            acc[0] = acc[0] + tot_sh[t]
+                            if acc[0] < NEGLIGIBLE_LOG_DECAY:
+                                found[0] = nch - 1 - (blk * THREADS + t)
+            if tx == 0:
+                found_sh[0] = found[0]
+            T.sync_threads()
+            skip = T.if_then_else(found_sh[0] < 0, -1, m0 + found_sh[0] * C)
+            # the planner lays the tiles below over these two buffers: everyone has read found_sh first
+            T.sync_threads()
             # M negligible: zero columns, no walk. H: start where earlier tokens stop mattering.
             s0 = T.if_then_else(skip < 0, segs[bs, 0], T.if_then_else(is_m, s1, skip))
             cs = T.alloc_var("int32")
@@ -105,9 +129,8 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str,
             a_sh = T.alloc_shared((2, C, C), "float16")
             s_sh = T.alloc_shared((K, bDV), dtype)
             w_sh = T.alloc_shared((C, bDV), dtype)
-            # agp: Ag arrives gated in fp16; W must match it for the Ag W GEMM (its own tile unless inputs are fp16)
-            w16_sh = T.alloc_shared((C, bDV), "float16") if a_gated and dtype != "float16" else w_sh
-            ag_sh = None if a_gated else T.alloc_shared((C, C), dtype)
+            # Ag arrives in fp16; W must match it for the Ag W GEMM (its own tile unless inputs are fp16)
+            w16_sh = T.alloc_shared((C, bDV), "float16") if dtype != "float16" else w_sh
             g_sh = T.alloc_shared((C,), "float32")
             b_sh = T.alloc_shared((C,), "float32")
             eg_sh = T.alloc_shared((C,), "float32")
@@ -156,23 +179,12 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str,
                     T.async_copy(a0[cs + C:cs + 2 * C, bh, :], a_sh[1 - buf, :, :])
 
                 T.wgmma_gemm(k_sh[buf, :, :], s_sh, u_f, clear_accum=True)
-                if a_gated:
-                    T.wait_wgmma(0)
-                    for i, j in T.Parallel(C, bDV):
-                        w16_sh[i, j] = v_sh[buf, i, j] - eg_sh[i] * u_f[i, j]
-                    T.fence_proxy_async()
-                    T.sync_threads()
-                    T.wgmma_gemm(a_sh[buf, :, :], w16_sh, vd_f, clear_accum=True)
-                else:
-                    for i, j in T.Parallel(C, C):
-                        ag_sh[i, j] = T.if_then_else(
-                            j <= i, a_sh[buf, i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E) * b_sh[j], 0.0)
-                    T.wait_wgmma(0)
-                    for i, j in T.Parallel(C, bDV):
-                        w_sh[i, j] = v_sh[buf, i, j] - eg_sh[i] * u_f[i, j]
-                    T.fence_proxy_async()
-                    T.sync_threads()
-                    T.wgmma_gemm(ag_sh, w_sh, vd_f, clear_accum=True)
+                T.wait_wgmma(0)
+                for i, j in T.Parallel(C, bDV):
+                    w16_sh[i, j] = v_sh[buf, i, j] - eg_sh[i] * u_f[i, j]
+                T.fence_proxy_async()
+                T.sync_threads()
+                T.wgmma_gemm(a_sh[buf, :, :], w16_sh, vd_f, clear_accum=True)
                 T.wait_wgmma(0)
                 T.sync_threads()
                 for i, j in T.Parallel(C, bDV):
@@ -192,50 +204,29 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str,
     return gdn_segment_states
 
 
-# Explicit barriers, as in the fused stage (double-buffered cp.async).
+# Explicit barriers, as in the chunk stage (double-buffered cp.async).
 build_segment_states.pass_configs = {"tl.disable_thread_storage_sync": True}
 
 
-def warmup_starts(gamma: torch.Tensor, pl) -> torch.Tensor:
-    """start [R, Hv] int32: per map and head, the first token whose contribution to H exceeds exp(-40) relative,
-    or -1 when the map's total decay stays above -40 (then M is needed and H walks everything).
-
-    Args:
-        gamma: [T, Hv] fp32 chunk-local cumsum. pl: the Plan (map_chunks, map_of_chunk, chunk_of_map, chunks).
-    """
-    Hv = gamma.shape[1]
-    R = pl.map_chunks.shape[0]
-    chunk_total = gamma.index_select(0, pl.chunks[:, 1].long() - 1).double()  # [NC, Hv]
-    prefix = torch.cumsum(chunk_total, 0)
-    before = torch.cat([prefix.new_zeros(1, Hv), prefix[:-1]])
-    last = pl.map_chunks[:, 1].long() - 1
-    suffix = prefix[last[pl.map_of_chunk]] - before[pl.chunk_of_map]  # [M, Hv]: decay from chunk j to map end
-    cand = torch.where(suffix < NEGLIGIBLE_LOG_DECAY, pl.chunk_of_map[:, None], -1)
-    first = torch.full((R, Hv), -1, dtype=torch.long, device=gamma.device)
-    first.scatter_reduce_(0, pl.map_of_chunk[:, None].expand(-1, Hv), cand, reduce="amax")
-    tok = pl.chunks[:, 0].long()[first.clamp_min(0)]
-    return torch.where(first >= 0, tok, -1).to(torch.int32)
-
-
-def segment_states(k, v, a0, gamma, beta, pl, *, bDV: int, a_gated: bool = False, starts_in_kernel: bool = False):
+def segment_states(k, v, ag, gamma, beta, pl, *, bDV: int):
     """Each non-final segment's map ``S_end = M S_start + H``.
 
     Args:
-        k: [T, Hk, K]; v: [T, Hv, V]; a0: [T, Hv, 64] fp16 (Ag with ``a_gated``, see the module doc); gamma, beta:
-        [T, Hv] fp32; pl: the Plan (its maps). starts_in_kernel: see the module doc.
+        k: [T, Hk, K]; v: [T, Hv, V]; ag: [T, Hv, 64] fp16 (``kkt_solve``'s Ag); gamma, beta: [T, Hv] fp32;
+        pl: the Plan (its maps). bDV: V slice per CTA.
 
     Returns:
         H [R, Hv, K, V] fp32 and M [R, Hv, K, K] fp32.
     """
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
-    kernel = compile_kernel(build_segment_states, Hk, Hv, K, V, bDV, tl_dtype(k.dtype),
-                            *trailing_flags(a_gated, starts_in_kernel))
+    kernel = toolkit.compile_kernel(build_segment_states, Hk, Hv, K, V, bDV, toolkit.tl_dtype(k.dtype))
     R = pl.maps.shape[0]
-    hs = torch.empty((R, Hv, K, V), dtype=torch.float32, device=k.device)
-    ms = torch.empty((R, Hv, K, K), dtype=torch.float32, device=k.device)
+    hs = toolkit.empty((R, Hv, K, V), torch.float32, k.device)
+    ms = toolkit.empty((R, Hv, K, K), torch.float32, k.device)
     if R > 0:
-        start = (torch.empty((R, Hv), dtype=torch.int32, device=k.device) if starts_in_kernel  # not read
-                 else warmup_starts(gamma, pl))
-        kernel(k, v, a0, gamma, beta, pl.maps, start, hs, ms)
+        # the kernel's ``start`` argument [R, Hv]: a per-map table of H's first token that it does not read (it finds
+        # the starts itself)
+        start = torch.empty((R, Hv), dtype=torch.int32, device=k.device)
+        kernel(k, v, ag, gamma, beta, pl.maps, start, hs, ms)
     return hs, ms

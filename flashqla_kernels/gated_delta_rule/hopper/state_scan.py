@@ -8,12 +8,13 @@ Grid (V / bDV, Hv, N). ``seqs[n] = (first segment, number of segments, first row
 import tilelang.language as T
 import torch
 
-from flashqla_kernels.gated_delta_rule.hopper._common import compile_kernel
+from flashqla_kernels import toolkit
 
 BDV = 64
 
 
 def build_state_scan(Hv: int, K: int, V: int, has_h0: bool):
+    """The state_scan kernel: grid (V / bDV, Hv, N), 128 threads; ``has_h0``: start from ``h0`` (else zeros)."""
     bDV = min(BDV, V)
     num_seqs = T.dynamic("num_seqs")
     num_h0 = T.dynamic("num_h0")
@@ -66,9 +67,10 @@ def state_scan(h0, hs, ms, seqs, num_segs: int):
         h_init [num_segs, Hv, K, V] fp32.
     """
     Hv, K, V = hs.shape[1], hs.shape[2], hs.shape[3]
-    kernel = compile_kernel(build_state_scan, Hv, K, V, h0 is not None)
-    h_init = torch.empty((num_segs, Hv, K, V), dtype=torch.float32, device=hs.device)
+    kernel = toolkit.compile_kernel(build_state_scan, Hv, K, V, h0 is not None)
+    h_init = toolkit.empty((num_segs, Hv, K, V), torch.float32, hs.device)
     if h0 is None:
+        # the kernel's h0 argument, not read without has_h0
         h0 = torch.empty((1, Hv, K, V), dtype=torch.float32, device=hs.device)
     kernel(h0, hs, ms, seqs, h_init)
     return h_init

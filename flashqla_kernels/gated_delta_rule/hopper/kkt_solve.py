@@ -1,31 +1,45 @@
-"""Stage 1, variant ``prep4``: the grouped prep (``prep_v2``) with the block merges of the inverse on tensor cores.
+"""Stage 1: per (chunk, value head), the chunk-local gate cumsum and the gated UT inverse, with K K^T shared across a
+GVA group and the block merges of the inverse on tensor cores.
 
-Same contract and work split as ``prep_v2`` with ``inverse="blocks"`` (grid (chunks, Hk, group / G), 64 * G threads,
-K K^T once per key head, gamma [T, Hv] fp32 and A0 or, ``gated``, Ag [T, Hv, 64] fp16). On the H200 that kernel was
-issue-bound on shared-memory reads: its block merges ran on CUDA cores, one load per multiply-add, ~80% of the
-~1 700 loads each thread issues. Here, with L = diag(beta) S and X = (I + L)^-1:
+    gamma_i = sum_{j <= i} g_j                                            (within the chunk, natural-log units)
+    A0      = (I + StrictLower(diag(beta) K K^T))^-1                      (C x C, unit lower triangular, gate-free)
+    Ag      = Gamma * A0 * beta_col,  Gamma_rc = exp(gamma_r - gamma_c)   (c <= r; 0 above the diagonal)
 
-    1. the four 16 x 16 diagonal blocks D0..D3 by substitution, one column of one block a thread, in fp32 (as prep3);
+Ag is the matrix the chunk step multiplies by (Vd = Ag W, see ``chunk_fwd``). Every factor of the gate is <= 1 in size
+(gamma is non-increasing, beta <= 1), so fp16 holds Ag as well as A0, and ``chunk_fwd`` and ``segment_states`` use
+the tile as it is loaded instead of re-gating 64 x 64 elements per chunk and V slice. The gate is formed only on and
+below the diagonal (exp(gamma_r - gamma_c) overflows above it).
+
+Work split: one CTA per (chunk, key head, slice of G value heads), G = ``heads_per_cta(Hv // Hk)``, loads K once and
+computes S = K K^T once for its G heads, then runs 64 * G threads, one column of one head's inverse each. The inverse
+is the hierarchical one of FLA's ``solve_tril`` and FlashQLA's ``kkt_solve``; with L = diag(beta) S and X = (I + L)^-1:
+
+    1. the four 16 x 16 diagonal blocks D0..D3 by substitution, one column of one block a thread, in fp32:
+           x_r = [r == c] - beta_r sum_{m < r} S[r, m] x_m
     2. X10 and X32 together as one 32 x 32 x 32 tensor-core product pair on block-diagonal tiles:
            T1 = diag(beta) blockdiag(S10, S32) blockdiag(D0, D2),   blockdiag(X10, X32) = -blockdiag(D1, D3) T1
     3. X[B, A] for the 32 x 32 halves A = rows/columns 0-31, B = 32-63:
            T2 = diag(beta_B) S[B, A] X[A, A],                       X[B, A] = -X[B, B] T2
 
-Products take fp16 operands with fp32 accumulation (FLA's ``solve_tril`` merges in tf32, which rounds coarser);
-every block of the result is gated (``gated``) in fp32 and rounded to fp16 once, into a staged 64 x 64 tile per head
+The merges run on tensor cores because on CUDA cores this stage was issue-bound on shared-memory reads (one load per
+multiply-add). Products take fp16 operands with fp32 accumulation (FLA's ``solve_tril`` merges in tf32, which rounds
+coarser); every block of the result is gated in fp32 and rounded to fp16 once, into a staged 64 x 64 tile per head
 that the CTA then writes row by row. Each product is one ``T.gemm`` over all the CTA's warps, head after head.
+A ragged tail chunk loads its padded rows as k = 0, beta = 0 and writes only its valid rows.
 """
 import tilelang.language as T
 import torch
 
-from flashqla_kernels.gated_delta_rule.hopper._common import CHUNK, LOG2E, compile_kernel, tl_dtype
-from flashqla_kernels.gated_delta_rule.hopper.prep_v2 import PANEL, heads_per_cta
+from flashqla_kernels import toolkit
+from flashqla_kernels.gated_delta_rule.hopper.plan import CHUNK, heads_per_cta
 
+LOG2E = toolkit.LOG2E
+PANEL = 16
 HALF = CHUNK // 2
 
 
-def build_prep_tc(Hk: int, Hv: int, K: int, dtype: str, gated: bool = False):
-    """The prep kernel with tensor-core block merges: grid (chunks, Hk, group / G), 64 * G threads."""
+def build_kkt_solve(Hk: int, Hv: int, K: int, dtype: str):
+    """The kkt_solve kernel: grid (chunks, Hk, group / G), 64 * G threads, G = ``heads_per_cta(Hv // Hk)``."""
     C = CHUNK
     group = Hv // Hk
     G = heads_per_cta(group)
@@ -33,7 +47,7 @@ def build_prep_tc(Hk: int, Hv: int, K: int, dtype: str, gated: bool = False):
     num_chunks = T.dynamic("num_chunks")
 
     @T.prim_func
-    def gdn_prep_tc(
+    def gdn_kkt_solve(
         k: T.Tensor((num_tokens, Hk, K), dtype),
         g: T.Tensor((num_tokens, Hv), "float32"),
         beta: T.Tensor((num_tokens, Hv), "float32"),
@@ -42,7 +56,8 @@ def build_prep_tc(Hk: int, Hv: int, K: int, dtype: str, gated: bool = False):
         a0: T.Tensor((num_tokens, Hv, C), "float16"),
     ):
         with T.Kernel(num_chunks, Hk, group // G, threads=C * G) as (bc, hk, bg):
-            T.annotate_min_blocks_per_sm(max(1, 8 // G))  # <= 128 registers a thread, as prep_v2
+            # 16 warps per SM (2 * G per CTA) at <= 128 registers a thread
+            T.annotate_min_blocks_per_sm(max(1, 8 // G))
             tx = T.get_thread_binding()
             hl = tx // C
             col = tx % C
@@ -145,11 +160,8 @@ def build_prep_tc(Hk: int, Hv: int, K: int, dtype: str, gated: bool = False):
                     d02[hl, db // 2 * PANEL + r, db // 2 * PANEL + c] = T.cast(x[r], "float16")
                 else:
                     d13[hl, db // 2 * PANEL + r, db // 2 * PANEL + c] = T.cast(x[r], "float16")
-                if gated:
-                    out_sh[hl, db * PANEL + r, col] = T.cast(T.if_then_else(
-                        r >= c, x[r] * T.exp2((gm_sh[hl, db * PANEL + r] - gam) * LOG2E) * bcol, 0.0), "float16")
-                else:
-                    out_sh[hl, db * PANEL + r, col] = T.cast(x[r], "float16")
+                out_sh[hl, db * PANEL + r, col] = T.cast(T.if_then_else(
+                    r >= c, x[r] * T.exp2((gm_sh[hl, db * PANEL + r] - gam) * LOG2E) * bcol, 0.0), "float16")
             T.sync_threads()
 
             # 2. X10 and X32: T1 = diag(beta) blockdiag(S10, S32) blockdiag(D0, D2); then -blockdiag(D1, D3) T1.
@@ -166,14 +178,10 @@ def build_prep_tc(Hk: int, Hv: int, K: int, dtype: str, gated: bool = False):
                             xaa[h, PANEL + i, j] = T.cast(-f[i, j], "float16")
                         else:
                             xbb[h, i, j - PANEL] = T.cast(-f[i, j], "float16")
-                        if gated:
-                            out_sh[h, PANEL + i + i // PANEL * PANEL, j + j // PANEL * PANEL] = T.cast(
-                                -f[i, j] * T.exp2((gm_sh[h, PANEL + i + i // PANEL * PANEL]
-                                                   - gm_sh[h, j + j // PANEL * PANEL]) * LOG2E)
-                                * b_sh[h, j + j // PANEL * PANEL], "float16")
-                        else:
-                            out_sh[h, PANEL + i + i // PANEL * PANEL, j + j // PANEL * PANEL] = T.cast(
-                                -f[i, j], "float16")
+                        out_sh[h, PANEL + i + i // PANEL * PANEL, j + j // PANEL * PANEL] = T.cast(
+                            -f[i, j] * T.exp2((gm_sh[h, PANEL + i + i // PANEL * PANEL]
+                                               - gm_sh[h, j + j // PANEL * PANEL]) * LOG2E)
+                            * b_sh[h, j + j // PANEL * PANEL], "float16")
                 T.sync_threads()
 
             # 3. X[B, A] = -X[B, B] (diag(beta_B) S[B, A] X[A, A])
@@ -184,11 +192,8 @@ def build_prep_tc(Hk: int, Hv: int, K: int, dtype: str, gated: bool = False):
                 T.sync_threads()
                 T.gemm(xbb[h, :, :], t_sh[h, :, :], f, clear_accum=True)
                 for i, j in T.Parallel(HALF, HALF):
-                    if gated:
-                        out_sh[h, HALF + i, j] = T.cast(
-                            -f[i, j] * T.exp2((gm_sh[h, HALF + i] - gm_sh[h, j]) * LOG2E) * b_sh[h, j], "float16")
-                    else:
-                        out_sh[h, HALF + i, j] = T.cast(-f[i, j], "float16")
+                    out_sh[h, HALF + i, j] = T.cast(
+                        -f[i, j] * T.exp2((gm_sh[h, HALF + i] - gm_sh[h, j]) * LOG2E) * b_sh[h, j], "float16")
             T.sync_threads()
 
             # the tiles to HBM: 16 bytes (8 fp16 of a row) a thread per step, a row of one head in 8 threads
@@ -201,24 +206,24 @@ def build_prep_tc(Hk: int, Hv: int, K: int, dtype: str, gated: bool = False):
                     for v in T.vectorized(8):
                         a0[s0 + r, hk * group + bg * G + h, seg + v] = out_sh[h, r, seg + v]
 
-    return gdn_prep_tc
+    return gdn_kkt_solve
 
 
-def prep_tc(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: torch.Tensor, Hv: int, gated: bool = False):
-    """Run the prep stage with tensor-core block merges; same contract as ``prep_v2.prep_v2``.
+
+def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: torch.Tensor, Hv: int):
+    """Run the kkt_solve stage.
 
     Args:
         k: [T, Hk, K] bf16/fp16 contiguous. g, beta: [T, Hv] fp32 contiguous. chunks: [NC, 2] int32 (start, end).
-        Hv: value heads. gated: write Ag = Gamma * A0 * beta_col instead of A0.
+        Hv: value heads.
 
     Returns:
-        gamma [T, Hv] fp32 (chunk-local cumsum of g) and A0 (or Ag) [T, Hv, 64] fp16.
+        gamma [T, Hv] fp32 (chunk-local cumsum of g) and Ag [T, Hv, 64] fp16 (row t: token t's row of its chunk's Ag).
     """
     Tn, Hk, K = k.shape
-    args = (Hk, Hv, K, tl_dtype(k.dtype)) + ((True,) if gated else ())
-    kernel = compile_kernel(build_prep_tc, *args)
-    gamma = torch.empty((Tn, Hv), dtype=torch.float32, device=k.device)
-    a0 = torch.empty((Tn, Hv, CHUNK), dtype=torch.float16, device=k.device)
+    kernel = toolkit.compile_kernel(build_kkt_solve, Hk, Hv, K, toolkit.tl_dtype(k.dtype))
+    gamma = toolkit.empty((Tn, Hv), torch.float32, k.device)
+    ag = toolkit.empty((Tn, Hv, CHUNK), torch.float16, k.device)
     if chunks.shape[0] > 0:
-        kernel(k, g, beta, chunks, gamma, a0)
-    return gamma, a0
+        kernel(k, g, beta, chunks, gamma, ag)
+    return gamma, ag
