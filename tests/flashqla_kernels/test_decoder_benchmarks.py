@@ -128,10 +128,11 @@ def test_precompile_covers_the_benchmark_and_gpu_test_kernels(bench):
     import layer_kernels
 
     specs = layer_kernels.kernel_specs()
-    builders = {(m.rsplit(".", 1)[1], b) for m, b, _ in specs}
+    builders = {(m.rsplit(".", 1)[-1].removeprefix("chunk:"), b) for m, b, _ in specs}
     assert {("conv_gates", "build_conv_qkv_gates"), ("gated_norm", "build_gated_rms_norm"),
-            ("rms_norm", "build_rms_norm"), ("silu_mul", "build_silu_mul"), ("prep", "build_prep"),
-            ("fused_fwd", "build_fused_fwd")} <= builders
+            ("rms_norm", "build_rms_norm"), ("silu_mul", "build_silu_mul"), ("kkt_solve", "kkt_solve"),
+            ("chunk_fwd", "chunk_fwd"), ("segment_states", "segment_states"),
+            ("state_scan", "state_scan")} <= builders
     # the 2B model's layout: conv (Hk = Hv = 16, K = 128, width 4, bf16), gated norm V = 128, RMSNorm 2048 and 256
     assert ("flashqla_kernels.decoder.hopper.conv_gates", "build_conv_qkv_gates",
             (16, 16, 128, 4, "bfloat16", False, False)) in specs

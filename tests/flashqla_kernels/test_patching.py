@@ -125,7 +125,7 @@ def test_decoder_false_survives_a_nested_fused_patch():
 
 
 def _outer_states():
-    """Ways a session may already be patched when a context manager is entered: a context manager (entered, left
+    """Ways a process may already be patched when a context manager is entered: a context manager (entered, left
     later) or a plain patch call (undone by the fixture)."""
     return {
         "unpatched": contextlib.nullcontext,

@@ -1,0 +1,80 @@
+"""benchmarks/gdn_forward.py: its precompile list is what the public op compiles, and half-suite runs merge."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashqla_kernels.gated_delta_rule.hopper import plan
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _gdn_forward():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gdn_forward
+
+    return gdn_forward
+
+
+@pytest.mark.parametrize("config", [(16, 32, 8192, 1), (16, 32, 4096, 16), (2, 8, 32768, 1)])
+def test_precompile_specs_are_the_kernels_the_public_op_compiles(config, monkeypatch):
+    """benchmarks/gdn_forward.py's precompile list names each kernel with the very arguments the launcher passes to
+    ``compile_kernel`` (else the carried cache misses and the device JIT-compiles). The public op runs on CPU with the
+    device check passed and every kernel replaced by a no-op, a context-parallel layout included."""
+    pytest.importorskip("tilelang")
+    import flashqla_kernels
+    from flashqla_kernels import dispatch, toolkit
+    from flashqla_kernels.gated_delta_rule.hopper import forward
+
+    stages = {"build_kkt_solve": "kkt_solve", "build_chunk_fwd": "chunk_fwd",
+              "build_segment_states": "segment_states", "build_state_scan": "state_scan"}
+    seen = set()
+    monkeypatch.setattr(toolkit, "compile_kernel",
+                        lambda builder, *args: seen.add((stages[builder.__name__], args)) or (lambda *a: None))
+    monkeypatch.setattr(dispatch, "hopper_reason", lambda *tensors: None)
+    monkeypatch.setattr(plan, "num_sms", lambda device: 132)
+    Hk, Hv, seqlen, nseq = config
+    q = k = torch.zeros(1, seqlen * nseq, Hk, 128, dtype=torch.bfloat16)
+    v = torch.zeros(1, seqlen * nseq, Hv, 128, dtype=torch.bfloat16)
+    g = beta = torch.zeros(1, seqlen * nseq, Hv)
+    h0 = torch.zeros(nseq, Hv, 128, 128)
+    cu = torch.arange(0, seqlen * nseq + 1, seqlen, dtype=torch.int32)
+    assert forward.unsupported_reason(q, k, v, g, beta, h0, cu) is None
+    with torch.no_grad():
+        flashqla_kernels.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                cu_seqlens=cu, backend="tilelang")
+    assert {s for s, _ in seen} >= {"kkt_solve", "chunk_fwd"}
+    if config == (16, 32, 8192, 1):
+        assert {s for s, _ in seen} == {"kkt_solve", "segment_states", "state_scan", "chunk_fwd"}
+    specs = set(_gdn_forward().kernel_specs([config], 132))
+    assert seen <= specs, f"compiled but not precompiled: {seen - specs}"
+
+
+def test_benchmark_merges_runs_over_disjoint_configs():
+    """gdn_forward.py --merge: rows of two half-suite runs (one per GPU) in suite order, geomeans over all rows,
+    overlapping or mismatched runs refused."""
+    gdn_forward = _gdn_forward()
+    from gdn_forward_report import merge
+
+    def row(i, ours, fla):
+        Hk, Hv, seqlen, nseq = gdn_forward.SUITE[i]
+        return {"Hk": Hk, "Hv": Hv, "seqlen": seqlen, "nseq": nseq, "speedup_vs_fla": fla / ours,
+                "ratio_vs_flashqla": 1.0}
+
+    def part(rows, date):
+        return {"gpu": "H200", "commit": "c", "date": date, "bf16_matmul_tflops": 790.0, "copy_tbps": 4.2,
+                "method": "m", "configs_planned": len(rows), "rows": rows}
+
+    a, b = part([row(5, 1.0, 2.0), row(0, 1.0, 8.0)], "d1"), part([row(3, 1.0, 4.0)], "d2")
+    merged = merge([a, b], gdn_forward.SUITE)
+    assert [(r["Hk"], r["Hv"], r["seqlen"], r["nseq"]) for r in merged["rows"]] == [gdn_forward.SUITE[i]
+                                                                                      for i in (0, 3, 5)]
+    assert merged["geomean_speedup_vs_fla"] == pytest.approx(4.0)
+    assert merged["configs_planned"] == 3 and [p["date"] for p in merged["parts"]] == ["d1", "d2"]
+    with pytest.raises(ValueError, match="overlap"):
+        merge([a, a], gdn_forward.SUITE)
+    with pytest.raises(ValueError, match="commit"):
+        merge([a, {**b, "commit": "other"}], gdn_forward.SUITE)

@@ -1,0 +1,303 @@
+"""The Hopper forward (``hopper/forward.py``): the schedule is exact in float64 emulation, the kkt_solve inverse
+writes every entry, and the launcher wires the stages (each replaced by its torch formulation) so the result
+equals the float64 reference."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from flashqla_kernels.gated_delta_rule.hopper import plan
+from tests.flashqla_kernels.test_hopper_plan import _table_starts
+
+
+def _mirror_forward(q, k, v, g, beta, h0, cu, L):
+    """The Hopper schedule in float64 torch: plan tables, gate-free A0 (gated per chunk as kkt_solve writes Ag),
+    segment maps with the decay shortcut, the state scan, then the chunk walk per segment: the kernels' algebra
+    stage by stage (one head, K x V state)."""
+    T, Hv, K = k.shape
+    V = v.shape[-1]
+    pl = plan.make_plan(cu, Hv, 1, True, torch.device("cpu"), L)
+    gamma = torch.zeros_like(g)
+    a0 = torch.zeros(T, Hv, 64, dtype=g.dtype)
+    for s, e in pl.chunks.tolist():
+        gamma[s:e] = g[s:e].cumsum(0)
+        kk = torch.einsum("ihk,jhk->hij", k[s:e], k[s:e]) * beta[s:e].T[:, :, None]
+        eye = torch.eye(e - s, dtype=g.dtype).expand(Hv, -1, -1)
+        inv = torch.linalg.solve_triangular(eye + kk.tril(-1), eye, upper=False, unitriangular=True)
+        a0[s:e, :, :e - s] = inv.transpose(0, 1)
+
+    def walk(S, s, e, h, with_v=True, out=None):
+        for cs in range(s, e, 64):
+            ce = min(cs + 64, e)
+            gm, kc = gamma[cs:ce, h], k[cs:ce, h]
+            dec = torch.exp(gm[:, None] - gm[None, :]).tril()
+            ag = dec * a0[cs:ce, h, :ce - cs] * beta[cs:ce, h][None, :]
+            w = (v[cs:ce, h] if with_v else 0) - torch.exp(gm)[:, None] * (kc @ S)
+            vd = ag @ w
+            if out is not None:
+                qc = q[cs:ce, h]
+                out[cs:ce, h] = K ** -0.5 * (torch.exp(gm)[:, None] * (qc @ S) + (dec * (qc @ kc.T)) @ vd)
+            S = torch.exp(gm[-1]) * S + kc.T @ (torch.exp(gm[-1] - gm)[:, None] * vd)
+        return S
+
+    o = torch.zeros(T, Hv, V, dtype=g.dtype)
+    ht = torch.zeros(len(cu) - 1, Hv, K, V, dtype=g.dtype)
+    segs = pl.segs.tolist()
+    starts = _table_starts(gamma.float(), pl) if L else None
+    for n, (first, count, first_map) in enumerate(pl.seqs.tolist() if L else [(i, 1, 0) for i in range(len(segs))]):
+        for h in range(Hv):
+            S = h0[n, h]
+            for i in range(count):
+                s, e, _, fin = segs[first + i]
+                if i < count - 1:  # the scan: S_next = M S + H from the segment's map
+                    r, st = first_map + i, int(starts[first_map + i, h])
+                    H = walk(torch.zeros(K, V, dtype=g.dtype), s if st < 0 else st, e, h)
+                    M = walk(torch.eye(K, dtype=g.dtype), s, e, h, with_v=False) if st < 0 else 0
+                    walk(S, s, e, h, out=o)
+                    S = M @ S + H if st < 0 else H
+                else:
+                    ht[fin, h] = walk(S, s, e, h, out=o)
+    return o, ht
+
+
+@pytest.mark.parametrize("L", [0, 1, 3])
+def test_schedule_is_exact_in_float64(L):
+    """The kernels' decomposition (gated A, exact segment maps with the exp(-40) shortcut, scan, chunk walk)
+    equals the float64 reference to 1e-9 on ragged varlen with g = 0, mild and very strong decay heads."""
+    from flashqla_kernels.gated_delta_rule.reference import chunk_gated_delta_rule_ref
+
+    gen = torch.Generator().manual_seed(0)
+    lens = [1, 47, 300, 64, 450]
+    cu = [0, *itertools.accumulate(lens)]
+    T, Hv, K, V = cu[-1], 3, 16, 8
+    q = torch.nn.functional.normalize(torch.randn(T, Hv, K, generator=gen, dtype=torch.float64), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(T, Hv, K, generator=gen, dtype=torch.float64), dim=-1)
+    v = torch.randn(T, Hv, V, generator=gen, dtype=torch.float64)
+    g = -torch.rand(T, Hv, generator=gen, dtype=torch.float64) * torch.tensor([0.0, 0.1, 8.0], dtype=torch.float64)
+    beta = torch.rand(T, Hv, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(len(lens), Hv, K, V, generator=gen, dtype=torch.float64)
+    o, ht = _mirror_forward(q, k, v, g, beta, h0, cu, L)
+    ro, rht = chunk_gated_delta_rule_ref(q[None], k[None], v[None], g[None], beta[None], initial_state=h0,
+                                         output_final_state=True, cu_seqlens=torch.tensor(cu))
+    assert ((o - ro[0]).norm() / ro.norm()).item() < 1e-9
+    assert ((ht - rht).norm() / rht.norm()).item() < 1e-9
+
+
+def _tc_inverse(S: torch.Tensor, beta: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """kkt_solve's kernel tile by tile: the same tiles and zero fills, the same products and fp16 roundings (operand
+    tiles and the written tile in fp16, products accumulated exactly), every tile starting as NaN. S [64, 64] strictly
+    lower, beta / gamma [G, 64]; returns the written tile Ag [G, 64, 64]."""
+    G, nan, f16 = beta.shape[0], float("nan"), (lambda t: t.to(torch.float16).to(torch.float64))
+
+    def tile(*shape):
+        return torch.full(shape, nan, dtype=torch.float64)
+
+    def gate(val, r, c, h):
+        return val * torch.exp(gamma[h, r] - gamma[h, c]) * beta[h, c]
+
+    sd, sbd, sba = tile(64, 16), tile(32, 32), tile(32, 32)
+    for i in range(64):
+        sd[i] = S[i, i // 16 * 16:i // 16 * 16 + 16]
+    sbd[:16, :16], sbd[16:, 16:] = f16(S[16:32, :16]), f16(S[48:, 32:48])
+    sbd[:16, 16:] = sbd[16:, :16] = 0.0
+    sba[:] = f16(S[32:, :32])
+    xaa, xbb, d02, d13, out = tile(G, 32, 32), tile(G, 32, 32), tile(G, 32, 32), tile(G, 32, 32), tile(G, 64, 64)
+    for t in (xaa, xbb):
+        t[:, :16, 16:] = 0.0
+    for t in (d02, d13):
+        t[:, :16, 16:] = t[:, 16:, :16] = 0.0
+    out[:, :32, 32:] = out[:, :16, 16:32] = out[:, 32:48, 48:] = 0.0
+    for hl in range(G):  # 1: thread (hl, col) solves column c of block db
+        for col in range(64):
+            db, c, x = col // 16, col % 16, torch.zeros(16, dtype=torch.float64)
+            for r in range(16):
+                x[r] = 1.0 if r == c else -beta[hl, db * 16 + r] * (sd[db * 16 + r, :r] * x[:r]).sum()
+            ro = db % 2 * 16
+            for r in range(16):
+                (xaa if db < 2 else xbb)[hl, ro + r, ro + c] = f16(x[r])
+                (d02 if db % 2 == 0 else d13)[hl, db // 2 * 16 + r, db // 2 * 16 + c] = f16(x[r])
+                out[hl, db * 16 + r, col] = f16(gate(x[r], db * 16 + r, col, hl)) if r >= c else 0.0
+    rows2 = [16 + i + i // 16 * 16 for i in range(32)]  # tile row/column -> matrix row/column in step 2
+    for h in range(G):  # 2
+        t = f16(sbd @ d02[h] * beta[h, rows2][:, None])
+        f = d13[h] @ t
+        for i in range(32):
+            for j in range(32):
+                if i // 16 == j // 16:
+                    if i < 16:
+                        xaa[h, 16 + i, j] = f16(-f[i, j])
+                    else:
+                        xbb[h, i, j - 16] = f16(-f[i, j])
+                    out[h, rows2[i], rows2[j] - 16] = f16(gate(-f[i, j], rows2[i], rows2[j] - 16, h))
+    for h in range(G):  # 3
+        t = f16(sba @ xaa[h] * beta[h, 32:, None])
+        f = xbb[h] @ t
+        for i in range(32):
+            for j in range(32):
+                out[h, 32 + i, j] = f16(gate(-f[i, j], 32 + i, j, h))
+    return out
+
+
+@pytest.mark.parametrize("n", [64, 47, 1])
+def test_kkt_solve_schedule_writes_every_entry_and_equals_ag_to_fp16_accuracy(n):
+    """kkt_solve's tiles and fp16 product operands: every entry of the written tile comes from a phase (no NaN), the
+    upper triangle is exactly zero, and the tile equals the float64 Ag = Gamma * A0 * beta_col to fp16 accuracy, on
+    keys correlated enough (shared direction) that the off-diagonal blocks matter."""
+    gen = torch.Generator().manual_seed(n)
+    k = torch.randn(64, 32, generator=gen, dtype=torch.float64) + 1.5 * torch.randn(1, 32, generator=gen,
+                                                                                     dtype=torch.float64)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    k[n:] = 0
+    beta = torch.rand(2, 64, generator=gen, dtype=torch.float64)
+    beta[:, n:] = 0
+    gamma = torch.cumsum(-torch.rand(2, 64, generator=gen, dtype=torch.float64) * 0.3, dim=1)
+    S = (k @ k.T).tril(-1)
+    out = _tc_inverse(S, beta, gamma)
+    assert not out.isnan().any(), "read or left an entry no phase wrote"
+    assert (out.triu(1) == 0).all()
+    for h in range(2):
+        want = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + beta[h, :, None] * S)
+        want = (want * torch.exp(gamma[h, :, None] - gamma[h, None, :]) * beta[h, None, :]).tril()
+        err = ((out[h] - want).norm() / want.norm()).item()
+        assert err < 2e-3, err
+        off = (out[h] - want)[32:, :32].abs().max().item()
+        assert off < 4e-3 * max(1.0, want.abs().max().item()), off
+
+
+def _torch_kkt_solve(k, g, beta, chunks, Hv):
+    """kkt_solve's contract in float64 torch: gamma [T, Hv] chunk-local cumsum, Ag = Gamma * A0 * beta_col per chunk
+    [T, Hv, 64] (zero above the diagonal and past a ragged chunk's end)."""
+    group = Hv // k.shape[1]
+    g, beta = g.double(), beta.double()
+    gamma, ag = torch.zeros_like(g), torch.zeros(g.shape[0], Hv, 64, dtype=g.dtype)
+    for s, e in chunks.tolist():
+        kh = k[s:e].repeat_interleave(group, dim=1).double()
+        gamma[s:e] = g[s:e].cumsum(0)
+        eye = torch.eye(e - s, dtype=torch.float64).expand(Hv, -1, -1)
+        kk = torch.einsum("ihk,jhk->hij", kh, kh) * beta[s:e].T[:, :, None]
+        a0 = torch.linalg.solve_triangular(eye + kk.tril(-1), eye, upper=False, unitriangular=True).transpose(0, 1)
+        gm = gamma[s:e]
+        dec = torch.exp(gm[:, None, :] - gm[None, :, :]).permute(0, 2, 1)  # [row, Hv, col]
+        mask = torch.ones(e - s, e - s, dtype=torch.bool).tril()[:, None, :]
+        ag[s:e, :, :e - s] = torch.where(mask, a0 * dec * beta[s:e].T[None], 0.0)
+    return gamma, ag
+
+
+def _torch_chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale, bDV):
+    """chunk_fwd's contract in float64 torch: segments from h_init rows, o and ht written in place."""
+    group = v.shape[1] // k.shape[1]
+    for s0, s1, init, fin in segs.tolist():
+        for h in range(v.shape[1]):
+            S = h_init[init, h].double() if init >= 0 else torch.zeros_like(h_init[0, h]).double()
+            for cs in range(s0, s1, 64):
+                ce = min(cs + 64, s1)
+                gm, kc, qc = gamma[cs:ce, h], k[cs:ce, h // group], q[cs:ce, h // group]
+                dec = torch.exp(gm[:, None] - gm[None, :]).tril()
+                vd = ag[cs:ce, h, :ce - cs] @ (v[cs:ce, h] - gm.exp()[:, None] * (kc @ S))
+                o[cs:ce, h] = scale * (gm.exp()[:, None] * (qc @ S) + (dec * (qc @ kc.T)) @ vd)
+                S = gm[-1].exp() * S + kc.T @ (torch.exp(gm[-1] - gm)[:, None] * vd)
+            if ht is not None and fin >= 0:
+                ht[fin, h] = S
+
+
+def _torch_segment_states(k, v, ag, gamma, beta, pl, *, bDV):
+    """segment_states' contract in float64 torch: each map from zero / identity starts, by the torch chunk stage on
+    the map's token range."""
+    R, Hv, K, V = pl.maps.shape[0], v.shape[1], k.shape[2], v.shape[2]
+    hs, ms = torch.zeros(R, Hv, K, V, dtype=torch.float64), torch.zeros(R, Hv, K, K, dtype=torch.float64)
+    for r, (s0, s1) in enumerate(pl.maps.tolist()):
+        seg = torch.tensor([[s0, s1, 0, 0]])
+        zero = torch.zeros(1, Hv, K, V, dtype=torch.float64)
+        _torch_chunk_fwd(k, k, v, ag, gamma, beta, zero, seg, torch.empty_like(v), hs[r:r + 1], scale=1.0, bDV=bDV)
+        eye = torch.eye(K, dtype=torch.float64).expand(1, Hv, K, K).contiguous()
+        _torch_chunk_fwd(k, k, torch.zeros(v.shape[0], Hv, K, dtype=torch.float64), ag, gamma, beta, eye, seg,
+                         torch.empty(v.shape[0], Hv, K, dtype=torch.float64), ms[r:r + 1], scale=1.0, bDV=bDV)
+    return hs, ms
+
+
+def _torch_state_scan(h0, hs, ms, seqs, num_segs):
+    """state_scan's contract in float64 torch: S_0 = h0 (or 0), S_{i+1} = M_i S_i + H_i over each sequence's maps."""
+    h_init = torch.zeros((num_segs,) + hs.shape[1:], dtype=torch.float64)
+    for n, (first, count, first_map) in enumerate(seqs.tolist()):
+        S = h0[n].double() if h0 is not None else torch.zeros_like(h_init[0])
+        for i in range(count):
+            h_init[first + i] = S
+            if i < count - 1:
+                S = ms[first_map + i].double() @ S + hs[first_map + i].double()
+    return h_init
+
+
+@pytest.fixture
+def torch_stages(monkeypatch):
+    """The launcher with every kernel swapped for its float64 torch twin (CPU); returns the recorded stage calls."""
+    pytest.importorskip("tilelang")
+    from flashqla_kernels.gated_delta_rule.hopper import chunk_fwd, forward, kkt_solve, segment_states, state_scan
+
+    calls = []
+
+    def record(name, fn):
+        def stage(*args, **kwargs):
+            calls.append((name, kwargs.get("bDV")))
+            return fn(*args, **kwargs)
+        return stage
+
+    monkeypatch.setattr(forward, "unsupported_reason", lambda *a, **kw: None)
+    monkeypatch.setattr(plan, "num_sms", lambda device: 132)
+    monkeypatch.setattr(kkt_solve, "kkt_solve", record("kkt_solve", _torch_kkt_solve))
+    monkeypatch.setattr(chunk_fwd, "chunk_fwd", record("chunk_fwd", _torch_chunk_fwd))
+    monkeypatch.setattr(segment_states, "segment_states", record("segment_states", _torch_segment_states))
+    monkeypatch.setattr(state_scan, "state_scan", record("state_scan", _torch_state_scan))
+    return calls
+
+
+def _rel(x, ref):
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+def test_launcher_wiring_equals_reference_on_a_dense_batch(torch_stages):
+    """B = 2, no cu_seqlens, l2norm in the launcher, no split: kkt_solve then chunk_fwd, equal to the reference."""
+    from flashqla_kernels.gated_delta_rule.hopper import forward
+    from flashqla_kernels.gated_delta_rule.reference import chunk_gated_delta_rule_ref
+
+    gen = torch.Generator().manual_seed(5)
+    B, Tn, Hk, Hv, K, V = 2, 70, 1, 2, 16, 8
+    q, k = (torch.randn(B, Tn, Hk, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, Tn, Hv, V, generator=gen, dtype=torch.float64)
+    g = -torch.rand(B, Tn, Hv, generator=gen, dtype=torch.float64)
+    beta = torch.rand(B, Tn, Hv, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(B, Hv, K, V, generator=gen, dtype=torch.float64)
+    o, ht = forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True, segment_chunks=0)
+    ro, rht = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True)
+    assert [name for name, _ in torch_stages] == ["kkt_solve", "chunk_fwd"]
+    # g, beta and h0 travel as fp32 (the kernels' contract): agreement to fp32 rounding, not 1e-10
+    assert _rel(o, ro) < 1e-6 and _rel(ht, rht) < 1e-6
+
+
+def test_launcher_wiring_hands_ag_to_the_segment_maps_and_the_scan(torch_stages):
+    """Ragged varlen split into 2-chunk segments: Ag reaches both consumers (the maps and chunk_fwd), the scan starts
+    every segment, and the result equals the reference; block_v forces the V slice of every stage."""
+    from flashqla_kernels.gated_delta_rule.hopper import forward
+    from flashqla_kernels.gated_delta_rule.reference import chunk_gated_delta_rule_ref
+
+    gen = torch.Generator().manual_seed(7)
+    lens = [300, 47]
+    cu = torch.tensor([0, *itertools.accumulate(lens)])
+    Tn, Hk, Hv, K, V = cu[-1].item(), 1, 2, 16, 8
+    q, k = (torch.nn.functional.normalize(torch.randn(1, Tn, Hk, K, generator=gen, dtype=torch.float64), dim=-1)
+            for _ in range(2))
+    v = torch.randn(1, Tn, Hv, V, generator=gen, dtype=torch.float64)
+    g = -0.1 * torch.rand(1, Tn, Hv, generator=gen, dtype=torch.float64)
+    beta = torch.rand(1, Tn, Hv, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(len(lens), Hv, K, V, generator=gen, dtype=torch.float64)
+    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, segment_chunks=2)
+    o, ht = forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
+    ro, rht = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert [name for name, _ in torch_stages] == ["kkt_solve", "segment_states", "state_scan", "chunk_fwd"]
+    assert _rel(o, ro) < 1e-6 and _rel(ht, rht) < 1e-6
+    torch_stages.clear()
+    forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw, block_v=4)
+    assert torch_stages[1] == ("segment_states", 4) and torch_stages[-1] == ("chunk_fwd", 4)
