@@ -10,12 +10,14 @@ import hashlib
 import os
 import pickle
 import re
+import threading
+import uuid
 import warnings
 from pathlib import Path
 
 import torch
 
-from saes.registry import Release, get_release, list_releases
+from saes.registry import Release, get_release, layer_index, list_releases
 from saes.topk import RELEASE_KEYS, TopKSAE, _check_release_shapes
 
 _LAYER_RE = re.compile(r"layer(\d+)\b")
@@ -89,6 +91,8 @@ def resolve(source: str | Path, layer: int | None, *, revision: str | None = Non
             # saes.training can write safetensors-only release directories; the .pt name stays the default.
             st = pt.with_name(f"layer{layer}.sae.safetensors")
             path = pt if pt.is_file() or not st.is_file() else st
+            if path.is_dir():
+                raise SAEFileError(f"{path} is a directory, expected an SAE file (layer{{n}}.sae.pt or .safetensors)")
             if not path.is_file():
                 have = sorted(p.name for p in path.parent.glob("layer*.sae.*"))[:8]
                 raise FileNotFoundError(f"{path} does not exist; the directory holds {have or 'no layer*.sae.pt'}")
@@ -109,6 +113,15 @@ def resolve(source: str | Path, layer: int | None, *, revision: str | None = Non
     else:
         raise FileNotFoundError(f"{source!r} is neither an existing file/directory nor a release or repo id; "
                                 f"known releases: {', '.join(r.id for r in list_releases())}")
+    saved = _saved_config(path.parent) if path is not None and path.is_file() else None
+    if saved is not None:
+        # A set written by save_release says its own sizes; the directory name then only counts when it agrees.
+        if release is not None and (release.k != saved["k"] or release.d_sae not in (None, saved["d_sae"])
+                                    or release.d_model not in (None, saved["d_model"])):
+            release = None
+        if k is not None and k != saved["k"]:
+            raise ValueError(f"k={k} contradicts {path.parent / RELEASE_CONFIG}, which says k={saved['k']}; drop k=")
+        k = saved["k"]
     if release is not None and k is not None and k != release.k:
         raise ValueError(f"k={k} contradicts {release.repo_id}, whose name says k={release.k} (L0_{release.k}); "
                          f"drop k= or rename the directory")
@@ -119,10 +132,32 @@ def resolve(source: str | Path, layer: int | None, *, revision: str | None = Non
     return path, release, layer, k
 
 
+RELEASE_CONFIG = "release.json"
+
+
+def _saved_config(directory: Path) -> dict | None:
+    """The sizes ``save_release`` wrote beside its files (``release.json``), or None."""
+    import json
+
+    file = directory / RELEASE_CONFIG
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        return {key: int(data[key]) for key in ("k", "d_sae", "d_model")}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SAEFileError(f"{file} is not a readable release config ({e}); expected JSON with integer k, d_sae and "
+                           f"d_model as save_release writes it — fix or delete it") from None
+
+
 def _check_int_layer(layer) -> int:
-    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-        raise ValueError(f"layer must be a non-negative int, got {layer!r}")
-    return layer
+    try:
+        index = layer_index(layer)
+    except TypeError:
+        index = -1
+    if index < 0:
+        raise ValueError(f"layer must be a non-negative int (or a sae-lens SAE id like 'layer12'), got {layer!r}")
+    return index
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -138,6 +173,8 @@ def read_release_file(path: str | Path, release: Release | None = None) -> dict[
         SAEFileError: refused pickle, truncated/corrupt file, missing keys, wrong shapes or sizes.
     """
     path = Path(path)
+    if path.is_dir():
+        raise SAEFileError(f"{path} is a directory, expected an SAE file (layer{{n}}.sae.pt or .safetensors)")
     if path.suffix == ".safetensors":
         state = _read_safetensors(path)
     else:
@@ -156,6 +193,10 @@ def read_release_file(path: str | Path, release: Release | None = None) -> dict[
         d_model, d_sae = _check_release_shapes(state, str(path))
     except (ValueError, TypeError) as e:
         raise SAEFileError(str(e)) from None
+    if d_model < 1 or d_sae < 1:
+        raise SAEFileError(f"{path} has W_enc of shape {tuple(state['W_enc'].shape)}: an SAE needs d_sae >= 1 and "
+                           f"d_model >= 1; the file is damaged — delete it and download it again")
+    _check_finite(state, path)
     if release is not None:
         for name, want, got in (("d_model", release.d_model, d_model), ("d_sae", release.d_sae, d_sae)):
             if want is not None and want != got:
@@ -164,14 +205,37 @@ def read_release_file(path: str | Path, release: Release | None = None) -> dict[
     return state
 
 
+def _check_finite(state: dict[str, torch.Tensor], path: Path) -> None:
+    """NaN / Inf weights would turn every code into NaN downstream without an error: refuse them here."""
+    for key, t in state.items():
+        finite = torch.isfinite(t)
+        if not bool(finite.all()):
+            bad = int((~finite).sum())
+            raise SAEFileError(f"{path}: {key} has {bad} non-finite value(s) (NaN or Inf) of {t.numel()}; expected "
+                               f"finite weights. The file is damaged or was saved from a diverged run — download it "
+                               f"again or retrain")
+
+
+_WEIGHTS_ONLY_ADVICE = ("Weights only load failed", "In PyTorch 2.6", "Re-running `torch.load`", "Check the documentation",
+                        "Please file an issue", "WeightsUnpickler error")
+
+
 def _detail(e: BaseException) -> str:
     """The informative line of a torch.load error (weights_only errors bury it under advice)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     for ln in lines:
-        if "WeightsUnpickler error:" in ln:
-            tail = ln.split("WeightsUnpickler error:", 1)[1].strip()
-            return tail or next((x for x in lines[lines.index(ln) + 1:]), "")
+        if "WeightsUnpickler error:" in ln and ln.split("WeightsUnpickler error:", 1)[1].strip():
+            return ln.split("WeightsUnpickler error:", 1)[1].strip()
+    useful = [ln for ln in lines if not ln.startswith(_WEIGHTS_ONLY_ADVICE)]
+    if useful:
+        return useful[0][:200]
     return f"{type(e).__name__}: {lines[0][:200]}" if lines else f"{type(e).__name__}, empty or cut short"
+
+
+def _refused(detail: str) -> bool:
+    """Whether weights_only refused the file for what it holds (a global / class: code), not for damage."""
+    text = detail.lower()
+    return "global" in text or "unsupported class" in text or "not an allowed" in text
 
 
 def _torch_load(path: Path):
@@ -185,14 +249,19 @@ def _torch_load(path: Path):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         detail = _detail(e)
-        if "Unsupported global" in detail or "Unsupported class" in detail:
+        if _refused(detail):
             raise SAEFileError(
-                f"refused to load {path}: it holds more than a dict of tensors, so weights_only=True rejected it "
-                f"({detail.split('. Please')[0]}). Qwen-Scope files never need that; do not load this file with "
-                f"weights_only=False unless you trust its origin.") from None
+                f"refused to load {path}: it holds code or objects beyond a dict of tensors ({detail}), which "
+                f"weights_only=True never runs. Qwen-Scope files never need that; load it with weights_only=False "
+                f"only if you trust its origin and know what it runs") from None
         raise SAEFileError(f"could not read {path} ({detail}); the file is truncated or not a torch file — "
                            f"delete it and download it again") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
+    except MemoryError:
+        raise SAEFileError(f"could not read {path}: it declares more data than fits in memory; the file is damaged "
+                           f"or not an SAE file — delete it and download it again") from None
+    except Exception as e:
+        # torch's readers of a damaged zip or pickle raise all kinds (RuntimeError, EOFError, IndexError, KeyError,
+        # AssertionError, OverflowError ...): every one is the same answer for an SAE file.
         raise SAEFileError(f"could not read {path} ({_detail(e)}); the file is truncated or not a torch file — "
                            f"delete it and download it again") from None
 
@@ -203,7 +272,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
     try:
         return load_file(path, device="cpu")
-    except (SafetensorError, OSError, ValueError) as e:
+    except (SafetensorError, OSError, ValueError, RuntimeError, TypeError, KeyError, OverflowError) as e:
         raise SAEFileError(f"could not read {path} ({e}); the file is truncated or corrupt — delete it") from None
 
 
@@ -211,10 +280,17 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def _cache_path(root: Path, path: Path, release: Release | None, layer: int, dtype: torch.dtype) -> Path:
     real = path.resolve()
     st = real.stat()
-    # Hub blobs are named by content hash; for local files the size + mtime stand in for it.
-    key = hashlib.sha1(f"{real}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    # A replaced or rewritten file changes its inode or ctime even when its size and mtime are kept (ctime cannot be
+    # set back); the first and last MiB catch a copy that kept all three.
+    with real.open("rb") as f:
+        head = f.read(1 << 20)
+        f.seek(max(st.st_size - (1 << 20), 0))
+        tail = f.read(1 << 20)
+    digest = hashlib.sha1(f"{real}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}".encode())
+    digest.update(head)
+    digest.update(tail)
     name = release.id if release is not None else path.parent.name
-    return root / f"{name}--layer{layer}--{str(dtype).removeprefix('torch.')}--{key}.safetensors"
+    return root / f"{name}--layer{layer}--{str(dtype).removeprefix('torch.')}--{digest.hexdigest()[:16]}.safetensors"
 
 
 def _via_cache(root: str | Path, path: Path, release: Release | None, layer: int, k: int,
@@ -228,7 +304,9 @@ def _via_cache(root: str | Path, path: Path, release: Release | None, layer: int
     if not target.exists():
         state = read_release_file(path, release)
         root.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        # One temporary per writer (process, thread, call): concurrent loads of one layer each write their own and
+        # the last rename wins with identical bytes.
+        tmp = target.with_name(f".{target.name}.{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex[:8]}.tmp")
         meta = {"source": str(path), "layer": str(layer), "k": str(k), "release": release.id if release else ""}
         try:
             save_file({key: t.to(dtype).contiguous() for key, t in state.items()}, tmp, metadata=meta)
@@ -270,6 +348,9 @@ def load(source: str | Path, layer: int | None = None, *, device: str | torch.de
         state = _via_cache(safetensors_cache, path, release, layer, k, dtype or torch.float32)
     else:
         state = read_release_file(path, release)
+    if not 1 <= k <= state["W_enc"].shape[0]:
+        raise SAEFileError(f"{path} has d_sae={state['W_enc'].shape[0]} but k={k} (from the release name or k=); "
+                           f"expected 1 <= k <= d_sae — is it the right file for this release?")
     state = {key: t.to(device=device, dtype=dtype) for key, t in state.items()}
     sae = TopKSAE.from_release_state(state, k=k).requires_grad_(False).eval()
     sae.release, sae.layer, sae.source = release, layer, str(path)
@@ -295,4 +376,4 @@ def check_d_model(sae: TopKSAE, model_d_model: int, source: str | None = None) -
                      f"{model_d_model}; use an SAE set for this model ({', '.join(fits) or 'none of the 14 fits'})")
 
 
-__all__ = ["SAEFileError", "check_d_model", "load", "read_release_file", "resolve"]
+__all__ = ["RELEASE_CONFIG", "SAEFileError", "check_d_model", "load", "read_release_file", "resolve"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import difflib
+import operator
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -94,14 +95,41 @@ class Release:
         return f"{self.id} was trained on {self.model_id}, not {model_id}: its features may not apply"
 
     def check_layer(self, layer: int) -> int:
-        """Return ``layer`` as int or raise ``ValueError`` naming the valid range."""
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"layer must be an int, got {type(layer).__name__} {layer!r}")
+        """Return ``layer`` (an int or a sae-lens SAE id like ``"layer12"``) as int or raise ``ValueError`` naming
+        the valid range."""
+        layer = layer_index(layer)
         if layer < 0 or (self.n_layers is not None and layer >= self.n_layers):
             valid = f"0..{self.n_layers - 1}" if self.n_layers else ">= 0"
             raise ValueError(f"{self.id} has no layer {layer}; valid layers are {valid} "
                              f"({self.n_layers or 'unknown number of'} layers of {self.model_id})")
         return layer
+
+
+_SAE_ID = re.compile(r"^(?:layer[_.]?)?(\d+)$", re.IGNORECASE)
+
+
+def layer_index(layer: int | str) -> int:
+    """A layer given as an int or as sae-lens's SAE id (``"layer12"``; ``"12"`` too) -> ``12``.
+
+    Raises:
+        TypeError: neither an int nor such a string.
+
+    Example:
+        >>> layer_index("layer12"), layer_index(12)
+        (12, 12)
+    """
+    if isinstance(layer, str):
+        m = _SAE_ID.match(layer.strip())
+        if m is None:
+            raise TypeError(f"layer must be an int or a sae-lens SAE id like 'layer12', got {layer!r}")
+        return int(m[1])
+    try:
+        # operator.index: ints and numpy integers, never a float or a bool's silent 0 / 1.
+        if not isinstance(layer, bool):
+            return operator.index(layer)
+    except TypeError:
+        pass
+    raise TypeError(f"layer must be an int or a sae-lens SAE id like 'layer12', got {type(layer).__name__} {layer!r}")
 
 
 def _checkpoint(name: str) -> tuple[str, bool]:

@@ -20,7 +20,9 @@ Edge cases, on purpose:
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -54,8 +56,73 @@ class SparseCodes(NamedTuple):
         return self.values.shape[-1]
 
 
+def _is_int_index(index) -> bool:
+    if isinstance(index, bool):
+        return False
+    if isinstance(index, torch.Tensor):
+        return index.ndim == 0 and not index.is_floating_point() and index.dtype != torch.bool
+    try:
+        operator.index(index)
+        return True
+    except TypeError:
+        return False
+
+
+class _DecoderWeight(nn.Parameter):
+    """``W_dec [d_model, d_sae]``: ``W_dec[f]`` (sae-lens's "decoder row of feature f") is refused, with the fix;
+    every other use is a plain Parameter."""
+
+    def __getitem__(self, index):
+        first = index[0] if isinstance(index, tuple) and len(index) == 1 else index
+        if _is_int_index(first):
+            raise IndexError(f"W_dec[{first}]: W_dec is [d_model, d_sae] here (the release layout; sae-lens keeps "
+                             f"[d_sae, d_model]), so a row is not a feature. Feature f's direction is W_dec[:, f] or "
+                             f"sae.decoder_directions(f)")
+        return super().__getitem__(index)
+
+
+class _EncoderWeight(nn.Parameter):
+    """``W_enc [d_sae, d_model]``: ``W_enc[:, f]`` (sae-lens's "encoder column of feature f") is refused."""
+
+    def __getitem__(self, index):
+        if isinstance(index, tuple) and len(index) == 2 and index[0] == slice(None) and _is_int_index(index[1]):
+            raise IndexError(f"W_enc[:, {index[1]}]: W_enc is [d_sae, d_model] here (the release layout; sae-lens "
+                             f"keeps [d_in, d_sae]), so a column is not a feature. Feature f's encoder row is "
+                             f"W_enc[f]")
+        return super().__getitem__(index)
+
+
+@dataclass(frozen=True)
+class SAEConfig:
+    """What an SAE is, in sae-lens's field names (``sae.cfg``), so sae-lens habits carry over.
+
+    Attributes:
+        d_in: residual width it reads (d_model).
+        d_sae: number of features.
+        k: features kept per token.
+        hook_name: the TransformerLens spelling of its site, ``blocks.{layer}.hook_resid_post`` (None without a layer).
+        release: sae-lens release id (None for an SAE not loaded from a release).
+        layer: decoder block whose output it reads (None when unknown).
+        architecture: always ``"topk"``.
+    """
+
+    d_in: int
+    d_sae: int
+    k: int
+    hook_name: str | None
+    release: str | None
+    layer: int | None
+    architecture: str = "topk"
+
+
 class TopKSAE(nn.Module):
     """A TopK SAE holding Qwen-Scope weights in the release orientation.
+
+    Orientation (read this if you come from sae-lens): the tensors are kept as the released files store them,
+    ``W_enc [d_sae, d_model]`` (row per feature) and ``W_dec [d_model, d_sae]`` (column per feature) — the transpose
+    of sae-lens's ``W_enc [d_in, d_sae]`` / ``W_dec [d_sae, d_in]``. Feature f's decoder direction is
+    ``sae.W_dec[:, f]``, or ``sae.decoder_directions(f)``; sae-lens's ``W_dec[f]`` is refused here with that hint
+    instead of returning a row of another meaning (and so is ``W_enc[:, f]``). ``to_sae_lens`` converts.
 
     Args:
         W_enc: encoder ``[d_sae, d_model]`` (row per feature).
@@ -78,8 +145,8 @@ class TopKSAE(nn.Module):
         d_sae = W_enc.shape[0]
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= d_sae:
             raise ValueError(f"k must be an int in [1, d_sae={d_sae}], got {k!r}")
-        self.W_enc = nn.Parameter(W_enc)
-        self.W_dec = nn.Parameter(W_dec)
+        self.W_enc = _EncoderWeight(W_enc)
+        self.W_dec = _DecoderWeight(W_dec)
         self.b_enc = nn.Parameter(b_enc)
         self.b_dec = nn.Parameter(b_dec)
         self.k = k
@@ -106,6 +173,13 @@ class TopKSAE(nn.Module):
     @property
     def d_model(self) -> int:
         return self.W_enc.shape[1]
+
+    @property
+    def cfg(self) -> SAEConfig:
+        """sae-lens-style config: ``d_in``, ``d_sae``, ``k``, ``hook_name``, ``release``, ``layer``."""
+        release = getattr(self.release, "id", None)
+        hook = f"blocks.{self.layer}.hook_resid_post" if self.layer is not None else None
+        return SAEConfig(self.d_model, self.d_sae, self.k, hook, release, self.layer)
 
     @property
     def d_sae(self) -> int:
@@ -252,6 +326,8 @@ def _check_release_shapes(state: Mapping[str, torch.Tensor], where: str) -> tupl
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(f"{where}: {key} must be a floating-point tensor, got "
                             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{where}: {key} must be a dense tensor, got layout {t.layout}; convert with .to_dense()")
     w_enc, w_dec, b_enc, b_dec = (state[key] for key in RELEASE_KEYS)
     if w_enc.ndim != 2:
         raise ValueError(f"{where}: W_enc must be [d_sae, d_model], got shape {tuple(w_enc.shape)}")

@@ -24,6 +24,7 @@ import json
 import math
 import operator
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from saes.loading import RELEASE_CONFIG
 from saes.topk import TopKSAE
 from saes.training_data import as_batches
 
@@ -88,11 +90,13 @@ class SAETrainingConfig:
 
 @dataclass
 class TrainingResult:
-    """What ``train_sae`` returns: the SAE in release form, the logged history and the last window's metrics."""
+    """What ``train_sae`` returns: the SAE in release form, the logged history, the last window's metrics and the
+    number of tokens it was trained on (fewer than asked when the data ran out)."""
 
     sae: TopKSAE
     history: list[dict] = field(default_factory=list)
     final: dict = field(default_factory=dict)
+    n_tokens: int = 0
 
 
 class SAETrainer(nn.Module):
@@ -201,7 +205,7 @@ class SAETrainer(nn.Module):
 
 
 def train_sae(activations: Iterable[torch.Tensor] | torch.Tensor, config: SAETrainingConfig, *,
-              progress: bool = True, desc: str = "SAE") -> TrainingResult:
+              progress: bool = True, desc: str = "SAE", on_short_data: str = "warn") -> TrainingResult:
     """Train a TopK SAE on activations.
 
     Args:
@@ -211,13 +215,17 @@ def train_sae(activations: Iterable[torch.Tensor] | torch.Tensor, config: SAETra
         config: ``SAETrainingConfig``.
         progress: show a tqdm bar with FVE, L0 and dead fraction.
         desc: progress-bar label.
+        on_short_data: when the iterable ends before ``n_tokens``: ``"warn"`` (default; train on what there was),
+            ``"raise"`` (``ValueError``) or ``"ignore"``.
     Returns:
-        ``TrainingResult(sae, history, final)``; ``history`` holds one dict per ``log_every`` steps with ``step``,
+        ``TrainingResult(sae, history, final, n_tokens)``; ``n_tokens`` is the number of tokens trained on; ``history`` holds one dict per ``log_every`` steps with ``step``,
         ``tokens`` and window means of ``loss, mse, aux, fve, l0, dead`` (weighted by batch tokens, so the small last
         batch of an epoch barely counts; a batch's undefined FVE (one token) is left out).
     """
     from tqdm.auto import tqdm
 
+    if on_short_data not in ("warn", "raise", "ignore"):
+        raise ValueError(f"on_short_data must be 'warn', 'raise' or 'ignore', got {on_short_data!r}")
     torch.manual_seed(config.seed)
     batches = as_batches(activations, config.batch_size, seed=config.seed)
     first = next(batches, None)
@@ -243,7 +251,15 @@ def train_sae(activations: Iterable[torch.Tensor] | torch.Tensor, config: SAETra
     bar.close()
     if window:
         history.append({"step": step, "tokens": tokens, **_window_means(window)})
-    return TrainingResult(trainer.export(), history, dict(history[-1]))
+    # A Tensor is cycled to n_steps (its epoch tails are short batches); only an iterable that ended early is short.
+    if step < config.n_steps and on_short_data != "ignore":
+        message = (f"train_sae: the activations ran out after {tokens:,} of the {config.n_tokens:,} tokens asked "
+                   f"for ({step} of {config.n_steps} steps); pass more data, lower n_tokens, or a Tensor (which is "
+                   f"cycled)")
+        if on_short_data == "raise":
+            raise ValueError(message)
+        warnings.warn(message, UserWarning, stacklevel=2)
+    return TrainingResult(trainer.export(), history, dict(history[-1]), tokens)
 
 
 def _window_means(window: list[tuple[int, dict]]) -> dict[str, float]:
@@ -360,7 +376,9 @@ def save_release(saes: Mapping[int, TopKSAE], directory: str | Path, *, formats:
 
     Args:
         saes: ``{layer: TopKSAE}``.
-        directory: release directory (``SAE-Res-{Model}-W{N}K-L0_{k}``).
+        directory: release directory (any name; ``SAE-Res-{Model}-W{N}K-L0_{k}`` matches the published sets).
+            ``release.json`` beside the files records k and the sizes, so ``saes.load(directory, layer)`` reads it
+            back whatever the name says.
         formats, dtype: as ``save_sae``.
         info: training provenance (config, metrics) stored in ``training.json`` (the release format has no config
             file; loaders ignore it).
@@ -369,10 +387,21 @@ def save_release(saes: Mapping[int, TopKSAE], directory: str | Path, *, formats:
     """
     out = Path(directory)
     ks = {sae.k for sae in saes.values()}
+    if not saes:
+        raise ValueError("save_release got no SAEs; pass {layer: TopKSAE}")
     if len(ks) != 1:
         raise ValueError(f"a release has one k for all layers, got {sorted(ks)}; save them in separate directories")
+    sizes = {(sae.d_sae, sae.d_model) for sae in saes.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"a release has one (d_sae, d_model) for all layers, got {sorted(sizes)}; save them in "
+                         f"separate directories")
     for layer, sae in sorted(saes.items()):
         save_sae(sae, out, layer, formats=formats, dtype=dtype)
+    (d_sae, d_model), = sizes
+    # saes.load(directory, layer) reads k and the sizes from here, whatever the directory is called.
+    (out / RELEASE_CONFIG).write_text(json.dumps({"format": "qwen-scope-release", "k": ks.pop(), "d_sae": d_sae,
+                                                  "d_model": d_model, "layers": sorted(int(n) for n in saes)},
+                                                 indent=1))
     if info is not None:
         (out / "training.json").write_text(json.dumps(_jsonable(info), indent=1, sort_keys=True))
     return out

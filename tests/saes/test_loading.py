@@ -253,3 +253,155 @@ def test_failed_safetensors_cache_write_leaves_no_temporary(tmp_path, monkeypatc
     with pytest.raises(OSError, match="No space left"):
         load(root, 1, safetensors_cache=cache)
     assert list(cache.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------------- hostile files
+def test_non_finite_weights_are_refused_naming_file_and_tensor(tmp_path):
+    for key, value in (("W_dec", float("nan")), ("b_enc", float("inf"))):
+        state = random_sae_state()
+        state[key].view(-1)[[3, 7]] = value
+        root = _bad_release(tmp_path, state)
+        with pytest.raises(SAEFileError, match=rf"layer0\.sae\.pt: {key} has 2 non-finite value\(s\) \(NaN or Inf\) "
+                                               rf"of {state[key].numel()}"):
+            load(root, 0)
+
+
+def test_refused_pickle_says_it_holds_code_not_that_it_is_truncated(tmp_path):
+    import os
+
+    class Global:
+        def __reduce__(self):
+            return os.getcwd, ()
+
+    root = _bad_release(tmp_path, {**random_sae_state(), "W_enc": Global()})
+    with pytest.raises(SAEFileError) as info:
+        load(root, 0)
+    message = str(info.value)
+    assert "refused to load" in message and "holds code" in message and "truncated" not in message
+
+
+def test_a_symlink_to_a_system_file_or_a_directory_is_the_loaders_error(tmp_path):
+    root = tmp_path / "SAE-Res-Bad-W0K-L0_4"
+    root.mkdir()
+    (root / "layer0.sae.pt").symlink_to("/etc/hostname" if __import__("os").path.exists("/etc/hostname")
+                                        else "/etc/passwd")
+    with pytest.raises(SAEFileError, match=r"layer0\.sae\.pt"):
+        load(root, 0)
+    (root / "layer1.sae.pt").mkdir()
+    with pytest.raises(SAEFileError, match=r"layer1\.sae\.pt is a directory"):
+        load(root, 1)
+
+
+def _fuzzed_files(seed: int, n: int):
+    """Damaged variants of one small SAE file: bit flips, cut-offs, spliced bytes, and re-saved odd payloads."""
+    import io
+
+    g = torch.Generator().manual_seed(seed)
+    state = random_sae_state(d_model=8, d_sae=16)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    good = buf.getvalue()
+    odd_payloads = [
+        {}, {"W_enc": 1}, {**state, "W_enc": torch.zeros(0, 8)}, {**state, "W_enc": torch.zeros(16)},
+        {**state, "W_dec": torch.zeros(8, 16, dtype=torch.complex64)}, {**state, 3: torch.zeros(1)},
+        {**state, "W_enc": state["W_enc"].to_sparse()}, {k: v.bfloat16() for k, v in state.items()}, None, "text",
+        {**state, "b_dec": torch.zeros(8, 1)}, (state,), {**state, "W_enc": torch.zeros(16, 8, 2)},
+    ]
+    for i in range(n):
+        data = bytearray(good)
+        kind = i % 4
+        if kind == 0:
+            for pos in torch.randint(0, len(data), (int(torch.randint(1, 20, (1,), generator=g)),), generator=g):
+                data[int(pos)] ^= 1 << int(torch.randint(0, 8, (1,), generator=g))
+        elif kind == 1:
+            data = data[: int(torch.randint(0, len(data), (1,), generator=g))]
+        elif kind == 2:
+            start = int(torch.randint(0, len(data), (1,), generator=g))
+            data[start:start + 64] = torch.randint(0, 256, (64,), generator=g, dtype=torch.uint8).numpy().tobytes()
+        else:
+            out = io.BytesIO()
+            torch.save(odd_payloads[(i // 4) % len(odd_payloads)], out)
+            data = bytearray(out.getvalue())
+        yield bytes(data)
+
+
+def test_every_malformed_file_is_the_loaders_error_or_a_valid_load(tmp_path):
+    # Seeded, small: each outcome must be SAEFileError naming the file, or an SAE that computes finite codes.
+    root = tmp_path / "SAE-Res-Fuzz-W0K-L0_4"
+    root.mkdir()
+    outcomes = {"refused": 0, "loaded": 0}
+    for i, data in enumerate(_fuzzed_files(seed=0, n=160)):
+        path = root / f"layer{i}.sae.pt"
+        path.write_bytes(data)
+        try:
+            with __import__("warnings").catch_warnings():
+                __import__("warnings").simplefilter("ignore")
+                sae = load(root, i)
+        except SAEFileError as e:
+            assert f"layer{i}.sae.pt" in str(e), str(e)
+            outcomes["refused"] += 1
+            continue
+        codes = sae.encode(torch.randn(3, sae.d_model))
+        assert codes.shape == (3, sae.d_sae) and bool(torch.isfinite(codes).all())
+        outcomes["loaded"] += 1
+    assert outcomes["refused"] > 100 and outcomes["loaded"] >= 1
+
+
+# ---------------------------------------------------------------------------------------------------- cache under stress
+def test_concurrent_cache_loads_from_threads_all_succeed_with_the_same_weights(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = write_sae_release(tmp_path, n_layers=2)
+    cache = tmp_path / "st"
+
+    def one(i):
+        return load(root, i % 2, dtype=torch.bfloat16, safetensors_cache=cache)
+
+    with ThreadPoolExecutor(6) as pool:
+        loaded = list(pool.map(one, range(36)))
+    for i, sae in enumerate(loaded):
+        _assert_is_state(sae, seed=i % 2, dtype=torch.bfloat16)
+    assert len(list(cache.glob("*.safetensors"))) == 2 and not list(cache.glob(".*tmp"))
+
+
+def test_cache_never_serves_a_replaced_file_of_the_same_size_and_mtime(tmp_path):
+    import os
+
+    root = write_sae_release(tmp_path, n_layers=1)
+    path = root / "layer0.sae.pt"
+    cache = tmp_path / "st"
+    _assert_is_state(load(root, 0, safetensors_cache=cache), seed=0)
+    stat = path.stat()
+    # Same name elsewhere: torch.save records the file's name inside the archive, and the size must match.
+    (tmp_path / "new").mkdir()
+    replacement = tmp_path / "new" / "layer0.sae.pt"
+    torch.save(random_sae_state(seed=5), replacement)
+    assert replacement.stat().st_size == stat.st_size
+    os.replace(replacement, path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    _assert_is_state(load(root, 0, safetensors_cache=cache), seed=5)
+
+
+# ---------------------------------------------------------------------------------------------------- sae-lens habits
+def test_sae_lens_layer_ids_and_cfg(tmp_path):
+    root = write_sae_release(tmp_path)
+    sae = load(root, "layer2")
+    _assert_is_state(sae, seed=2)
+    assert load(root / "layer1.sae.pt", "layer1").layer == 1
+    cfg = sae.cfg
+    assert (cfg.d_in, cfg.d_sae, cfg.k, cfg.layer, cfg.hook_name, cfg.release) == (
+        D_MODEL, 256, 8, 2, "blocks.2.hook_resid_post", "qwen-scope-3.5-nano-base-w0k-l8")
+    with pytest.raises(TypeError, match="sae-lens SAE id like 'layer12'"):
+        load(root, "two")
+
+
+def test_sae_lens_orientation_habits_are_refused_not_silently_wrong(tmp_path):
+    sae = load(write_sae_release(tmp_path), 0)
+    state = random_sae_state(seed=0)
+    torch.testing.assert_close(sae.W_dec[:, 5].detach(), state["W_dec"][:, 5])
+    torch.testing.assert_close(sae.W_enc[5].detach(), state["W_enc"][5])
+    with pytest.raises(IndexError, match=r"W_dec\[5\]: W_dec is \[d_model, d_sae\].*W_dec\[:, f\]"):
+        sae.W_dec[5]
+    with pytest.raises(IndexError, match=r"W_enc\[:, 5\]: W_enc is \[d_sae, d_model\].*W_enc\[f\]"):
+        sae.W_enc[:, 5]
+    torch.testing.assert_close(sae.decoder_directions(5)[0], state["W_dec"][:, 5])

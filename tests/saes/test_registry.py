@@ -97,8 +97,13 @@ def test_unknown_ids_and_layers_raise_helpful_errors():
     assert r.check_layer(23) == 23
     with pytest.raises(ValueError, match="valid layers are 0..23"):
         r.check_layer(24)
-    with pytest.raises(TypeError):
-        r.check_layer("3")
+    # sae-lens names an SAE of a release "layer12": accepted wherever a layer is asked.
+    assert r.check_layer("layer3") == 3 and r.check_layer("3") == 3
+    with pytest.raises(ValueError, match="valid layers are 0..23"):
+        r.check_layer("layer24")
+    for bad in ("three", 3.0, True):
+        with pytest.raises(TypeError, match="sae-lens SAE id like 'layer12'"):
+            r.check_layer(bad)
 
 
 def test_model_mismatch_notes_base_instruct_and_foreign_models():

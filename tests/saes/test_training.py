@@ -245,3 +245,37 @@ def test_save_sae_accepts_a_numpy_integer_layer(tmp_path):
 
     paths = save_sae(_sae(), tmp_path / "SAE-Res-MyModel-W0K-L0_8", np.int64(3), formats=("pt",))
     assert [p.name for p in paths] == ["layer3.sae.pt"]
+
+
+@pytest.mark.parametrize("name", ["my-sae-run", "SAE-Res-Qwen3.5-2B-Base-W32K-L0_100"])
+def test_a_saved_release_loads_back_by_directory_whatever_its_name_says(tmp_path, name):
+    # A plain name gives no k; a published set's name gives the wrong sizes and k: release.json wins over both.
+    sae = _sae(3)
+    out = save_release({2: sae, 5: _sae(4)}, tmp_path / name)
+    back = load(out, 2)
+    assert back.k == sae.k and back.d_sae == sae.d_sae and back.release is None
+    torch.testing.assert_close(back.W_dec.detach(), sae.W_dec.detach(), rtol=0, atol=0)
+    assert load(out, "layer5").layer == 5
+    with pytest.raises(ValueError, match=r"k=3 contradicts .*release\.json, which says k="):
+        load(out, 2, k=3)
+
+
+def _finite_batches(n_batches: int, batch: int = 64, d_model: int = 16):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(batch, d_model, generator=g) for _ in range(n_batches)]
+
+
+def test_train_sae_warns_or_raises_when_the_data_runs_out_and_reports_the_trained_tokens():
+    config = SAETrainingConfig(d_sae=32, k=4, n_tokens=1000, batch_size=64, log_every=5)
+    with pytest.warns(UserWarning, match=r"ran out after 320 of the 1,000 tokens asked for \(5 of 16 steps\)"):
+        result = train_sae(_finite_batches(5), config, progress=False)
+    assert result.n_tokens == 320 and result.history[-1]["tokens"] == 320
+    with pytest.raises(ValueError, match="ran out after 320 of the 1,000 tokens"):
+        train_sae(_finite_batches(5), config, progress=False, on_short_data="raise")
+    # A Tensor is cycled to the full budget: no warning, the tokens asked for (to the last short batch).
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        full = train_sae(torch.cat(_finite_batches(5)), config, progress=False)
+    assert full.n_tokens == 16 * 64 and full.history[-1]["step"] == 16
