@@ -12,12 +12,13 @@ clamp to 0.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from hooks import InterventionContext, intervene, parse_positions, position_mask, resid_post
+from hooks import InterventionContext, Positions, intervene, parse_positions, position_mask, resid_post
 from saes import TopKSAE
 
 __all__ = ["FeatureEdit", "add", "clamp", "ablate", "PRESETS", "steering", "Generation", "SteeringResult",
@@ -27,6 +28,8 @@ __all__ = ["FeatureEdit", "add", "clamp", "ablate", "PRESETS", "steering", "Gene
 PRESETS = {"light": 5.0, "medium": 20.0, "strong": 100.0}
 _MODES = ("add", "clamp", "ablate")
 _SCALES = ("raw", "unit", "norm")
+# Far beyond any useful strength (residual norms are in the tens to thousands), far below float32 overflow.
+_MAX_VALUE = 1e6
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,17 @@ class FeatureEdit:
             raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
         if self.scale not in _SCALES:
             raise ValueError(f"scale must be one of {_SCALES}, got {self.scale!r}")
+        what = "clamp value" if self.mode == "clamp" else "strength"
+        try:
+            value = float(self.value)
+        except (TypeError, ValueError):
+            raise TypeError(f"{what} of {self.mode} at layer {self.layer} feature {self.feature} must be a number, "
+                            f"got {self.value!r}") from None
+        # NaN / Inf (and magnitudes whose square overflows float32 in the norms downstream) give NaN text silently.
+        if not math.isfinite(value) or abs(value) > _MAX_VALUE:
+            raise ValueError(f"{what} {self.value!r} of {self.mode} at layer {self.layer} feature {self.feature} must "
+                             f"be finite and at most {_MAX_VALUE:g} in size; Qwen's presets are {PRESETS}")
+        object.__setattr__(self, "value", value)
         parse_steer_positions(self.positions)
 
 
@@ -65,13 +79,13 @@ def add(layer: int, feature: int, strength: float | str, *, scale: str = "raw",
     """Add ``strength`` x the feature's decoder direction (a preset name ``"light"/"medium"/"strong"`` works too)."""
     if isinstance(strength, str) and strength not in PRESETS:
         raise ValueError(f"strength {strength!r} is not a preset; expected a number or one of {PRESETS}")
-    value = PRESETS[strength] if isinstance(strength, str) else float(strength)
+    value = PRESETS[strength] if isinstance(strength, str) else strength
     return FeatureEdit(layer, int(feature), "add", value, scale, positions)
 
 
 def clamp(layer: int, feature: int, value: float, *, positions: str | int | Sequence[int] = "all") -> FeatureEdit:
     """Set the feature's SAE code to ``value`` (error term kept)."""
-    return FeatureEdit(layer, int(feature), "clamp", float(value), "raw", positions)
+    return FeatureEdit(layer, int(feature), "clamp", value, "raw", positions)
 
 
 def ablate(layer: int, feature: int, *, positions: str | int | Sequence[int] = "all") -> FeatureEdit:
@@ -79,26 +93,31 @@ def ablate(layer: int, feature: int, *, positions: str | int | Sequence[int] = "
     return FeatureEdit(layer, int(feature), "ablate", 0.0, "raw", positions)
 
 
-def parse_steer_positions(spec: str | int | Sequence[int]) -> tuple[tuple[int, ...] | None, bool, bool]:
-    """Split a steering position spec into (explicit positions or None for all, prompt?, generated?)."""
+def parse_steer_positions(spec: str | int | Sequence[int]) -> tuple[Positions | None, bool, bool]:
+    """Split a steering position spec into (explicit positions or None for all, prompt?, generated?).
+
+    Example:
+        >>> parse_steer_positions("0-3,generated")
+        (Positions(ranges=((0, 3),), from_end=()), False, True)
+    """
     if isinstance(spec, str):
         words = [w.strip().lower() for w in spec.split(",") if w.strip()]
         if not words or "all" in words:
             return None, False, False
         prompt, generated = "prompt" in words, "generated" in words
         rest = ",".join(w for w in words if w not in ("prompt", "generated"))
-        explicit = parse_positions(rest) if rest else ()
-        if any(p < 0 for p in explicit):
+        explicit = parse_positions(rest) if rest else Positions()
+        if explicit.from_end:
             raise ValueError(f"steering positions must be non-negative, got {spec!r}")
         return explicit, prompt, generated
     explicit = parse_positions(spec)
-    if explicit is not None and any(p < 0 for p in explicit):
+    if explicit is not None and explicit.from_end:
         raise ValueError(f"steering positions must be non-negative, got {spec!r}")
     return explicit, False, False
 
 
-def _mask(spec, positions: torch.Tensor, prompt_length: int) -> torch.Tensor:
-    explicit, prompt, generated = parse_steer_positions(spec)
+def _mask(parsed: tuple[Positions | None, bool, bool], positions: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    explicit, prompt, generated = parsed
     if explicit is None:
         return torch.ones_like(positions, dtype=torch.bool)
     mask = position_mask(explicit, positions) if explicit else torch.zeros_like(positions, dtype=torch.bool)
@@ -116,6 +135,8 @@ class _LayerSteer:
         self.sae, self.edits = sae, list(edits)
         self.fixed_prompt_length, self.prompt_length = prompt_length, prompt_length
         self.directions = sae.decoder_directions([e.feature for e in self.edits]).float()  # [n, d_model]
+        # Parsed once here, not on every forward pass of every decode step.
+        self.positions = [parse_steer_positions(e.positions) for e in self.edits]
 
     def __call__(self, act: torch.Tensor, ctx: InterventionContext) -> torch.Tensor:
         # Without an explicit prompt length, the first prefill pass defines it.
@@ -128,7 +149,7 @@ class _LayerSteer:
         needs_codes = any(e.mode != "add" for e in self.edits)
         codes = self.sae.encode(h).float() if needs_codes else None  # [B, T, d_sae]
         for j, e in enumerate(self.edits):
-            mask = _mask(e.positions, ctx.positions, prompt_length)[None, :, None].to(h.dtype)  # [1, T, 1]
+            mask = _mask(self.positions[j], ctx.positions, prompt_length)[None, :, None].to(h.dtype)  # [1, T, 1]
             d = directions[j]
             if e.mode == "add":
                 if e.scale == "raw":
@@ -329,10 +350,9 @@ def sweep(scope, prompt: str, layer: int, feature: int, strengths: Sequence[floa
     """
     if mode not in ("add", "clamp"):
         raise ValueError(f"sweep mode must be 'add' or 'clamp', got {mode!r}")
+    # Every strength checked before the first generation.
+    edits = [add(layer, feature, s, scale=scale, positions=positions) if mode == "add" else
+             clamp(layer, feature, s, positions=positions) for s in strengths]
     base = steer(scope, prompt, [], **{**steer_kwargs, "baseline": False}).steered
-    runs = []
-    for s in strengths:
-        edit = add(layer, feature, s, scale=scale, positions=positions) if mode == "add" else \
-            clamp(layer, feature, s, positions=positions)
-        runs.append(steer(scope, prompt, [edit], **{**steer_kwargs, "baseline": False}).steered)
+    runs = [steer(scope, prompt, [edit], **{**steer_kwargs, "baseline": False}).steered for edit in edits]
     return Sweep(prompt, layer, feature, tuple(float(s) for s in strengths), base, tuple(runs))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hooks import capture
+from hooks import Positions, capture
 from qwen_scope.scope import Scope
 from qwen_scope.steering import FeatureEdit, ablate, add, clamp, parse_steer_positions, steer, steering, sweep
 from tests.factories import FAMILIES, HYBRID_FAMILIES, tiny_model, tiny_tokenizer
@@ -138,9 +138,9 @@ def test_prompt_only_steering_changes_the_first_token_distribution():
 
 def test_position_specs():
     assert parse_steer_positions("all") == (None, False, False)
-    assert parse_steer_positions("0,2,5-8") == ((0, 2, 5, 6, 7, 8), False, False)
-    assert parse_steer_positions("3-4,generated") == ((3, 4), False, True)
-    assert parse_steer_positions("prompt") == ((), True, False)
+    assert parse_steer_positions("0,2,5-8") == (Positions(((0, 0), (2, 2), (5, 8))), False, False)
+    assert parse_steer_positions("3-4,generated") == (Positions(((3, 4),)), False, True)
+    assert parse_steer_positions("prompt") == (Positions(), True, False)
     with pytest.raises(ValueError, match="bad position"):
         add(1, 2, 3.0, positions="0,x")
     with pytest.raises(ValueError, match="mode must be"):
@@ -181,8 +181,8 @@ def test_steer_command_side_by_side_edits_and_sweep(tmp_path, capsys):
     assert len(data["steered"]["tokens"]) == 4 and len(data["steered"]["top"][0]) == 5
     assert main(["steer", *common, "--layer", "1", "--feature", "7", "--sweep", "0,50"]) == 0
     assert len(capsys.readouterr().out.strip().splitlines()) == 3
-    with pytest.raises(SystemExit, match="nothing to steer"):
-        main(["steer", *common])
+    assert main(["steer", *common]) == 2
+    assert "qwen-scope steer: error: nothing to steer" in capsys.readouterr().err
 
 
 def test_bf16_model_with_fp32_sae_steers_within_bf16_rounding():
@@ -209,3 +209,23 @@ def test_sweep_generates_once_per_strength_plus_one_baseline(monkeypatch):
     result = sweep(scope, "ab", 1, 3, [0.0, 50.0], max_new_tokens=2, baseline=True)
     assert len(calls) == 3 and len(result.runs) == 2
     assert result.runs[0].token_ids.tolist() == result.baseline.token_ids.tolist()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 1e38])
+def test_non_finite_or_absurd_strengths_and_clamps_are_refused_naming_the_edit(value):
+    for make in (lambda: add(12, 7, value), lambda: clamp(12, 7, value), lambda: FeatureEdit(12, 7, "add", value)):
+        with pytest.raises(ValueError, match=r"at layer 12 feature 7 must be finite and at most 1e\+06"):
+            make()
+    with pytest.raises(TypeError, match=r"clamp value of clamp at layer 12 feature 7 must be a number, got 'x'"):
+        clamp(12, 7, "x")
+    assert add(12, 7, -20).value == -20.0 and isinstance(clamp(1, 2, 3).value, float)
+
+
+def test_a_huge_position_range_steers_without_expanding():
+    # "0-99999999999" is one range: the mask is computed per pass, never a set of 10^11 positions.
+    scope = tiny_scope("qwen3", layers=(1,))
+    ids = scope.tokenize(PROMPT)
+    base = _resid(scope, ids, ["resid_post.1"])["resid_post.1"]
+    steered = _resid(scope, ids, ["resid_post.1"], [add(1, 2, 4.0, positions="0-99999999999")])["resid_post.1"]
+    torch.testing.assert_close(steered - base, (4.0 * scope.sae(1).W_dec[:, 2].detach()).expand_as(base),
+                               atol=1e-5, rtol=0)
