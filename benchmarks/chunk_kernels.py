@@ -12,24 +12,27 @@ STAGES = ("kkt_solve", "chunk_fwd", "segment_states", "state_scan")
 
 def chunk_specs(layouts, sms, *, scale=None, final=(True,), scans=True, widths=()):
     """(stage, builder args) of the chunk kernels the launcher compiles on ``layouts`` ``(Hk, Hv, K, dtype, N
-    sequences)`` with K = V: every V slice the plan may pick for them on ``sms`` SMs, plus ``widths`` (V slices forced
-    with the launcher's ``block_v``). ``scale`` (default K^-0.5) and ``final`` (store the final state or not) as the
-    launcher passes them; ``scans``: also the state scans (with and without h0).
+    sequences[, l2norm])`` with K = V: every V slice the plan may pick for them on ``sms`` SMs, plus ``widths`` (V
+    slices forced with the launcher's ``block_v``). ``scale`` (default K^-0.5) and ``final`` (store the final state or
+    not) as the launcher passes them; ``l2norm`` (default False) as ``use_qk_l2norm_in_kernel``; ``scans``: also the
+    state scans (with and without h0).
     """
     from flashqla_kernels.gated_delta_rule.hopper import plan
 
     specs = set()
-    for Hk, Hv, Kd, dt, N in layouts:
+    for layout in layouts:
+        Hk, Hv, Kd, dt, N = layout[:5]
+        l2 = bool(layout[5]) if len(layout) > 5 else False
         plan_bdv = plan.choose_block_v(N, Hv, Kd, Kd, sms)
         slices = {plan_bdv} | {min(Kd, w) for w in widths if Kd <= 128}
         if plan_bdv == 64 and Hv >= 16 and Kd == 128:
             # plan.wide_slices_pay: 128 where the sequences are split into segments
             slices.add(128)
         sc = float(Kd ** -0.5) if scale is None else float(scale)
-        specs.add(("kkt_solve", (Hk, Hv, Kd, dt)))
+        specs.add(("kkt_solve", (Hk, Hv, Kd, dt, l2)))
         for bdv in slices:
-            specs.add(("segment_states", (Hk, Hv, Kd, Kd, bdv, dt)))
-            specs |= {("chunk_fwd", (Hk, Hv, Kd, Kd, bdv, dt, sc, fin)) for fin in final}
+            specs.add(("segment_states", (Hk, Hv, Kd, Kd, bdv, dt, l2)))
+            specs |= {("chunk_fwd", (Hk, Hv, Kd, Kd, bdv, dt, sc, fin, l2)) for fin in final}
         if scans:
             specs |= {("state_scan", (Hv, Kd, Kd, True)), ("state_scan", (Hv, Kd, Kd, False))}
     return sorted(specs)

@@ -192,15 +192,17 @@ def kernel_specs(configs, sms):
 
 
 def gpu_test_layouts():
-    """(Hk, Hv, K, dtype, N) of tests/flashqla_kernels/test_hopper_gpu.py's cases (empty if it cannot be imported:
-    run from the repo root with it on PYTHONPATH), so a precompile also serves the GPU tests."""
+    """(Hk, Hv, K, dtype, N, l2norm) of tests/flashqla_kernels/test_hopper_gpu.py's cases and test_dispatch_gpu.py's
+    kernel calls (empty if they cannot be imported: run from the repo root with it on PYTHONPATH), so a precompile also
+    serves the GPU tests."""
     try:
+        from tests.flashqla_kernels.test_dispatch_gpu import KERNEL_LAYOUTS
         from tests.flashqla_kernels.test_hopper_gpu import CASES
     except ImportError:
         return set()
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-    return {(Hk, Hv, Kd, names[dt], extra.get("dense_batch") or len(lens))
-            for Hk, Hv, Kd, _, lens, dt, extra in CASES.values()}
+    return {(Hk, Hv, Kd, names[dt], extra.get("dense_batch") or len(lens), extra.get("l2norm", False))
+            for Hk, Hv, Kd, _, lens, dt, extra in CASES.values()} | set(KERNEL_LAYOUTS)
 
 
 def precompile(configs, workers, sms):

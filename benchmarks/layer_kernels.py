@@ -26,6 +26,8 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
     # the chunk kernels of the benchmark (Hv = 16; 1 and 8 sequences) and the layer tests (Hv = 32, 2 sequences),
     # as benchmarks/chunk_kernels.py names them
     layouts = {(16, Hv, 128, bf16, n) for Hv in (16, 32) for n in (1, 2, 8)}
+    # the ours_op arm (the op patch alone): transformers asks for the l2norm inside the op
+    layouts |= {(16, 16, 128, bf16, n, True) for n in (1, 8)}
     for stage, args in chunk_kernels.chunk_specs(layouts, 132, final=(False, True)):
         specs.append(("chunk:" + stage, stage, args))
     bt, tiles = conv_gates.pipelined_shape(128)

@@ -104,7 +104,8 @@ def recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=N
     q, k, v, g, beta, scale, dtype = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel)
     B, T, Hv, K = k.shape
     V = v.shape[-1]
-    rows: list[list[torch.Tensor]] = [[] for _ in range(B)]
+    # a padded tail after cu_seqlens[-1] is in no sequence: its outputs stay 0
+    o = v.new_zeros(B, T, Hv, V)
     finals = []
     for n, (b, bos, eos) in enumerate(sequence_spans(B, T, cu_seqlens)):
         S = initial_state[n].to(dtype) if initial_state is not None else v.new_zeros(Hv, K, V)
@@ -112,9 +113,8 @@ def recurrent_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=N
             S = S * g[b, t].exp()[:, None, None]
             u = beta[b, t][:, None] * (v[b, t] - torch.einsum("hkv,hk->hv", S, k[b, t]))
             S = S + k[b, t][:, :, None] * u[:, None, :]
-            rows[b].append(scale * torch.einsum("hkv,hk->hv", S, q[b, t]))
+            o[b, t] = scale * torch.einsum("hkv,hk->hv", S, q[b, t])
         finals.append(S)
-    o = torch.stack([torch.stack(r) for r in rows]) if T > 0 else v.new_zeros(B, 0, Hv, V)
     return o, (torch.stack(finals) if output_final_state else None)
 
 

@@ -3,7 +3,8 @@
 Used on CPU and on GPUs without the Hopper kernels, and whenever inputs require grad. It follows transformers'
 ``torch_chunk_gated_delta_rule`` (same algebra, chunk size 64) and adds GVA without copies of the caller's tensors
 being required, varlen via ``cu_seqlens`` (sequences are gathered into a zero-padded batch: padded tokens have
-k = v = 0, beta = 0, g = 0, so they neither write nor decay the state), float64 support and non-contiguous inputs.
+k = v = 0, beta = 0, g = 0, so they neither write nor decay the state; a tail after ``cu_seqlens[-1]`` belongs to no
+sequence and its outputs are 0), float64 support and non-contiguous inputs.
 
 Compute dtype: float64 if any input is float64, else float32. Outputs: o in ``q.dtype``; the final state in the
 compute dtype (float32 for bf16/fp16/fp32 inputs).
@@ -42,7 +43,9 @@ class _Layout:
         self.valid = pos[None, :] < lens[:, None]  # [N, Lp]
         self.src = (cu[:-1, None] + pos[None, :]).clamp(max=max(T - 1, 0))
         seq_of_token = torch.repeat_interleave(torch.arange(self.N, device=device), lens)
-        self.dst = seq_of_token * self.Lp + torch.arange(T, device=device) - cu[:-1][seq_of_token]
+        # tokens after cu_seqlens[-1] are a padded tail: in no sequence, their outputs are 0
+        self.n_valid = seq_of_token.numel()
+        self.dst = seq_of_token * self.Lp + torch.arange(self.n_valid, device=device) - cu[:-1][seq_of_token]
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] -> [N, Lp, ...], zeros past each sequence's end."""
@@ -57,7 +60,10 @@ class _Layout:
         """[N, Lp, ...] -> [B, T, ...]."""
         if not self.varlen:
             return y[:, : self.T]
-        return y.reshape(-1, *y.shape[2:])[self.dst][None]
+        out = y.reshape(-1, *y.shape[2:])[self.dst]
+        if self.n_valid < self.T:
+            out = torch.cat([out, out.new_zeros(self.T - self.n_valid, *out.shape[1:])])
+        return out[None]
 
 
 def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, multiple):

@@ -45,6 +45,22 @@ def test_varlen_matches_reference_with_tiny_and_boundary_lengths(op):
     assert (o - o_ref).abs().max() <= 1e-10 and (s - s_ref).abs().max() <= 1e-10
 
 
+@pytest.mark.parametrize("op", OPS + [chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref],
+                         ids=["chunk", "recurrent", "chunk_ref", "recurrent_ref"])
+def test_padded_tail_after_the_last_sequence_is_ignored_and_its_outputs_are_zero(op):
+    """cu_seqlens[-1] < T (FlashQLA's packed batches): the sequences equal the unpadded call, the tail is 0."""
+    lengths, pad = [47, 65], 13
+    offsets = torch.tensor([0, 47, 112], dtype=torch.int32)
+    q, k, v, g, beta, h0 = make_inputs(1, sum(lengths) + pad, 2, 4, n_states=len(lengths))
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=offsets)
+    o, s = op(q, k, v, g, beta, **kw)
+    n = sum(lengths)
+    o_ref, s_ref = chunk_gated_delta_rule_ref(*(x[:, :n] for x in (q, k, v, g, beta)), **kw)
+    assert o.shape == v.shape
+    assert (o[:, :n] - o_ref).abs().max() <= 1e-10 and (s - s_ref).abs().max() <= 1e-10
+    assert torch.equal(o[:, n:], torch.zeros_like(o[:, n:]))
+
+
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
 def test_low_precision_inputs_give_q_dtype_output_and_fp32_state(dtype, bound):
     q, k, v, g, beta, h0 = make_inputs(1, 150, 2, 4, K=32, V=32)

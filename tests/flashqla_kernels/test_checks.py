@@ -56,8 +56,8 @@ def test_shape_errors_name_the_expected_and_the_actual_shape():
         check_inputs(q, k, v, g, beta, torch.zeros(2, 2, 4, 4))
     with pytest.raises(ValueError, match=r"B must be 1; got B=2"):
         check_inputs(*(torch.cat([x, x]) for x in (q, k, v, g, beta)), cu_seqlens=torch.tensor([0, 6]))
-    with pytest.raises(ValueError, match=r"cu_seqlens must start at 0 and end at T=6"):
-        check_inputs(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match=r"cu_seqlens must start at 0 and end at most at T=6"):
+        check_inputs(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 7]))
     with pytest.raises(ValueError, match=r"non-decreasing"):
         check_inputs(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 4, 2, 6]))
 

@@ -14,6 +14,10 @@ from tests.flashqla_kernels.test_reference import make_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
 
+# (Hk, Hv, K, dtype, N, l2norm) of the kernel calls below, for benchmarks/gdn_forward.py's precompile list: the
+# public-op test's varlen batch and the tiny model's GDN layers (2 rows, 8 / 16 heads) under the op patch
+KERNEL_LAYOUTS = [(2, 4, 128, "bfloat16", 5, True), (8, 16, 128, "bfloat16", 2, True)]
+
 
 def rel_l2(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()

@@ -25,13 +25,16 @@ NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/u
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc to compile for sm_90a")
 S128 = 128 ** -0.5
 
-# (stage, builder args); builders: kkt_solve(Hk, Hv, K, dtype), chunk_fwd(Hk, Hv, K, V, bDV, dtype, scale,
-# store_final), segment_states(Hk, Hv, K, V, bDV, dtype), state_scan(Hv, K, V, has_h0)
+# (stage, builder args); builders: kkt_solve(Hk, Hv, K, dtype, l2norm), chunk_fwd(Hk, Hv, K, V, bDV, dtype, scale,
+# store_final, l2norm), segment_states(Hk, Hv, K, V, bDV, dtype, l2norm), state_scan(Hv, K, V, has_h0)
 CORE = [
-    ("kkt_solve", (16, 32, 128, "bfloat16")),
-    ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True)),
-    ("segment_states", (16, 32, 128, 128, 64, "bfloat16")),
+    ("kkt_solve", (16, 32, 128, "bfloat16", False)),
+    ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, False)),
+    ("segment_states", (16, 32, 128, 128, 64, "bfloat16", False)),
     ("state_scan", (32, 128, 128, True)),
+    # the op under transformers (use_qk_l2norm_in_kernel=True): q and k normalised inside the stages
+    ("kkt_solve", (16, 32, 128, "bfloat16", True)),
+    ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, True)),
 ]
 EXTRA = [
     ("kkt_solve", (2, 4, 64, "float16")),
@@ -50,6 +53,8 @@ EXTRA = [
     ("state_scan", (32, 128, 128, False)),
     ("state_scan", (4, 64, 64, True)),
     ("state_scan", (2, 256, 256, True)),
+    ("segment_states", (16, 32, 128, 128, 128, "bfloat16", True)),
+    ("kkt_solve", (16, 64, 128, "bfloat16", True)),
 ]
 
 
@@ -95,7 +100,8 @@ def _check_chunk_fwd(args, src):
     values = _values_warpgroup(src)
     after_ks = values[values.index("tl::warpgroup_wait<0>();"):]
     loop = re.search(r"for \(int (i_\d+) = 0; \1 < \d+; \+\+\1\) \{(.*?)\n        \}", after_ks, re.S)
-    assert loop and "eg_sh" in loop.group(2), "no W element loop after the K S GEMM"
+    l2norm = len(args) > 8 and args[8]
+    assert loop and ("ek_sh" if l2norm else "eg_sh") in loop.group(2), "no W element loop after the K S GEMM"
     assert "__sync_thread_partial" not in loop.group(2) and "stmatrix" in values
 
 
@@ -131,7 +137,8 @@ def test_other_specialisations_compile_for_sm90a_with_their_structure(stage, arg
 
 @needs_nvcc
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,args", CORE[:3] + [EXTRA[6]], ids=[f"{s}-{a}" for s, a in CORE[:3] + [EXTRA[6]]])
+@pytest.mark.parametrize("stage,args", CORE[:3] + CORE[4:] + [EXTRA[6]],
+                         ids=[f"{s}-{a}" for s, a in CORE[:3] + CORE[4:] + [EXTRA[6]]])
 def test_kernels_do_not_spill(stage, args, tmp_path):
     """ptxas -v on the generated CUDA: the setmaxnreg budgets (chunk_fwd) and the occupancy bound (kkt_solve) cost no
     spills; the PTX carries the Hopper instructions themselves."""

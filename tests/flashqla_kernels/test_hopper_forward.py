@@ -166,43 +166,56 @@ def test_kkt_solve_schedule_writes_every_entry_and_equals_ag_to_fp16_accuracy(n)
         assert off < 4e-3 * max(1.0, want.abs().max().item()), off
 
 
-def _torch_kkt_solve(k, g, beta, chunks, Hv):
+def _torch_kkt_solve(k, g, beta, chunks, Hv, q=None):
     """kkt_solve's contract in float64 torch: gamma [T, Hv] chunk-local cumsum, Ag = Gamma * A0 * beta_col per chunk
-    [T, Hv, 64] (zero above the diagonal and past a ragged chunk's end)."""
+    [T, Hv, 64] (zero above the diagonal and past a ragged chunk's end); with q, the kernel's l2norm: the inverse norms
+    rn [T, Hk, 2] from the diagonals of Q Q^T and K K^T, and K K^T scaled by them."""
     group = Hv // k.shape[1]
     g, beta = g.double(), beta.double()
     gamma, ag = torch.zeros_like(g), torch.zeros(g.shape[0], Hv, 64, dtype=g.dtype)
+    rn = None
+    if q is not None:
+        rn = torch.stack([torch.rsqrt(torch.einsum("thk,thk->th", x.double(), x.double()) + 1e-6) for x in (q, k)], -1)
     for s, e in chunks.tolist():
         kh = k[s:e].repeat_interleave(group, dim=1).double()
         gamma[s:e] = g[s:e].cumsum(0)
         eye = torch.eye(e - s, dtype=torch.float64).expand(Hv, -1, -1)
-        kk = torch.einsum("ihk,jhk->hij", kh, kh) * beta[s:e].T[:, :, None]
+        kk = torch.einsum("ihk,jhk->hij", kh, kh)
+        if rn is not None:
+            rk = rn[s:e, :, 1].repeat_interleave(group, dim=1).T  # [Hv, n]
+            kk = kk * rk[:, :, None] * rk[:, None, :]
+        kk = kk * beta[s:e].T[:, :, None]
         a0 = torch.linalg.solve_triangular(eye + kk.tril(-1), eye, upper=False, unitriangular=True).transpose(0, 1)
         gm = gamma[s:e]
         dec = torch.exp(gm[:, None, :] - gm[None, :, :]).permute(0, 2, 1)  # [row, Hv, col]
         mask = torch.ones(e - s, e - s, dtype=torch.bool).tril()[:, None, :]
         ag[s:e, :, :e - s] = torch.where(mask, a0 * dec * beta[s:e].T[None], 0.0)
-    return gamma, ag
+    return gamma, ag, rn
 
 
-def _torch_chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale, bDV):
-    """chunk_fwd's contract in float64 torch: segments from h_init rows, o and ht written in place."""
+def _torch_chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale, bDV, rn=None):
+    """chunk_fwd's contract in float64 torch: segments from h_init rows, o and ht written in place; with rn, q and k
+    normalised by folding the inverse norms into the row scalings as the kernel does."""
     group = v.shape[1] // k.shape[1]
     for s0, s1, init, fin in segs.tolist():
         for h in range(v.shape[1]):
             S = h_init[init, h].double() if init >= 0 else torch.zeros_like(h_init[0, h]).double()
             for cs in range(s0, s1, 64):
                 ce = min(cs + 64, s1)
-                gm, kc, qc = gamma[cs:ce, h], k[cs:ce, h // group], q[cs:ce, h // group]
-                dec = torch.exp(gm[:, None] - gm[None, :]).tril()
-                vd = ag[cs:ce, h, :ce - cs] @ (v[cs:ce, h] - gm.exp()[:, None] * (kc @ S))
-                o[cs:ce, h] = scale * (gm.exp()[:, None] * (qc @ S) + (dec * (qc @ kc.T)) @ vd)
-                S = gm[-1].exp() * S + kc.T @ (torch.exp(gm[-1] - gm)[:, None] * vd)
+                gm, kc, qc = gamma[cs:ce, h], k[cs:ce, h // group].double(), q[cs:ce, h // group].double()
+                rq, rk = ((rn[cs:ce, h // group, 0], rn[cs:ce, h // group, 1]) if rn is not None
+                          else (torch.ones_like(gm), torch.ones_like(gm)))
+                log2e = 1.4426950408889634
+                lq, lk = gm * log2e + torch.log2(rq), gm * log2e - torch.log2(rk)
+                pg = torch.exp2(lq[:, None] - lk[None, :]).tril()
+                vd = ag[cs:ce, h, :ce - cs] @ (v[cs:ce, h] - (gm.exp() * rk)[:, None] * (kc @ S))
+                o[cs:ce, h] = scale * ((gm.exp() * rq)[:, None] * (qc @ S) + (pg * (qc @ kc.T)) @ vd)
+                S = gm[-1].exp() * S + kc.T @ ((torch.exp(gm[-1] - gm) * rk)[:, None] * vd)
             if ht is not None and fin >= 0:
                 ht[fin, h] = S
 
 
-def _torch_segment_states(k, v, ag, gamma, beta, pl, *, bDV):
+def _torch_segment_states(k, v, ag, gamma, beta, pl, *, bDV, rn=None):
     """segment_states' contract in float64 torch: each map from zero / identity starts, by the torch chunk stage on
     the map's token range."""
     R, Hv, K, V = pl.maps.shape[0], v.shape[1], k.shape[2], v.shape[2]
@@ -210,10 +223,12 @@ def _torch_segment_states(k, v, ag, gamma, beta, pl, *, bDV):
     for r, (s0, s1) in enumerate(pl.maps.tolist()):
         seg = torch.tensor([[s0, s1, 0, 0]])
         zero = torch.zeros(1, Hv, K, V, dtype=torch.float64)
-        _torch_chunk_fwd(k, k, v, ag, gamma, beta, zero, seg, torch.empty_like(v), hs[r:r + 1], scale=1.0, bDV=bDV)
+        _torch_chunk_fwd(k, k, v, ag, gamma, beta, zero, seg, torch.empty_like(v), hs[r:r + 1], scale=1.0, bDV=bDV,
+                         rn=rn)
         eye = torch.eye(K, dtype=torch.float64).expand(1, Hv, K, K).contiguous()
         _torch_chunk_fwd(k, k, torch.zeros(v.shape[0], Hv, K, dtype=torch.float64), ag, gamma, beta, eye, seg,
-                         torch.empty(v.shape[0], Hv, K, dtype=torch.float64), ms[r:r + 1], scale=1.0, bDV=bDV)
+                         torch.empty(v.shape[0], Hv, K, dtype=torch.float64), ms[r:r + 1], scale=1.0, bDV=bDV,
+                         rn=rn)
     return hs, ms
 
 
@@ -277,27 +292,36 @@ def test_launcher_wiring_equals_reference_on_a_dense_batch(torch_stages):
     assert _rel(o, ro) < 1e-6 and _rel(ht, rht) < 1e-6
 
 
-def test_launcher_wiring_hands_ag_to_the_segment_maps_and_the_scan(torch_stages):
-    """Ragged varlen split into 2-chunk segments: Ag reaches both consumers (the maps and chunk_fwd), the scan starts
-    every segment, and the result equals the reference; block_v forces the V slice of every stage."""
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_launcher_wiring_hands_ag_to_the_segment_maps_and_the_scan(torch_stages, l2norm):
+    """Ragged varlen split into 2-chunk segments with a padded tail after the last sequence: Ag (and, with l2norm, the
+    inverse norms) reaches both consumers (the maps and chunk_fwd), the scan starts every segment, the result equals
+    the reference and the tail's outputs are 0; block_v forces the V slice of every stage."""
+    from flashqla_kernels import toolkit
     from flashqla_kernels.gated_delta_rule.hopper import forward
     from flashqla_kernels.gated_delta_rule.reference import chunk_gated_delta_rule_ref
 
     gen = torch.Generator().manual_seed(7)
-    lens = [300, 47]
+    lens, pad = [300, 47], 5
     cu = torch.tensor([0, *itertools.accumulate(lens)])
-    Tn, Hk, Hv, K, V = cu[-1].item(), 1, 2, 16, 8
-    q, k = (torch.nn.functional.normalize(torch.randn(1, Tn, Hk, K, generator=gen, dtype=torch.float64), dim=-1)
-            for _ in range(2))
+    Tn, Hk, Hv, K, V = cu[-1].item() + pad, 1, 2, 16, 8
+    q, k = (torch.randn(1, Tn, Hk, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    if not l2norm:  # the segment maps' decay shortcut assumes unit-norm keys
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
     v = torch.randn(1, Tn, Hv, V, generator=gen, dtype=torch.float64)
     g = -0.1 * torch.rand(1, Tn, Hv, generator=gen, dtype=torch.float64)
     beta = torch.rand(1, Tn, Hv, generator=gen, dtype=torch.float64)
     h0 = torch.randn(len(lens), Hv, K, V, generator=gen, dtype=torch.float64)
-    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, segment_chunks=2)
-    o, ht = forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
-    ro, rht = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, segment_chunks=2,
+              use_qk_l2norm_in_kernel=l2norm)
+    with toolkit.poisoned_outputs():
+        o, ht = forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
+    n = cu[-1].item()
+    ro, rht = chunk_gated_delta_rule_ref(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], initial_state=h0,
+                                         output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2norm)
     assert [name for name, _ in torch_stages] == ["kkt_solve", "segment_states", "state_scan", "chunk_fwd"]
-    assert _rel(o, ro) < 1e-6 and _rel(ht, rht) < 1e-6
+    assert _rel(o[:, :n], ro) < 1e-6 and _rel(ht, rht) < 1e-6
+    assert torch.equal(o[:, n:], torch.zeros_like(o[:, n:]))
     torch_stages.clear()
     forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw, block_v=4)
     assert torch_stages[1] == ("segment_states", 4) and torch_stages[-1] == ("chunk_fwd", 4)

@@ -21,9 +21,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
 RTOL_L2 = 5e-3
 
 
-def _inputs(Hk, Hv, K, V, lens, dtype, *, dense_batch=None, h0=True, gates="mixed", normalized=True):
+def _inputs(Hk, Hv, K, V, lens, dtype, *, dense_batch=None, h0=True, gates="mixed", normalized=True, pad=0,
+            gate_dtype=torch.float32):
+    """pad: tokens after the last sequence (cu_seqlens[-1] < T); gate_dtype: g's and beta's dtype."""
     dev = torch.device("cuda")
-    B, T = (dense_batch, lens[0]) if dense_batch else (1, sum(lens))
+    B, T = (dense_batch, lens[0]) if dense_batch else (1, sum(lens) + pad)
     N = dense_batch or len(lens)
     q = torch.randn(B, T, Hk, K, device=dev)
     k = torch.randn(B, T, Hk, K, device=dev)
@@ -38,7 +40,7 @@ def _inputs(Hk, Hv, K, V, lens, dtype, *, dense_batch=None, h0=True, gates="mixe
     cu = None
     if not dense_batch:
         cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=dev)
-    return q.to(dtype), k.to(dtype), v.to(dtype), g, beta, s0, cu
+    return q.to(dtype), k.to(dtype), v.to(dtype), g.to(gate_dtype), beta.to(gate_dtype), s0, cu
 
 
 def _rel(x, ref):
@@ -59,6 +61,13 @@ CASES = {
     "dense_batch_l2norm": (2, 4, 128, 128, [200], torch.bfloat16, {"dense_batch": 2, "normalized": False,
                                                                   "l2norm": True}),
     "single_token": (1, 1, 128, 128, [1], torch.bfloat16, {}),
+    # use_qk_l2norm_in_kernel on the kernels (transformers' call): ragged varlen, split, a padded tail, bf16 gates
+    "varlen_cp_l2norm_padded_tail": (2, 4, 128, 128, [1, 47, 300, 1000], torch.bfloat16,
+                                     {"segment_chunks": 2, "normalized": False, "l2norm": True, "pad": 37}),
+    "gva4_l2norm_bf16_gates_auto": (4, 16, 128, 128, [4096, 130], torch.bfloat16,
+                                    {"normalized": False, "l2norm": True, "gate_dtype": torch.bfloat16}),
+    "dim64_l2norm_fp16_gates_padded": (2, 4, 64, 64, [100, 47], torch.float16,
+                                       {"normalized": False, "l2norm": True, "gate_dtype": torch.float16, "pad": 20}),
     "mild_gates_65": (2, 2, 128, 128, [65, 64, 63], torch.bfloat16, {"gates": "mild"}),
 }
 
@@ -76,6 +85,8 @@ def _check(name, run, q, k, v, g, beta, s0, cu, l2):
     assert _rel(o, ro) <= RTOL_L2, f"{name}: o relative L2 {_rel(o, ro):.2e}"
     assert _rel(ht, rht) <= RTOL_L2, f"{name}: final state relative L2 {_rel(ht, rht):.2e}"
     assert torch.equal(o, o2) and torch.equal(ht, ht2), f"{name}: two runs on the same inputs differ (a race?)"
+    if cu is not None and cu[-1] < q.shape[1]:
+        assert not o[:, int(cu[-1]):].any(), f"{name}: the padded tail's outputs are not 0"
 
 
 def _case(name):
@@ -133,3 +144,23 @@ def test_hopper_no_final_state_returns_none():
     ro, _ = chunk_gated_delta_rule_ref(q.double(), k.double(), v.double(), g.double(), beta.double(), scale=0.5,
                                        initial_state=s0.double(), cu_seqlens=cu)
     assert ht is None and _rel(o, ro) <= RTOL_L2
+
+
+def test_public_op_makes_no_host_sync_once_cu_seqlens_is_known():
+    """The call a model makes per layer: after the first call with a cu_seqlens tensor (its offsets are read once and
+    cached on the tensor), the public op validates, plans and launches without synchronising with the host."""
+    q, k, v, g, beta, s0, cu = _inputs(2, 4, 128, 128, [300, 1000, 47], torch.bfloat16, normalized=False)
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    with torch.no_grad():
+        o_first, _ = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            o, ht = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(o, o_first)
+    cu.add_(0)  # an in-place edit bumps the version: the offsets are read again, not served stale
+    with torch.no_grad():
+        o_again, _ = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    assert torch.equal(o_again, o_first)

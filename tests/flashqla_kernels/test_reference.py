@@ -137,8 +137,8 @@ def test_bad_shapes_raise_actionable_errors():
         recurrent_gated_delta_rule_ref(q, k, v[:, :, :3], g[..., :3], beta[..., :3])
     with pytest.raises(ValueError, match=r"initial_state must be \[N, Hv, K, V\] = \[1,4,16,8\]"):
         chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=h0[:, :2])
-    with pytest.raises(ValueError, match="end at T=8"):
-        chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="end at most at T=8"):
+        chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 9]))
     with pytest.raises(ValueError, match="B must be 1"):
         chunk_gated_delta_rule_ref(*(x.expand(2, *x.shape[1:]) for x in (q, k, v, g, beta)),
                                    cu_seqlens=torch.tensor([0, 8]))

@@ -27,6 +27,12 @@ bounded like A0), which halves the bf16 error against the float64 reference; q, 
 W is formed in the K S accumulator and stored with one fragment copy (stmatrix) because an element loop over shared
 memory gets a warpgroup barrier per element pair from TileLang's sync planner, on the values warpgroup's critical chain.
 
+With ``l2norm`` the stage reads q and k as given and ``kkt_solve``'s inverse norms ``rn`` (rq, rk per token and key
+head), folded into the row scalings the chunk step already applies: ``K_n S = diag(rk) K S`` (W uses ``exp(gamma) rk``),
+``Q_n S = diag(rq) Q S`` (O uses ``exp(gamma) rq``), ``Q_n K_n^T = diag(rq) Q K^T diag(rk)`` (Pg: one exp2 of
+``(gamma_i log2 e + log2 rq_i) - (gamma_j log2 e - log2 rk_j)``, the same instruction count as without l2norm) and
+``K_n^T Vn = K^T diag(rk) Vn`` (Vn carries rk).
+
 Grid (V / bDV, Hv, segments), 512 threads. ``segs[s] = (start, end, init, final)``: token range, the row of ``h_init``
 to start from (-1: zeros) and the row of ``ht`` to write (-1: none).
 """
@@ -54,8 +60,10 @@ def set_nreg(count: int):
     return T.set_max_nreg(count, 1 if count >= NREG_LAUNCH else 0)
 
 
-def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool):
-    """The chunk_fwd kernel for q/k/v in ``dtype`` (bfloat16 or float16); ``store_final``: write ``ht``."""
+def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool,
+                    l2norm: bool = False):
+    """The chunk_fwd kernel for q/k/v in ``dtype`` (bfloat16 or float16); ``store_final``: write ``ht``;
+    ``l2norm``: normalise q and k by ``rn`` (the module doc)."""
     group = Hv // Hk
     # the operands of the Ag W and Pg Vd GEMMs: W, Ag, Vd, Pg
     idt = "float16"
@@ -65,6 +73,7 @@ def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
     num_segs = T.dynamic("num_segs")
     num_init = T.dynamic("num_init")
     num_final = T.dynamic("num_final")
+    num_rn = T.dynamic("num_rn")
 
     @T.prim_func
     def gdn_chunk_fwd(
@@ -78,6 +87,7 @@ def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
         segs: T.Tensor((num_segs, 4), "int32"),
         o: T.Tensor((num_tokens, Hv, V), dtype),
         ht: T.Tensor((num_final, Hv, K, V), "float32"),
+        rn: T.Tensor((num_rn, Hk, 2), "float32"),
     ):
         with T.Kernel(V // bDV, Hv, num_segs, threads=THREADS) as (bv, bh, bs):
             hk = bh // group
@@ -106,6 +116,14 @@ def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
             vn_sh = T.alloc_shared((C, bDV), dtype)
             eg_sh = T.alloc_shared((C,), "float32", scope="shared")
             er_sh = T.alloc_shared((C,), "float32", scope="shared")
+            # l2norm: the inverse norms of the chunk's q and k rows, the log2 gates carrying them (Pg's scaling
+            # rq_i rk_j exp(g_i - g_j) is then one exp2, as without l2norm) and exp(gamma) times each
+            rq_sh = T.alloc_shared((2, C), "float32", scope="shared") if l2norm else None
+            rk_sh = T.alloc_shared((2, C), "float32", scope="shared") if l2norm else None
+            lq_sh = T.alloc_shared((2, C), "float32", scope="shared") if l2norm else None
+            lk_sh = T.alloc_shared((2, C), "float32", scope="shared") if l2norm else None
+            ek_sh = T.alloc_shared((C,), "float32", scope="shared") if l2norm else None
+            eq_sh = T.alloc_shared((C,), "float32", scope="shared") if l2norm else None
 
             s_f = T.alloc_fragment((K, bDV), "float32")
             u_f = T.alloc_fragment((C, bDV), "float32")
@@ -151,15 +169,26 @@ def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
                     T.barrier_arrive(bar_start)
                     T.barrier_wait(bar_start, it % 2)
-                    for i in T.Parallel(C):
-                        eg_sh[i] = T.exp2(g_sh[it % 2, i] * LOG2E)
-                        er_sh[i] = T.exp2((g_sh[it % 2, C - 1] - g_sh[it % 2, i]) * LOG2E)
+                    if l2norm:
+                        for i in T.Parallel(C):
+                            eg_sh[i] = T.exp2(g_sh[it % 2, i] * LOG2E)
+                            ek_sh[i] = T.exp2(g_sh[it % 2, i] * LOG2E) * rk_sh[it % 2, i]
+                            eq_sh[i] = T.exp2(g_sh[it % 2, i] * LOG2E) * rq_sh[it % 2, i]
+                            er_sh[i] = T.exp2((g_sh[it % 2, C - 1] - g_sh[it % 2, i]) * LOG2E) * rk_sh[it % 2, i]
+                    else:
+                        for i in T.Parallel(C):
+                            eg_sh[i] = T.exp2(g_sh[it % 2, i] * LOG2E)
+                            er_sh[i] = T.exp2((g_sh[it % 2, C - 1] - g_sh[it % 2, i]) * LOG2E)
                     T.barrier_arrive(bar_state)
                     T.barrier_wait(bar_state, it % 2)
                     T.gemm(k_sh[it % 2, :, :], h_sh, u_f, clear_accum=True)
                     # W = V - exp(gamma) U in registers, then one fragment store
-                    for i, j in T.Parallel(C, bDV):
-                        u_f[i, j] = v_sh[it % 2, i, j] - eg_sh[i] * u_f[i, j]
+                    if l2norm:
+                        for i, j in T.Parallel(C, bDV):
+                            u_f[i, j] = v_sh[it % 2, i, j] - ek_sh[i] * u_f[i, j]
+                    else:
+                        for i, j in T.Parallel(C, bDV):
+                            u_f[i, j] = v_sh[it % 2, i, j] - eg_sh[i] * u_f[i, j]
                     if separate_w:
                         T.copy(u_f, w_sh)
                     else:
@@ -187,15 +216,24 @@ def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
                         T.barrier_arrive(bar_start)
                     T.barrier_wait(bar_start, it % 2)
                     T.gemm(q_sh[it % 2, :, :], k_sh[it % 2, :, :], p_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        p_f[i, j] = T.if_then_else(
-                            j <= i, p_f[i, j] * T.exp2((g_sh[it % 2, i] - g_sh[it % 2, j]) * LOG2E) * scale,
-                            0.0)
+                    if l2norm:
+                        for i, j in T.Parallel(C, C):
+                            p_f[i, j] = T.if_then_else(
+                                j <= i, p_f[i, j] * T.exp2(lq_sh[it % 2, i] - lk_sh[it % 2, j]) * scale, 0.0)
+                    else:
+                        for i, j in T.Parallel(C, C):
+                            p_f[i, j] = T.if_then_else(
+                                j <= i, p_f[i, j] * T.exp2((g_sh[it % 2, i] - g_sh[it % 2, j]) * LOG2E) * scale,
+                                0.0)
                     T.copy(p_f, pg_f)
                     T.barrier_wait(bar_state, it % 2)
                     T.gemm(q_sh[it % 2, :, :], h_sh, o_f, clear_accum=True)
-                    for i, j in T.Parallel(C, bDV):
-                        o_f[i, j] = o_f[i, j] * eg_sh[i] * scale
+                    if l2norm:
+                        for i, j in T.Parallel(C, bDV):
+                            o_f[i, j] = o_f[i, j] * eq_sh[i] * scale
+                    else:
+                        for i, j in T.Parallel(C, bDV):
+                            o_f[i, j] = o_f[i, j] * eg_sh[i] * scale
                     T.barrier_wait(bar_vd, it % 2)
                     T.gemm(pg_f, vd_sh, o_f)
                     # this step's shared-memory reads (h_sh, eg_sh, vd_sh) are done: release the next step to the
@@ -256,25 +294,36 @@ def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
                         # padded rows repeat the last valid gamma: Gamma stays <= 1 and their terms are zero
                         for i in T.Parallel(C):
                             g_sh[it % 2, i] = gamma[T.min(cs + i, s1 - 1), bh]
+                        if l2norm:
+                            for i in T.Parallel(C):
+                                rq_sh[it % 2, i] = rn[T.min(cs + i, s1 - 1), hk, 0]
+                                rk_sh[it % 2, i] = rn[T.min(cs + i, s1 - 1), hk, 1]
+                                lq_sh[it % 2, i] = (gamma[T.min(cs + i, s1 - 1), bh] * LOG2E
+                                                    + T.log2(rn[T.min(cs + i, s1 - 1), hk, 0]))
+                                lk_sh[it % 2, i] = (gamma[T.min(cs + i, s1 - 1), bh] * LOG2E
+                                                    - T.log2(rn[T.min(cs + i, s1 - 1), hk, 1]))
                         T.barrier_arrive(ready[it % 2])
 
     return gdn_chunk_fwd
 
 
-def chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale: float, bDV: int):
+def chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale: float, bDV: int, rn=None):
     """Run the chunk_fwd stage in place.
 
     Args:
         q, k: [T, Hk, K] bf16/fp16; v, o: [T, Hv, V] (o is written); ag: [T, Hv, 64] fp16 (``kkt_solve``'s Ag);
         gamma, beta: [T, Hv] fp32; h_init: [R, Hv, K, V] fp32 start states (R >= 1); segs: [S, 4] int32 (see the
         module doc); ht: [N, Hv, K, V] fp32 (written) or None. scale: output scale. bDV: V slice per CTA (32, 64, 128).
+        rn: [T, Hk, 2] fp32 inverse l2 norms of q and k (``kkt_solve``'s, with l2norm) or None.
     """
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     store_final = ht is not None
     kernel = toolkit.compile_kernel(build_chunk_fwd, Hk, Hv, K, V, bDV, toolkit.tl_dtype(q.dtype), float(scale),
-                                    store_final)
+                                    store_final, rn is not None)
     if ht is None:
         # the kernel's ht argument, not written without store_final
         ht = torch.empty((1, Hv, K, V), dtype=torch.float32, device=q.device)
-    kernel(q, k, v, ag, gamma, beta, h_init, segs, o, ht)
+    if rn is None:
+        rn = torch.empty((1, Hk, 2), dtype=torch.float32, device=q.device)  # not read without l2norm
+    kernel(q, k, v, ag, gamma, beta, h_init, segs, o, ht, rn)

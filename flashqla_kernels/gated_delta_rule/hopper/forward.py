@@ -53,11 +53,6 @@ def unsupported_reason(q, k, v, g, beta, initial_state=None, cu_seqlens=None) ->
     return None
 
 
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, segment_chunks=None, block_v=None):
     """Gated delta rule forward on the TileLang Hopper kernels (chunk size 64, exact).
@@ -66,7 +61,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
         q, k: [B, T, Hk, K] bf16/fp16; v: [B, T, Hv, V] same dtype; g (log decay), beta: [B, T, Hv] (any float
             dtype, computed in fp32). scale: default K^-0.5. initial_state: [N, Hv, K, V] or None.
         output_final_state: return the [N, Hv, K, V] fp32 final state. use_qk_l2norm_in_kernel: l2-normalise q and k
-            first. cu_seqlens: [N+1] offsets of packed sequences (B = 1).
+            inside the kernels (no separate pass). cu_seqlens: [N+1] offsets of packed sequences (B = 1); a tail
+            after ``cu_seqlens[-1]`` is padding: ignored, its outputs 0.
         segment_chunks: intra-card context parallelism: None (default) picks by the plan's cost model, 0 never
             splits, L > 0 forces L-chunk segments (tests and benchmarks).
         block_v: None (default) takes the plan's V slice per CTA (``plan.block_dv``); 32, 64 or 128 forces that
@@ -104,8 +100,6 @@ def _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l
     B, Tn, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     scale = K ** -0.5 if scale is None else float(scale)
-    if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
     cu = list(range(0, B * Tn + 1, Tn)) if cu_seqlens is None else checks.host_offsets(cu_seqlens)
     N = len(cu) - 1
     q3 = q.reshape(B * Tn, Hk, K).contiguous()
@@ -120,13 +114,17 @@ def _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l
     if block_v and K <= 128:
         bDV = min(V, block_v)
     pl = plan.make_plan(cu, Hv, V // bDV, h0 is not None, q.device, segment_chunks)
-    gamma, ag = kkt_solve.kkt_solve(k3, g3, b3, pl.chunks, Hv)
+    # l2norm inside the stages: kkt_solve writes the inverse norms, the others fold them into their row scalings
+    gamma, ag, rn = kkt_solve.kkt_solve(k3, g3, b3, pl.chunks, Hv, q3 if use_qk_l2norm_in_kernel else None)
     if pl.segment_chunks:
-        hs, ms = segment_states.segment_states(k3, v3, ag, gamma, b3, pl, bDV=bDV)
+        hs, ms = segment_states.segment_states(k3, v3, ag, gamma, b3, pl, bDV=bDV, rn=rn)
         h_init = state_scan.state_scan(h0, hs, ms, pl.seqs, pl.segs.shape[0])
     else:
         h_init = h0 if h0 is not None else torch.zeros((1, Hv, K, V), dtype=torch.float32, device=q.device)
     o = toolkit.empty((B * Tn, Hv, V), q.dtype, q.device)
+    if cu[-1] < B * Tn:
+        # a padded tail after the last sequence (FlashQLA's packed batches): no sequence reads it, its outputs are 0
+        o[cu[-1]:].zero_()
     ht = toolkit.empty((N, Hv, K, V), torch.float32, q.device) if output_final_state else None
-    chunk_fwd.chunk_fwd(q3, k3, v3, ag, gamma, b3, h_init, pl.segs, o, ht, scale=scale, bDV=bDV)
+    chunk_fwd.chunk_fwd(q3, k3, v3, ag, gamma, b3, h_init, pl.segs, o, ht, scale=scale, bDV=bDV, rn=rn)
     return o.view(B, Tn, Hv, V), ht

@@ -26,6 +26,12 @@ multiply-add). Products take fp16 operands with fp32 accumulation (FLA's ``solve
 coarser); every block of the result is gated in fp32 and rounded to fp16 once, into a staged 64 x 64 tile per head
 that the CTA then writes row by row. Each product is one ``T.gemm`` over all the CTA's warps, head after head.
 A ragged tail chunk loads its padded rows as k = 0, beta = 0 and writes only its valid rows.
+
+With ``l2norm`` (``use_qk_l2norm_in_kernel``) the keys are normalised inside the stage instead of in a separate pass
+over q and k: the diagonal of K K^T holds every row's squared norm, so ``r_i = rsqrt(|k_i|^2 + eps)`` and the
+normalised product is ``r_i S_ij r_j``, scaled in fp32 before the inverse; a Q Q^T product on the same tile gives the
+queries' ``r``. Both go to ``rn [T, Hk, 2]`` (q, k) for the later stages, which fold them into their per-row scalings
+(``chunk_fwd``, ``segment_states``); q and k themselves are never rewritten.
 """
 import tilelang.language as T
 import torch
@@ -36,15 +42,20 @@ from flashqla_kernels.gated_delta_rule.hopper.plan import CHUNK, heads_per_cta
 LOG2E = toolkit.LOG2E
 PANEL = 16
 HALF = CHUNK // 2
+# the l2norm's epsilon, FLA's and transformers': x * rsqrt(sum(x^2) + 1e-6)
+L2NORM_EPS = 1e-6
 
 
-def build_kkt_solve(Hk: int, Hv: int, K: int, dtype: str):
-    """The kkt_solve kernel: grid (chunks, Hk, group / G), 64 * G threads, G = ``heads_per_cta(Hv // Hk)``."""
+def build_kkt_solve(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool = False):
+    """The kkt_solve kernel: grid (chunks, Hk, group / G), 64 * G threads, G = ``heads_per_cta(Hv // Hk)``;
+    ``l2norm``: normalise the keys inside the stage and write both inverse norms to ``rn`` (the module doc)."""
     C = CHUNK
     group = Hv // Hk
     G = heads_per_cta(group)
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
+    # q and rn are read / written only with l2norm; without it the launcher passes one-row placeholders
+    num_rn = T.dynamic("num_rn")
 
     @T.prim_func
     def gdn_kkt_solve(
@@ -54,6 +65,8 @@ def build_kkt_solve(Hk: int, Hv: int, K: int, dtype: str):
         chunks: T.Tensor((num_chunks, 2), "int32"),
         gamma: T.Tensor((num_tokens, Hv), "float32"),
         a0: T.Tensor((num_tokens, Hv, C), "float16"),
+        q: T.Tensor((num_rn, Hk, K), dtype),
+        rn: T.Tensor((num_rn, Hk, 2), "float32"),
     ):
         with T.Kernel(num_chunks, Hk, group // G, threads=C * G) as (bc, hk, bg):
             # 16 warps per SM (2 * G per CTA) at <= 128 registers a thread
@@ -85,6 +98,7 @@ def build_kkt_solve(Hk: int, Hv: int, K: int, dtype: str):
             # the tile each head writes, gated and rounded once; rows padded by 16 bytes, so the 8 rows of a fragment
             # store fall in distinct banks
             out_sh = T.alloc_shared((G, C, C + 8), "float16")
+            rk_sh = T.alloc_shared((C,), "float32") if l2norm else None
             kk = T.alloc_fragment((C, C), "float32")
             f = T.alloc_fragment((HALF, HALF), "float32")
             x = T.alloc_local((PANEL,), "float32")
@@ -101,6 +115,14 @@ def build_kkt_solve(Hk: int, Hv: int, K: int, dtype: str):
 
             # S = K K^T once for the G heads, scattered into the diagonal blocks and the two product operands
             T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
+            if l2norm:
+                # the keys' inverse norms from S's diagonal, then S of the normalised keys (padded rows: k = 0)
+                for i, j in T.Parallel(C, C):
+                    if i == j:
+                        rk_sh[i] = T.rsqrt(kk[i, j] + L2NORM_EPS)
+                T.sync_threads()
+                for i, j in T.Parallel(C, C):
+                    kk[i, j] = kk[i, j] * rk_sh[i] * rk_sh[j]
             for i, j in T.Parallel(C, C):
                 if i // PANEL == j // PANEL:
                     sd_sh[i, j % PANEL] = T.if_then_else(j < i, kk[i, j], 0.0)
@@ -206,24 +228,52 @@ def build_kkt_solve(Hk: int, Hv: int, K: int, dtype: str):
                     for v in T.vectorized(8):
                         a0[s0 + r, hk * group + bg * G + h, seg + v] = out_sh[h, r, seg + v]
 
+            if l2norm:
+                # the queries' inverse norms from the diagonal of Q Q^T on the key tile's buffer (its product is
+                # done); one CTA of each key head writes rn
+                T.sync_threads()
+                if n == C:
+                    T.copy(q[s0:s0 + C, hk, :], k_sh)
+                else:
+                    for i, j in T.Parallel(C, K):
+                        k_sh[i, j] = T.if_then_else(i < n, q[T.min(s0 + i, s1 - 1), hk, j], T.cast(0, dtype))
+                T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
+                if bg == 0:
+                    for i, j in T.Parallel(C, C):
+                        if i == j and i < n:
+                            rn[s0 + i, hk, 0] = T.rsqrt(kk[i, j] + L2NORM_EPS)
+                    for i in T.Parallel(C):
+                        if i < n:
+                            rn[s0 + i, hk, 1] = rk_sh[i]
+
     return gdn_kkt_solve
 
 
 
-def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: torch.Tensor, Hv: int):
+def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: torch.Tensor, Hv: int,
+              q: torch.Tensor | None = None):
     """Run the kkt_solve stage.
 
     Args:
         k: [T, Hk, K] bf16/fp16 contiguous. g, beta: [T, Hv] fp32 contiguous. chunks: [NC, 2] int32 (start, end).
-        Hv: value heads.
+        Hv: value heads. q: [T, Hk, K] like k to l2-normalise q and k inside the stages, or None.
 
     Returns:
-        gamma [T, Hv] fp32 (chunk-local cumsum of g) and Ag [T, Hv, 64] fp16 (row t: token t's row of its chunk's Ag).
+        gamma [T, Hv] fp32 (chunk-local cumsum of g), Ag [T, Hv, 64] fp16 (row t: token t's row of its chunk's Ag)
+        and, with q, rn [T, Hk, 2] fp32 (the inverse l2 norms of q and k; else None).
     """
     Tn, Hk, K = k.shape
-    kernel = toolkit.compile_kernel(build_kkt_solve, Hk, Hv, K, toolkit.tl_dtype(k.dtype))
+    l2norm = q is not None
+    kernel = toolkit.compile_kernel(build_kkt_solve, Hk, Hv, K, toolkit.tl_dtype(k.dtype), l2norm)
     gamma = toolkit.empty((Tn, Hv), torch.float32, k.device)
     ag = toolkit.empty((Tn, Hv, CHUNK), torch.float16, k.device)
+    rn = toolkit.empty((Tn, Hk, 2), torch.float32, k.device) if l2norm else None
     if chunks.shape[0] > 0:
-        kernel(k, g, beta, chunks, gamma, ag)
-    return gamma, ag
+        kernel(k, g, beta, chunks, gamma, ag, *((q, rn) if l2norm else placeholders(k)))
+    return gamma, ag, rn
+
+
+def placeholders(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-row q / rn arguments of stages built without l2norm (never read)."""
+    Hk = k.shape[1]
+    return k[:1], torch.empty((1, Hk, 2), dtype=torch.float32, device=k.device)

@@ -19,6 +19,9 @@ at a time from the map's end, and one thread adds them until the sum drops below
 where it does is where H starts). Finding the starts in the kernel avoids ~25 small torch kernels per call (host-bound:
 the H200 timed that form of this stage at 0.47-1.08 ms across runs of the same kernels).
 
+With ``l2norm`` the keys are read as given and normalised by ``kkt_solve``'s ``rk`` folded into the row scalings
+(``K_n S = diag(rk) K S``, ``K_n^T Vn = K^T diag(rk) Vn``), as in ``chunk_fwd``.
+
 Grid (V / bDV + K / bDV, Hv, maps), 256 threads. ``segs[r] = (start, end)`` of map r.
 Outputs H [R, Hv, K, V], M [R, Hv, K, K] fp32.
 """
@@ -34,10 +37,10 @@ THREADS = 256
 NEGLIGIBLE_LOG_DECAY = -40.0
 
 
-def _loaders():
+def _loaders(l2norm: bool):
     """Macros: ``load_tile`` (masked, synchronous: the ragged tail chunk), ``fetch_gates`` (register prefetch of one
     chunk's gamma, padded with its last valid value, and beta, zero-padded; issued a chunk step before use) and
-    ``store_gates`` (those registers to shared memory)."""
+    ``store_gates`` (those registers to shared memory); with ``l2norm`` the gates carry the keys' inverse norms too."""
 
     @T.macro
     def load_tile(x, x_sh, buf, cs, n, head, col0, width):
@@ -46,27 +49,33 @@ def _loaders():
                                              T.cast(0, x_sh.dtype))
 
     @T.macro
-    def fetch_gates(gamma, beta, gnext, cs, n, bh, tx):
+    def fetch_gates(gamma, beta, rn, gnext, cs, n, bh, hk, tx):
         if tx < C:
             gnext[0] = gamma[cs + T.min(tx, n - 1), bh]
             gnext[1] = T.if_then_else(tx < n, beta[T.min(cs + tx, cs + n - 1), bh], 0.0)
+            if l2norm:
+                gnext[2] = rn[cs + T.min(tx, n - 1), hk, 1]
 
     @T.macro
-    def store_gates(g_sh, b_sh, gnext, tx):
+    def store_gates(g_sh, b_sh, rk_sh, gnext, tx):
         if tx < C:
             g_sh[tx] = gnext[0]
             b_sh[tx] = gnext[1]
+            if l2norm:
+                rk_sh[tx] = gnext[2]
 
     return load_tile, fetch_gates, store_gates
 
 
-def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str):
-    """The segment_states kernel: grid (V / bDV + K / bDV, Hv, maps), 256 threads."""
+def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, l2norm: bool = False):
+    """The segment_states kernel: grid (V / bDV + K / bDV, Hv, maps), 256 threads; ``l2norm``: keys normalised by
+    ``rn``."""
     group = Hv // Hk
     nV = V // bDV
     num_tokens = T.dynamic("num_tokens")
     num_segs = T.dynamic("num_segs")
-    load_tile, fetch_gates, store_gates = _loaders()
+    num_rn = T.dynamic("num_rn")
+    load_tile, fetch_gates, store_gates = _loaders(l2norm)
 
     @T.prim_func
     def gdn_segment_states(
@@ -79,6 +88,7 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str)
         start: T.Tensor((num_segs, Hv), "int32"),
         hs: T.Tensor((num_segs, Hv, K, V), "float32"),
         ms: T.Tensor((num_segs, Hv, K, K), "float32"),
+        rn: T.Tensor((num_rn, Hk, 2), "float32"),
     ):
         with T.Kernel(nV + K // bDV, Hv, num_segs, threads=THREADS) as (bv, bh, bs):
             hk = bh // group
@@ -122,7 +132,7 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str)
             cs = T.alloc_var("int32")
             n = T.alloc_var("int32")
             buf = T.alloc_var("int32")
-            gnext = T.alloc_local((2,), "float32")
+            gnext = T.alloc_local((3,), "float32")
 
             k_sh = T.alloc_shared((2, C, K), dtype)
             v_sh = T.alloc_shared((2, C, bDV), dtype)
@@ -135,6 +145,9 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str)
             b_sh = T.alloc_shared((C,), "float32")
             eg_sh = T.alloc_shared((C,), "float32")
             er_sh = T.alloc_shared((C,), "float32")
+            # l2norm: the keys' inverse norms, and exp(gamma) times them
+            rk_sh = T.alloc_shared((C,), "float32") if l2norm else None
+            ek_sh = T.alloc_shared((C,), "float32") if l2norm else None
 
             s_f = T.alloc_fragment((K, bDV), "float32")
             u_f = T.alloc_fragment((C, bDV), "float32")
@@ -150,7 +163,7 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str)
                     T.async_copy(v[s0:s0 + C, bh, v0:v0 + bDV], v_sh[0, :, :])
                 T.async_copy(a0[s0:s0 + C, bh, :], a_sh[0, :, :])
 
-            fetch_gates(gamma, beta, gnext, s0, T.min(C, s1 - s0), bh, tx)
+            fetch_gates(gamma, beta, rn, gnext, s0, T.min(C, s1 - s0), bh, hk, tx)
             for it in T.serial(T.ceildiv(s1 - s0, C)):
                 T.sync_threads()
                 buf = it % 2
@@ -161,13 +174,19 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str)
                     if not is_m:
                         load_tile(v, v_sh, buf, cs, n, bh, v0, bDV)
                     load_tile(a0, a_sh, buf, cs, n, bh, 0, C)
-                store_gates(g_sh, b_sh, gnext, tx)
+                store_gates(g_sh, b_sh, rk_sh, gnext, tx)
                 if cs + C < s1:
-                    fetch_gates(gamma, beta, gnext, cs + C, T.min(C, s1 - cs - C), bh, tx)
+                    fetch_gates(gamma, beta, rn, gnext, cs + C, T.min(C, s1 - cs - C), bh, hk, tx)
                 T.sync_threads()
-                for i in T.Parallel(C):
-                    eg_sh[i] = T.exp2(g_sh[i] * LOG2E)
-                    er_sh[i] = T.exp2((g_sh[C - 1] - g_sh[i]) * LOG2E)
+                if l2norm:
+                    for i in T.Parallel(C):
+                        eg_sh[i] = T.exp2(g_sh[i] * LOG2E)
+                        ek_sh[i] = T.exp2(g_sh[i] * LOG2E) * rk_sh[i]
+                        er_sh[i] = T.exp2((g_sh[C - 1] - g_sh[i]) * LOG2E) * rk_sh[i]
+                else:
+                    for i in T.Parallel(C):
+                        eg_sh[i] = T.exp2(g_sh[i] * LOG2E)
+                        er_sh[i] = T.exp2((g_sh[C - 1] - g_sh[i]) * LOG2E)
                 T.copy(s_f, s_sh)
                 T.ptx_wait_group(0)
                 T.fence_proxy_async()
@@ -180,8 +199,12 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str)
 
                 T.wgmma_gemm(k_sh[buf, :, :], s_sh, u_f, clear_accum=True)
                 T.wait_wgmma(0)
-                for i, j in T.Parallel(C, bDV):
-                    w16_sh[i, j] = v_sh[buf, i, j] - eg_sh[i] * u_f[i, j]
+                if l2norm:
+                    for i, j in T.Parallel(C, bDV):
+                        w16_sh[i, j] = v_sh[buf, i, j] - ek_sh[i] * u_f[i, j]
+                else:
+                    for i, j in T.Parallel(C, bDV):
+                        w16_sh[i, j] = v_sh[buf, i, j] - eg_sh[i] * u_f[i, j]
                 T.fence_proxy_async()
                 T.sync_threads()
                 T.wgmma_gemm(a_sh[buf, :, :], w16_sh, vd_f, clear_accum=True)
@@ -208,19 +231,20 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str)
 build_segment_states.pass_configs = {"tl.disable_thread_storage_sync": True}
 
 
-def segment_states(k, v, ag, gamma, beta, pl, *, bDV: int):
+def segment_states(k, v, ag, gamma, beta, pl, *, bDV: int, rn=None):
     """Each non-final segment's map ``S_end = M S_start + H``.
 
     Args:
         k: [T, Hk, K]; v: [T, Hv, V]; ag: [T, Hv, 64] fp16 (``kkt_solve``'s Ag); gamma, beta: [T, Hv] fp32;
-        pl: the Plan (its maps). bDV: V slice per CTA.
+        pl: the Plan (its maps). bDV: V slice per CTA. rn: [T, Hk, 2] fp32 inverse l2 norms of q and k
+        (``kkt_solve``'s, with l2norm) or None.
 
     Returns:
         H [R, Hv, K, V] fp32 and M [R, Hv, K, K] fp32.
     """
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
-    kernel = toolkit.compile_kernel(build_segment_states, Hk, Hv, K, V, bDV, toolkit.tl_dtype(k.dtype))
+    kernel = toolkit.compile_kernel(build_segment_states, Hk, Hv, K, V, bDV, toolkit.tl_dtype(k.dtype), rn is not None)
     R = pl.maps.shape[0]
     hs = toolkit.empty((R, Hv, K, V), torch.float32, k.device)
     ms = toolkit.empty((R, Hv, K, K), torch.float32, k.device)
@@ -228,5 +252,7 @@ def segment_states(k, v, ag, gamma, beta, pl, *, bDV: int):
         # the kernel's ``start`` argument [R, Hv]: a per-map table of H's first token that it does not read (it finds
         # the starts itself)
         start = torch.empty((R, Hv), dtype=torch.int32, device=k.device)
-        kernel(k, v, ag, gamma, beta, pl.maps, start, hs, ms)
+        if rn is None:
+            rn = torch.empty((1, Hk, 2), dtype=torch.float32, device=k.device)  # not read without l2norm
+        kernel(k, v, ag, gamma, beta, pl.maps, start, hs, ms, rn)
     return hs, ms
