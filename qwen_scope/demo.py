@@ -1,4 +1,4 @@
-"""The two-minute tour: model + SAE -> collect -> feature database -> dashboard -> report -> steering.
+"""The offline tour (seconds on the bundled nano model): model + SAE -> collect -> feature database -> dashboard -> report -> steering.
 
 By default it runs offline on the bundled nano model and its SAE set (``qwen_scope.nano``) over the bundled corpus
 slice; ``model=`` / ``release=`` run the same steps on a real Qwen model and a Qwen-Scope release.

@@ -83,21 +83,34 @@ class Scope:
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from qwen_scope.sources import check_device, model_config, quiet_reference_kernel_advice
+
         if layers is not None and release is None:
             raise ValueError(f"layers={layers!r} given without a release; pass release= (an SAE release id, hub "
                              "repo or local directory) to load SAEs at those layers")
-        device = torch.device(device or "cpu")
+        device = check_device(device)
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        # Config, layer range and SAE files before the model's weights: a missing model or SAE file, a bad layer or
+        # a release for another model is reported in a second, with its fix, not after a multi-GB load.
+        config = model_config(model_id, revision=revision, cache_dir=cache_dir).get_text_config()
+        rel = None
+        if release is not None and not Path(str(release)).expanduser().exists():
+            rel = get_release(str(release))
+            _check_release_fits(rel, int(config.hidden_size), str(model_id))
+        early = {}
+        if release is not None and layers is not None:
+            n_layers = int(config.num_hidden_layers)
+            for layer in [layers] if isinstance(layers, int) else list(layers):
+                _check_layer_index(layer, n_layers, str(model_id), f"{release} layer {layer}")
+                early[layer] = load(release, layer, device=device, dtype=sae_dtype or dtype, cache_dir=cache_dir)
+        quiet_reference_kernel_advice()
         model = AutoModelForCausalLM.from_pretrained(str(model_id), dtype=dtype, revision=revision,
                                                      cache_dir=cache_dir, **model_kwargs).to(device).eval()
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(str(model_id), revision=revision, cache_dir=cache_dir)
-        rel = None
-        if release is not None and not Path(str(release)).expanduser().exists():
-            rel = get_release(str(release))
         scope = cls(model, tokenizer, release=rel, model_name=str(model_id))
-        if release is not None and layers is not None:
-            scope.load_saes(release, layers, dtype=sae_dtype or dtype, cache_dir=cache_dir)
+        for layer, sae in early.items():
+            scope.add_sae(layer, sae)
         return scope
 
     def load_saes(self, release: str | Path, layers: int | Iterable[int], *, dtype: torch.dtype | None = None,
@@ -126,17 +139,10 @@ class Scope:
         return sae
 
     def _check_layer(self, layer: int, what: str) -> int:
-        n = self.adapter.n_layers
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
-            raise ValueError(f"{what}: layer must be an int in 0..{n - 1} ({self.model_name or 'the model'} has "
-                             f"{n} decoder blocks), got {layer!r}")
-        return layer
+        return _check_layer_index(layer, self.adapter.n_layers, self.model_name, what)
 
     def _check_release(self, release: Release) -> None:
-        if release.d_model is not None and release.d_model != self.adapter.d_model:
-            raise ValueError(f"{release.id} was trained on {release.model_id} with d_model {release.d_model}, but "
-                             f"{self.model_name or 'this model'} has hidden size {self.adapter.d_model}; "
-                             f"pick a release for this model (saes.list_releases())")
+        _check_release_fits(release, self.adapter.d_model, self.model_name)
         if release.n_layers is not None and release.n_layers != self.adapter.n_layers:
             warnings.warn(f"{release.id} covers {release.n_layers} layers ({release.model_id}) but "
                           f"{self.model_name or 'this model'} has {self.adapter.n_layers}: is it the right model?",
@@ -214,8 +220,17 @@ class Scope:
 
         return text_features(self, text, layers, **kwargs)
 
-    def steer(self, prompt: str, edits, **kwargs):
-        """Baseline vs steered generation; see ``qwen_scope.steering.steer``."""
+    def steer(self, prompt: str, edits, *, evaluate: bool = False, **kwargs):
+        """Baseline vs steered generation; see ``qwen_scope.steering.steer``.
+
+        ``evaluate=True`` also measures the edit (KL per step, the feature's activation, perplexity, top logit
+        deltas) against random-direction and random-feature controls and returns a ``SteeringEvaluation`` (its
+        ``.result`` is the ``SteeringResult``); see ``qwen_scope.evals.evaluate_steering`` for the keywords.
+        """
+        if evaluate:
+            from qwen_scope.evals import evaluate_steering
+
+            return evaluate_steering(self, prompt, edits, **kwargs)
         from qwen_scope.steering import steer
 
         return steer(self, prompt, edits, **kwargs)
@@ -230,3 +245,17 @@ class Scope:
         rel = self.release.id if self.release is not None else None
         return (f"Scope(model={self.model_name!r}, family={self.adapter.family!r}, n_layers={self.adapter.n_layers}, "
                 f"d_model={self.adapter.d_model}, release={rel!r}, sae_layers={self.layers})")
+
+
+def _check_layer_index(layer: int, n_layers: int, model_name: str | None, what: str) -> int:
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
+        raise ValueError(f"{what}: layer must be an int in 0..{n_layers - 1} ({model_name or 'the model'} has "
+                         f"{n_layers} decoder blocks), got {layer!r}")
+    return layer
+
+
+def _check_release_fits(release: Release, d_model: int, model_name: str | None) -> None:
+    if release.d_model is not None and release.d_model != d_model:
+        raise ValueError(f"{release.id} was trained on {release.model_id} with d_model {release.d_model}, but "
+                         f"{model_name or 'this model'} has hidden size {d_model}; "
+                         f"pick a release for this model (saes.list_releases())")

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
+_PART = re.compile(r"^(?:layer)?(\d+)(?:\s*-\s*(?:layer)?(\d+))?$", re.IGNORECASE)
 
 
 def add_scope_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,21 +21,68 @@ def add_scope_arguments(p: argparse.ArgumentParser) -> None:
                    help="wrap the text as a user turn with the chat template")
 
 
-def parse_layers(text: str) -> list[int]:
-    """``"12"``, ``"10,12"`` or ``"10-13"`` -> list of layers."""
-    out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a count of tokens, steps or candidates)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def parse_layers(text: str) -> tuple[tuple[int, int], ...]:
+    """``"12"``, ``"10,12"``, ``"10-13"`` or sae-lens ids ``"layer12"`` -> inclusive ``(lo, hi)`` ranges.
+
+    Only the syntax is checked here, before any work; ``expand_layers`` bounds them by the model's depth (a range is
+    never expanded before that, so ``0-100000000`` costs nothing to refuse).
+    """
+    out: list[tuple[int, int]] = []
+    for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
-        lo, sep, hi = part.partition("-")
-        try:
-            out.extend(range(int(lo), int(hi) + 1) if sep else [int(part)])
-        except ValueError:
-            raise SystemExit(f"bad layer list {text!r}: expected e.g. '12', '10,12' or '10-13'") from None
+        m = _PART.match(part)
+        if m is None:
+            raise SystemExit(f"bad --layers {text!r}: {part!r} is not a layer; expected e.g. '12', '10,12', '10-13' "
+                             f"or 'layer12'")
+        lo, hi = int(m[1]), int(m[2] if m[2] is not None else m[1])
+        if hi < lo:
+            raise SystemExit(f"bad --layers {text!r}: range {part!r} runs backwards; write it low-high")
+        out.append((lo, hi))
     if not out:
-        raise SystemExit(f"bad layer list {text!r}: no layers")
-    return out
+        raise SystemExit(f"bad --layers {text!r}: no layers")
+    return tuple(out)
+
+
+def expand_layers(ranges: tuple[tuple[int, int], ...], n_layers: int, text: str, model: str) -> list[int]:
+    """The layers of ``ranges``, each checked against the model's ``n_layers`` before any list is built."""
+    for lo, hi in ranges:
+        if hi >= n_layers:
+            raise SystemExit(f"--layers {text}: layer {hi} is out of range; {model} has decoder blocks "
+                             f"0..{n_layers - 1}")
+    return sorted({n for lo, hi in ranges for n in range(lo, hi + 1)})
+
+
+def model_and_release(args: argparse.Namespace) -> tuple[str, str]:
+    """The model and SAE release the command runs on (the nano pair when neither is given)."""
+    from qwen_scope.nano import NANO_DIR, NANO_RELEASE_DIR
+
+    if args.model is not None and args.release is None:
+        raise SystemExit(f"--model {args.model} needs --release (an SAE release trained for it); "
+                         "`qwen-scope releases` lists the Qwen-Scope sets")
+    model = str(NANO_DIR) if args.model is None else args.model
+    release = str(NANO_RELEASE_DIR) if args.release is None else args.release
+    return model, release
+
+
+def model_layers(args: argparse.Namespace, ranges: tuple[tuple[int, int], ...]) -> list[int]:
+    """``--layers`` checked against the model's depth, read from its config (no weights loaded)."""
+    from qwen_scope.sources import model_config
+
+    model, _ = model_and_release(args)
+    n_layers = int(model_config(model).get_text_config().num_hidden_layers)
+    return expand_layers(ranges, n_layers, args.layers, args.model or "the nano model")
 
 
 def build_scope(args: argparse.Namespace, layers: list[int]):
@@ -41,12 +90,6 @@ def build_scope(args: argparse.Namespace, layers: list[int]):
 
     from qwen_scope.scope import Scope
 
-    from qwen_scope.nano import NANO_DIR, NANO_RELEASE_DIR
-
-    if args.model is not None and args.release is None:
-        raise SystemExit(f"--model {args.model} needs --release (an SAE release trained for it); "
-                         "`qwen-scope releases` lists the Qwen-Scope sets")
-    model = NANO_DIR if args.model is None else args.model
-    release = NANO_RELEASE_DIR if args.release is None else args.release
+    model, release = model_and_release(args)
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
     return Scope.from_pretrained(model, release, layers, device=args.device, dtype=dtype)

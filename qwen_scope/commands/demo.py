@@ -1,8 +1,8 @@
-"""``qwen-scope demo``: the two-minute offline tour on the bundled nano model (or any model + Qwen-Scope release).
+"""``qwen-scope demo``: the offline tour on the bundled nano model (or any model + Qwen-Scope release).
 
 Examples::
 
-    qwen-scope demo                                   # nano model + its SAE set, offline, ~2 min on 2 CPU cores
+    qwen-scope demo                                   # nano model + its SAE set, offline, ~15 s on 2 CPU cores
     qwen-scope demo --out /tmp/tour --layer 4 --text "import os"
     qwen-scope demo --model Qwen/Qwen3.5-2B-Base --release qwen-scope-3.5-2b-base-w32k-l50 --layer 12 --device cuda \\
         --corpus my_texts.jsonl
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from qwen_scope.commands._scope_args import positive_int
 
 NAME = "demo"
 HELP = "offline tour: nano model + SAE -> collect -> feature database -> HTML dashboard -> report + steering"
@@ -25,12 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", default=None,
                    help="a .txt (one document per blank-line-separated block) or .jsonl with a 'text' field "
                         "(default: the bundled stdlib corpus slice)")
-    p.add_argument("--tokens", type=int, default=24_000, help="tokens to collect (default 24000)")
+    p.add_argument("--tokens", type=positive_int, default=24_000, help="tokens to collect (default 24000)")
     p.add_argument("--text", default=None, help="sample text whose top features are reported")
     p.add_argument("--prompt", default=None, help="prompt of the steering comparison")
     p.add_argument("--strength", type=float, default=1.0,
                    help="steering strength in units of the feature's largest corpus activation (default 1)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
 
 
 def read_corpus(path: str) -> tuple[str, ...]:

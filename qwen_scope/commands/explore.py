@@ -65,6 +65,18 @@ def _parse_pair(text: str) -> tuple[int, int]:
     return left, right
 
 
+def _parse_features(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        ids = [int(f) for f in text.split(",") if f.strip()]
+    except ValueError:
+        raise SystemExit(f"--features expects comma-separated feature ids like 1,5,9; got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise SystemExit(f"--features expects non-negative feature ids like 1,5,9; got {text!r}")
+    return ids
+
+
 def _weights(args, model_id: str | None, release: str | None, layer: int):
     """(scope or None, sae or None) for the dashboard."""
     if release is None:
@@ -98,8 +110,15 @@ def run(args: argparse.Namespace) -> int:
     from qwen_scope.explore import FeatureDatabase, build_feature_database, store_chunks, write_dashboard
     from qwen_scope.store import ActivationStore
 
+    features = _parse_features(args.features)
+    context = _parse_pair(args.context)
     store = ActivationStore(args.store)
     point, info = _sae_point(store, args.layer)
+    d_sae = int(info["d_sae"])
+    too_big = [f for f in features or () if f >= d_sae]
+    if too_big:
+        raise SystemExit(f"--features {args.features}: {too_big[:5]} out of range for the SAE at {point} "
+                         f"(d_sae {d_sae}: ids 0..{d_sae - 1})")
     layer = int(point.split(".")[1])
     release = args.release or info.get("release")
     model_id = args.model or store.manifest.get("model")
@@ -123,13 +142,12 @@ def run(args: argparse.Namespace) -> int:
                 **source}
         db = build_feature_database(store_chunks(store, point, chunk_tokens=args.chunk_tokens), int(info["d_sae"]),
                                     meta=meta, device=args.device, n_top=args.n_top,
-                                    context=_parse_pair(args.context), exclude_position_0=not args.include_first)
+                                    context=context, exclude_position_0=not args.include_first)
         if old is not None and old.meta.get("point") == point and old.meta.get("release") == release:
             db.labels = old.labels  # --rebuild re-mines the statistics; the user's labels of these features stay
         db.save(db_dir)
         print(f"mined {db.n_tokens} tokens at {point} in {time.time() - t:.1f}s -> {db_dir}")
     scope, sae = _weights(args, model_id, release, layer)
-    features = [int(f) for f in args.features.split(",")] if args.features else None
     t = time.time()
     index = write_dashboard(db, out, scope=scope, sae=sae, layer=layer, features=features,
                             max_features=args.max_features)

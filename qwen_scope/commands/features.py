@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from qwen_scope.commands._scope_args import add_scope_arguments, build_scope, parse_layers
+from qwen_scope.commands._scope_args import add_scope_arguments, build_scope, model_layers, parse_layers
 
 NAME = "features"
 HELP = "top SAE features of a text per token and layer (or compare two texts with --versus)"
@@ -20,7 +20,7 @@ HELP = "top SAE features of a text per token and layer (or compare two texts wit
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_scope_arguments(p)
-    p.add_argument("--layers", required=True, help="SAE layers, e.g. 12 or 10,12 or 10-13")
+    p.add_argument("--layers", required=True, help="SAE layers, e.g. 12 or 10,12 or 10-13 (sae-lens ids layer12 too)")
     p.add_argument("--text", required=True, help="the text to analyse")
     p.add_argument("--versus", default=None, help="a second text: rank features by activation-rate difference")
     p.add_argument("--top", type=int, default=5, help="features shown per token (default 5)")
@@ -53,7 +53,7 @@ def _compare(scope, args, layers) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    layers = parse_layers(args.layers)
+    layers = model_layers(args, parse_layers(args.layers))
     scope = build_scope(args, layers)
     result = _compare(scope, args, layers) if args.versus is not None else _features(scope, args, layers)
     if args.json_out:

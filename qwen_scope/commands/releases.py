@@ -18,7 +18,9 @@ _COLUMNS = ("id", "trained_on", "layers", "d_model", "d_sae", "k", "file", "tota
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="only sets whose base model id contains this (e.g. qwen3.5-2b)")
+    # dest model_filter: a filter, not a model to load (the CLI checks an args.model can be loaded).
+    parser.add_argument("--model", dest="model_filter", default=None,
+                        help="only sets whose base model id contains this (e.g. qwen3.5-2b)")
     parser.add_argument("--trained-on", choices=("base", "instruct"), default=None, help="only base / instruct sets")
     parser.add_argument("--json", action="store_true", help="print JSON records instead of a table")
     parser.add_argument("--cache-dir", default=None, help="hub cache to look in (default: HF_HUB_CACHE)")
@@ -61,7 +63,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = records(args.model, args.trained_on, args.cache_dir)
+    rows = records(args.model_filter, args.trained_on, args.cache_dir)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

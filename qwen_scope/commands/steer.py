@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from qwen_scope.commands._scope_args import add_scope_arguments, build_scope
+from qwen_scope.commands._scope_args import add_scope_arguments, build_scope, positive_int
 
 NAME = "steer"
 HELP = "steer generation with SAE features (add / clamp / ablate) and show baseline vs steered text"
@@ -20,21 +20,23 @@ HELP = "steer generation with SAE features (add / clamp / ablate) and show basel
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_scope_arguments(p)
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the prompt to continue, without and with steering")
     p.add_argument("--layer", type=int, default=None, help="layer of --feature")
     p.add_argument("--feature", type=int, action="append", default=[], help="feature id (repeatable)")
     p.add_argument("--strength", default="20", help="add: strength or light/medium/strong (5/20/100); clamp: value")
-    p.add_argument("--mode", default="add", choices=("add", "clamp", "ablate"))
+    p.add_argument("--mode", default="add", choices=("add", "clamp", "ablate"),
+                   help="add the decoder direction (default), clamp the feature's code to --strength, or ablate it")
     p.add_argument("--scale", default="raw", choices=("raw", "unit", "norm"),
                    help="add: raw decoder column (Qwen demo), unit direction, or fraction of the residual norm")
     p.add_argument("--positions", default="all", help="all, prompt, generated, or e.g. 0,2,5-8 (may add ,generated)")
     p.add_argument("--edit", action="append", default=[],
                    help="LAYER:FEATURE:MODE[:VALUE[:SCALE]][@POSITIONS], repeatable, e.g. 12:6159:add:-20@generated")
-    p.add_argument("--sweep", default=None, help="comma-separated strengths for one --layer/--feature")
-    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--sweep", default=None,
+                   help="comma-separated strengths for one --layer/--feature, e.g. -100,-20,0,20,100")
+    p.add_argument("--max-new-tokens", type=positive_int, default=40, help="tokens generated per run (default 40)")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--top-n", type=int, default=5, help="candidate tokens kept per step (JSON output)")
+    p.add_argument("--seed", type=int, default=0, help="torch seed set before each generation (default 0)")
+    p.add_argument("--top-n", type=positive_int, default=5, help="candidate tokens kept per step (JSON output)")
     p.add_argument("--json", dest="json_out", default=None, help="also write the result as JSON to this file")
 
 
@@ -84,7 +86,7 @@ def _generation_json(g) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qwen_scope.steering import steer, sweep
+    from qwen_scope.steering import FeatureEdit, steer, sweep
 
     edits = [] if args.sweep else _edits(args)
     layers = sorted({e.layer for e in edits} | ({args.layer} if args.sweep else set()))
@@ -93,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep and args.mode == "ablate":
         raise SystemExit("--sweep varies an add strength or a clamp value; use --mode add or --mode clamp")
     strengths = [_number(s, "--sweep value") for s in args.sweep.split(",") if s.strip()] if args.sweep else []
+    for s in strengths:
+        # The same checks sweep() makes, before the model loads.
+        FeatureEdit(args.layer, args.feature[0], "clamp" if args.mode == "clamp" else "add", s, args.scale,
+                    args.positions)
     scope = build_scope(args, layers)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, seed=args.seed, template=args.template,
                top_n=args.top_n)

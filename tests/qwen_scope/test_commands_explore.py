@@ -4,6 +4,7 @@ store is refused, --rebuild keeps the labels."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -88,36 +89,36 @@ def test_explore_reuses_the_database_and_can_skip_the_model(run, tmp_path, capsy
     assert [e["id"] for e in entries] == [3, 4] and entries[0]["logits"] == []
 
 
-def test_explore_names_missing_layers(run):
+def test_explore_names_missing_layers(run, capsys):
     root, out, _ = run
-    with pytest.raises(SystemExit, match="no SAE codes at resid_post.0"):
-        main(["explore", "--store", str(root / "store"), "--out", str(out), "--layer", "0"])
+    assert main(["explore", "--store", str(root / "store"), "--out", str(out), "--layer", "0"]) == 2
+    assert re.search("no SAE codes at resid_post.0", capsys.readouterr().err)
 
 
-def test_explore_explains_an_unloadable_model(run, tmp_path):
+def test_explore_explains_an_unloadable_model(run, tmp_path, capsys):
     root, _, _ = run
     release = root / "SAE-Res-Qwen3.5-Nano-Base-W0K-L0_8"
-    with pytest.raises(SystemExit, match="--no-model"):
-        main(["explore", "--store", str(root / "store"), "--release", str(release), "--out", str(tmp_path),
-              "--model", str(tmp_path / "no-such-model"), "--features", "1"])
+    assert main(["explore", "--store", str(root / "store"), "--release", str(release), "--out", str(tmp_path),
+              "--model", str(tmp_path / "no-such-model"), "--features", "1"]) == 2
+    assert re.search(r"model directory .*no-such-model does not exist", capsys.readouterr().err)
 
 
-def test_explore_refuses_a_database_mined_at_another_point(run, tmp_path):
+def test_explore_refuses_a_database_mined_at_another_point(run, tmp_path, capsys):
     root, dest = _copy(run, tmp_path)
     db = FeatureDatabase.load(dest / "database")
     db.meta["point"] = "resid_post.0"
     db.save(dest / "database")
-    with pytest.raises(SystemExit, match=r"mined with point='resid_post.0'.*resid_post.2.*--rebuild"):
-        main(["explore", "--store", str(root / "store"), "--out", str(dest), "--features", "1", "--no-model"])
+    assert main(["explore", "--store", str(root / "store"), "--out", str(dest), "--features", "1", "--no-model"]) == 2
+    assert re.search(r"mined with point='resid_post.0'.*resid_post.2.*--rebuild", capsys.readouterr().err)
 
 
-def test_explore_refuses_a_database_of_another_store(run, tmp_path):
+def test_explore_refuses_a_database_of_another_store(run, tmp_path, capsys):
     root, dest = _copy(run, tmp_path)
     db = FeatureDatabase.load(dest / "database")
     db.meta["store_config_hash"] = "0123456789abcdef"
     db.save(dest / "database")
-    with pytest.raises(SystemExit, match="store_config_hash='0123456789abcdef'"):
-        main(["explore", "--store", str(root / "store"), "--out", str(dest), "--features", "1", "--no-model"])
+    assert main(["explore", "--store", str(root / "store"), "--out", str(dest), "--features", "1", "--no-model"]) == 2
+    assert re.search("store_config_hash='0123456789abcdef'", capsys.readouterr().err)
 
 
 def test_rebuild_keeps_the_labels_of_the_same_point(run, tmp_path):
