@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import hashlib
-import itertools
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,138 +34,16 @@ import torch
 from torch import nn
 
 from hooks import HYBRID_FAMILIES, get_adapter, parse_hook_name, resid_post
-from qwen_scope.collect_loop import collect_rank
-from qwen_scope.store_writer import ShardWriter, merge_manifest
+from qwen_scope.collect_corpus import (Row, _corpus_id, _rank_documents, check_yields_tokens, load_corpus,
+                                       pack_rows)
+from qwen_scope.collect_loop import collect_rank, repair_shards
+from qwen_scope.store_files import MANIFEST, StoreBusyError, StoreLock, sweep_temp
+from qwen_scope.store_writer import ShardWriter, code_bytes, index_layout, merge_manifest
+
+__all__ = ["collect", "load_corpus", "pack_rows", "Row", "CollectSummary"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "float32": torch.float32, "fp32": torch.float32}
-_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text",
-                   ".csv": "csv"}
-
-
-# ---------------------------------------------------------------------------------------------- corpus
-def load_corpus(source: str | os.PathLike, *, split: str = "train", name: str | None = None,
-                streaming: bool = False, **kwargs):
-    """A ``datasets`` corpus from a hub id or local json/jsonl/parquet/csv/text files (a file, a directory or a glob).
-
-    Args:
-        source: e.g. ``"HuggingFaceFW/fineweb-edu"`` or ``"data/*.jsonl"``. name: hub config. split: split to read.
-        streaming: return an ``IterableDataset`` (no full download). kwargs: passed to ``datasets.load_dataset``.
-    Returns:
-        ``datasets.Dataset`` or ``datasets.IterableDataset``.
-    """
-    import datasets
-
-    path = Path(source)
-    # glob.glob, not Path().glob: the latter refuses absolute patterns ("/data/*.jsonl").
-    files = sorted(path.iterdir()) if path.is_dir() else sorted(map(Path, glob.glob(str(source)))) \
-        if "*" in str(source) else [path] if path.exists() else []
-    if not files and "*" in str(source):
-        raise FileNotFoundError(f"{source}: the pattern matches no file; check the path (relative to "
-                                f"{Path.cwd()}) or pass a hub dataset id")
-    if files:
-        exts = {f.suffix for f in files if f.suffix in _LOCAL_BUILDERS}
-        if len(exts) != 1:
-            raise ValueError(f"{source}: expected files of one kind among {sorted(_LOCAL_BUILDERS)}, found "
-                             f"suffixes {sorted({f.suffix for f in files})}")
-        builder = _LOCAL_BUILDERS[exts.pop()]
-        data = [str(f) for f in files if f.suffix in _LOCAL_BUILDERS]
-        return datasets.load_dataset(builder, data_files=data, split=split, streaming=streaming, **kwargs)
-    return datasets.load_dataset(str(source), name, split=split, streaming=streaming, **kwargs)
-
-
-def _corpus_id(corpus) -> str:
-    fingerprint = getattr(corpus, "_fingerprint", None)
-    if fingerprint:
-        return f"{type(corpus).__name__}:{fingerprint}"
-    info = getattr(corpus, "info", None)
-    if info is not None and (info.dataset_name or info.config_name):
-        return f"{type(corpus).__name__}:{info.dataset_name}/{info.config_name}/{getattr(corpus, 'split', None)}"
-    if isinstance(corpus, Sequence):
-        return "list:" + hashlib.sha256(repr(list(corpus)).encode()).hexdigest()[:16]
-    return type(corpus).__name__
-
-
-def _rank_documents(corpus, rank: int, world: int, start: int, text_column: str, tokenizer,
-                    read_batch: int = 256) -> Iterator[tuple[int, int, list[int]]]:
-    """Yield ``(ordinal, doc_index, token_ids)`` for this rank's documents from ordinal ``start`` on."""
-    if hasattr(corpus, "select") and hasattr(corpus, "__len__") and not isinstance(corpus, Sequence):
-        records = iter(corpus.select(range(rank + start * world, len(corpus), world)))
-    else:
-        records = itertools.islice(iter(corpus), rank + start * world, None, world)
-    for ordinal in itertools.count(start, read_batch):
-        chunk = list(itertools.islice(records, read_batch))
-        if not chunk:
-            return
-        for j, ids in enumerate(_tokenize(chunk, text_column, tokenizer)):
-            yield ordinal + j, (ordinal + j) * world + rank, ids
-
-
-def _tokenize(records: list, text_column: str, tokenizer) -> list[list[int]]:
-    first = records[0]
-    if isinstance(first, str):
-        texts = records
-    elif text_column in first:
-        texts = [r[text_column] for r in records]
-    elif "input_ids" in first:
-        return [list(r["input_ids"]) for r in records]
-    else:
-        raise ValueError(f"corpus records have no {text_column!r} column (columns: {sorted(first)}); pass "
-                         f"text_column=... (--text-column) or a pre-tokenized 'input_ids' column")
-    if tokenizer is None:
-        raise ValueError("the corpus holds text but no tokenizer was given; pass tokenizer=... (or a model id)")
-    return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-
-
-# ---------------------------------------------------------------------------------------------- packing
-@dataclass(frozen=True)
-class Row:
-    """One packed row: ``tokens``/``doc_index`` (real tokens only) and the cursor ``(ordinal, offset)`` after it."""
-
-    tokens: list[int]
-    doc_index: list[int]
-    cursor: tuple[int, int]
-
-
-def pack_rows(docs: Iterable[tuple[int, int, list[int]]], context_len: int, *, packing: str = "concat",
-              separator_id: int | None = None, prepend_bos_id: int | None = None,
-              start: tuple[int, int] = (0, 0)) -> Iterator[Row]:
-    """Pack ``(ordinal, doc_index, tokens)`` documents into rows of at most ``context_len`` tokens.
-
-    Args:
-        docs: documents in order, starting at ordinal ``start[0]``.
-        context_len: tokens per row (the BOS, when prepended, included).
-        packing: ``"concat"`` or ``"document"`` (see the module doc). separator_id: appended to every document.
-        prepend_bos_id: put at position 0 of every row. start: resume cursor ``(ordinal, offset)``.
-    Returns:
-        An iterator of ``Row``; a row's ``cursor`` is where the next row begins.
-    """
-    if packing not in ("concat", "document"):
-        raise ValueError(f"packing must be 'concat' or 'document', got {packing!r}")
-    prefix = [] if prepend_bos_id is None else [prepend_bos_id]
-    room = context_len - len(prefix)
-    if room < 1:
-        raise ValueError(f"context_len={context_len} leaves no room for tokens after the BOS")
-    buf: list[int] = []
-    owner: list[int] = []
-    for ordinal, doc, tokens in docs:
-        tokens = list(tokens) + ([] if separator_id is None else [separator_id])
-        offset = start[1] if ordinal == start[0] else 0
-        if packing == "document":
-            if tokens:
-                yield Row(prefix + tokens[:room], [doc] * (len(prefix) + min(room, len(tokens))), (ordinal + 1, 0))
-            continue
-        while offset < len(tokens):
-            take = min(room - len(buf), len(tokens) - offset)
-            buf += tokens[offset:offset + take]
-            owner += [doc] * take
-            offset += take
-            if len(buf) == room:
-                cursor = (ordinal, offset) if offset < len(tokens) else (ordinal + 1, 0)
-                yield Row(prefix + buf, owner[:1] * len(prefix) + owner, cursor)
-                buf, owner = [], []
-    if buf:
-        yield Row(prefix + buf, owner[:1] * len(prefix) + owner, (-1, 0))
 
 
 # ---------------------------------------------------------------------------------------------- model side
@@ -232,11 +108,12 @@ def _resolve_saes(saes, release, sae_layers, adapter, device, sae_dtype) -> dict
     return out
 
 
-def _auto_shard_tokens(points: dict) -> int:
-    """Tokens per ~1 GiB shard (bf16 dense rows, k values + int32 indices per SAE point), capped at 2^18."""
-    per_token = 16 + sum(2 * p["d_model"] * p["dense"] + (6 * p["sae"]["k"] if p["sae"] else 0)
+def _auto_shard_tokens(points: dict, value_bytes: int) -> int:
+    """Tokens per ~1 GiB shard (dense rows, k codes per SAE point in their layout), capped at 2^18."""
+    per_token = 16 + sum(value_bytes * p["d_model"] * p["dense"] +
+                         (p["sae"]["k"] * code_bytes(p["sae"]["d_sae"], p["sae"]["k"], value_bytes) if p["sae"] else 0)
                          for p in points.values())
-    return min(1 << 18, (1 << 30) // per_token)
+    return min(1 << 18, int((1 << 30) // per_token))
 
 
 def _sae_reference(sae, release) -> str:
@@ -265,7 +142,7 @@ def _sae_info(sae, release) -> dict:
     sample = sae.W_enc.detach()[:4, :8].float().cpu().tolist()
     rel = _sae_reference(sae, release)
     return {"release": rel, "layer": getattr(sae, "layer", None), "k": sae.k, "d_sae": sae.d_sae,
-            "dtype": str(sae.W_enc.dtype).removeprefix("torch."),
+            "index_layout": index_layout(sae.d_sae), "dtype": str(sae.W_enc.dtype).removeprefix("torch."),
             "weights_sample": hashlib.sha256(repr(sample).encode()).hexdigest()[:16]}
 
 
@@ -285,12 +162,14 @@ class CollectSummary:
     world_size: int
     complete: bool
     gdn: str = ""
+    n_tokens_repaired: int = 0
 
     def __str__(self) -> str:
         return (f"collected {self.n_tokens:,} tokens into {self.out_dir} ({self.n_shards} shards, "
                 f"{self.bytes / 2**30:.2f} GiB, {self.world_size} rank(s)); this run {self.n_tokens_this_run:,} "
                 f"tokens in {self.seconds:.1f} s = {self.tokens_per_s:,.0f} tokens/s; padding "
                 f"{100 * self.padding_fraction:.2f}%; complete={self.complete}"
+                + (f"; repaired {self.n_tokens_repaired:,} tokens" if self.n_tokens_repaired else "")
                 + (f"; GDN layers: {self.gdn}" if self.gdn else ""))
 
 
@@ -302,7 +181,7 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
             packing: str = "concat", separator_id: int | str | None = "eos", prepend_bos_id: int | None = None,
             shard_tokens: int | None = None, device: str | torch.device | None = None, overwrite: bool = False,
             progress: bool = True, corpus_id: str | None = None, gdn_kernels: bool | None = None,
-            on_step: Callable[[int], None] | None = None) -> CollectSummary:
+            on_step: Callable[[int], None] | None = None, repair: bool = False) -> CollectSummary:
     """Collect activations and/or SAE codes of ``token_budget`` corpus tokens into a sharded store at ``out_dir``.
 
     Args:
@@ -321,6 +200,9 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
         shard_tokens: about this many tokens per shard, rounded to whole batches (default: shards of ~1 GiB, at
             most 2^18 tokens).
         overwrite: discard a previous collection of another config in ``out_dir`` (the same config resumes).
+        repair: recompute the recorded shards a previous run left missing or damaged (the row stream is
+            deterministic, so the repaired store equals an uninterrupted run); without it such a store is an error
+            naming them. One collect run writes a store at a time: a second gets an error naming the first.
         progress: show a progress bar with tokens/s and ETA, then the summary (rank 0).
         corpus_id: names the corpus in the config hash when it has no ``datasets`` fingerprint (streaming).
         gdn_kernels: run the Gated DeltaNet layers (Qwen3.5, Qwen3-Next) on ``flashqla_kernels``' fused layer for
@@ -339,7 +221,10 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
         >>> collect("Qwen/Qwen3.5-2B-Base", corpus, sae_layers=[12], release="qwen-scope-3.5-2b-base-w32k-l100",
         ...         token_budget=10_000_000, context_len=1024, out_dir="acts/")
     """
+    _check_settings(token_budget=token_budget, context_len=context_len, batch_size=batch_size,
+                    shard_tokens=shard_tokens, out_dir=out_dir)
     rank, world, created = _dist_info()
+    store_lock = writer = None
     try:
         model, tokenizer, device, dtype, name = _resolve_model(model, tokenizer, dtype, device, rank)
         adapter = get_adapter(model)
@@ -355,7 +240,7 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
                     "sae": _sae_info(sae_map[p], release) if p in sae_map else None}
                 for p in dict.fromkeys(dense + list(sae_map))}
         first = next(iter(sae_map.values()), None)
-        shard_tokens = shard_tokens or _auto_shard_tokens(info)
+        shard_tokens = shard_tokens or _auto_shard_tokens(info, torch.empty(0, dtype=store_dtype).element_size())
         config = {
             "model": name, "model_fingerprint": _model_fingerprint(model), "family": adapter.family,
             "points": info, "sae": None if first is None else {
@@ -369,22 +254,68 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
             "corpus": corpus_id or _corpus_id(corpus), "text_column": text_column, "world_size": world,
             "rows_per_shard": batch_size * max(1, shard_tokens // (batch_size * context_len)),
             "use_cache": False}
-        writer = ShardWriter(out_dir, config, rank=rank, world_size=world, overwrite=overwrite)
+        store_lock = _lock_store(Path(out_dir), rank, world)
+        writer = ShardWriter(out_dir, config, rank=rank, world_size=world, overwrite=overwrite, repair=repair)
+        if (overwrite or writer.damaged) and rank == 0:
+            # a repair changes recorded shards: readers see the rank progress files until the new manifest
+            (Path(out_dir) / MANIFEST).unlink(missing_ok=True)
         if overwrite and rank == 0:
-            (Path(out_dir) / "manifest.json").unlink(missing_ok=True)
             _remove_extra_ranks(Path(out_dir), world)
+        if not writer.shards:
+            check_yields_tokens(corpus, rank, world, text_column, tokenizer, config["corpus"])
         gdn_context, gdn = _gdn_layers(adapter, device, gdn_kernels)
         with gdn_context:
+            repaired = repair_shards(writer, adapter, _rows_from(corpus, tokenizer, config, rank, world), device,
+                                     dense, sae_map, config, pad_id, _DTYPES[config["store_dtype"]])
             run = _collect_rank(writer, adapter, corpus, tokenizer, device, dense, sae_map, config, pad_id,
                                 progress and rank == 0, on_step)
-        summary = dataclasses.replace(_finish(writer, run, world, created), gdn=gdn)
+        summary = dataclasses.replace(_finish(writer, {**run, "tokens_repaired": repaired}, world, created),
+                                      gdn=gdn)
         if progress and rank == 0:
             print(summary)
         return summary
     finally:
+        if writer is not None:
+            writer.close()
+        if store_lock is not None:
+            store_lock.release()
         if created:
             import torch.distributed as dist
             dist.destroy_process_group()
+
+
+def _check_settings(*, token_budget, context_len, batch_size, shard_tokens, out_dir) -> None:
+    """Refuse settings that cannot make a store, before anything is loaded or written."""
+    for name, value, flag in (("token_budget", token_budget, "--tokens"), ("context_len", context_len,
+                              "--context-len"), ("batch_size", batch_size, "--batch-size"),
+                              ("shard_tokens", shard_tokens, "--shard-tokens")):
+        if value is None and name == "shard_tokens":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} ({flag}) must be a whole number >= 1, got {value!r}")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir (--out) {out} is a file; expected a directory: a new one, or a store to resume")
+
+
+def _lock_store(root: Path, rank: int, world: int) -> StoreLock | None:
+    """Rank 0 takes the store's writer lock and sweeps its temp folder; every rank learns whether it got it."""
+    import torch.distributed as dist
+
+    lock, error = None, None
+    if rank == 0:
+        try:
+            lock = StoreLock(root)
+            sweep_temp(root)
+        except StoreBusyError as err:
+            error = str(err)
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise StoreBusyError(error)
+    return lock
 
 
 def _gdn_layers(adapter, device: torch.device, wanted: bool | None) -> tuple[contextlib.AbstractContextManager, str]:
@@ -419,17 +350,24 @@ def _remove_extra_ranks(root: Path, world: int) -> None:
             shutil.rmtree(d)
 
 
+def _rows_from(corpus, tokenizer, config: dict, rank: int, world: int) -> Callable:
+    """``cursor -> rows``: this rank's packed rows from a cursor on."""
+    policy = config["bos_policy"]
+
+    def rows(cursor: tuple[int, int]):
+        return pack_rows(_rank_documents(corpus, rank, world, cursor[0], config["text_column"], tokenizer),
+                         config["context_len"], packing=policy["packing"], separator_id=policy["separator_id"],
+                         prepend_bos_id=policy["prepend_bos_id"], start=cursor)
+
+    return rows
+
+
 def _collect_rank(writer: ShardWriter, adapter, corpus, tokenizer, device, dense, sae_map, config, pad_id,
                   progress: bool, on_step: Callable[[int], None] | None) -> dict:
     """This rank's rows from the writer's resume cursor, through ``collect_loop.collect_rank``."""
-    world, rank = writer.world_size, writer.rank
-    policy = config["bos_policy"]
     cursor = tuple(writer.cursor or (0, 0))
     exhausted = writer.complete or cursor[0] < 0
-    rows = iter(()) if exhausted else pack_rows(
-        _rank_documents(corpus, rank, world, cursor[0], config["text_column"], tokenizer), config["context_len"],
-        packing=policy["packing"], separator_id=policy["separator_id"], prepend_bos_id=policy["prepend_bos_id"],
-        start=cursor)
+    rows = iter(()) if exhausted else _rows_from(corpus, tokenizer, config, writer.rank, writer.world_size)(cursor)
     return collect_rank(writer, adapter, rows, device, dense, sae_map, config, pad_id,
                         _DTYPES[config["store_dtype"]], progress, on_step)
 
@@ -449,7 +387,8 @@ def _finish(writer: ShardWriter, run: dict, world: int, created: bool) -> Collec
     this_run = sum(s.get("tokens_this_run", 0) for s in stats)
     summary = CollectSummary(str(writer.root), manifest["n_tokens"], this_run, len(manifest["shards"]),
                              manifest["padding_fraction"], seconds, this_run / max(seconds, 1e-9),
-                             sum(s["bytes"] for s in manifest["shards"]), world, manifest["complete"])
+                             sum(s["bytes"] for s in manifest["shards"]), world, manifest["complete"],
+                             n_tokens_repaired=sum(s.get("tokens_repaired", 0) for s in stats))
     if writer.rank == 0 and run.get("corpus_exhausted"):
         print(f"note: the corpus ran out before token_budget on rank 0 ({run['tokens']:,} tokens)")
     return summary

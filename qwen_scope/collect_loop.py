@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterator
 import torch
 
 from hooks import capture_forward
-from qwen_scope.store_writer import ShardWriter
+from qwen_scope.store_writer import ShardWriter, index_layout, pack_indices
 
-__all__ = ["collect_rank"]
+__all__ = ["collect_rank", "repair_shards"]
 
 _END = object()
 
@@ -209,7 +209,9 @@ def _launch(adapter, batch: Batch, device: torch.device, dense: list[str], encod
         for name, encode in encoders.items():
             codes, overflow = encode(acts[name])
             results[f"sae.{name}.values"] = codes.values.to(store_dtype)
-            results[f"sae.{name}.indices"] = codes.indices.int()
+            # packed on the device: the copy to the host and the shard carry 2 bytes an index, not 8
+            for suffix, t in pack_indices(codes.indices, index_layout(saes[name].d_sae)).items():
+                results[f"sae.{name}.{suffix}"] = t
             if overflow is not None:
                 results[f"overflow.{name}"] = overflow.reshape(1)
                 flags.append(name)
@@ -233,7 +235,8 @@ def finish(step: Step, store_dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
             codes = fused_encode(acts, sae)
             step.out[f"sae.{name}.values"] = codes.values.to(store_dtype).cpu()
-            step.out[f"sae.{name}.indices"] = codes.indices.int().cpu()
+            for suffix, t in pack_indices(codes.indices, index_layout(sae.d_sae)).items():
+                step.out[f"sae.{name}.{suffix}"] = t.cpu()
     step.pending.clear()  # frees the kept activations
     return step.out
 
@@ -304,3 +307,32 @@ def collect_rank(writer: ShardWriter, adapter, rows: Iterator, device: torch.dev
     bar.close()
     return {"rank": rank, "tokens_this_run": stored - start_tokens, "seconds": time.perf_counter() - t0,
             "tokens": stored, "corpus_exhausted": stored < budget}
+
+
+def repair_shards(writer: ShardWriter, adapter, rows_from: Callable[[tuple[int, int]], Iterator],
+                  device: torch.device, dense: list[str], sae_map: dict, config: dict, pad_id: int,
+                  store_dtype: torch.dtype) -> int:
+    """Recompute the writer's damaged shards, each from the cursor its predecessor recorded; return their tokens.
+
+    A shard holds whole batches of the row stream and the stream is a pure function of the cursor, so each shard is
+    rebuilt batch for batch as the uninterrupted run built it (``ShardWriter.rewrite`` checks the rows match).
+    """
+    encoders = {name: encoder(sae) for name, sae in sae_map.items()}
+    context_len, repaired = config["context_len"], 0
+    for position, _ in list(writer.damaged):
+        record = writer.shards[position]
+        start = tuple(writer.shards[position - 1]["cursor"]) if position else (0, 0)
+        parts, n_rows, n_pad, after = [], 0, 0, None
+        for batch in batches(rows_from(start), record["n_tokens"], config["batch_size"], context_len, pad_id,
+                             pin=device.type == "cuda"):
+            step = launch(adapter, batch, device, dense, encoders, sae_map, store_dtype)
+            parts.append(finish(step, store_dtype))
+            n_rows, n_pad = n_rows + len(batch.rows), n_pad + len(batch.rows) * context_len - batch.n_tokens
+            after = batch.rows[-1].cursor
+        if not parts:
+            raise ValueError(f"{writer.root / record['file']}: the corpus yields no rows from cursor {list(start)} "
+                             f"on, so the shard cannot be recomputed; rerun with --overwrite")
+        tensors = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        writer.rewrite(position, tensors, n_rows=n_rows, n_pad=n_pad, cursor=list(after))
+        repaired += record["n_tokens"]
+    return repaired

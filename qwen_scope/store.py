@@ -1,17 +1,24 @@
-"""The activation store: sharded safetensors + a JSON manifest, written atomically, read memory-mapped.
+"""The activation store: sharded safetensors + a JSON manifest, written atomically, read memory-mapped and verified.
 
 Layout of a store directory::
 
     manifest.json                      # merged view: config + hash, every shard (file, start, tokens, sha256)
+    .lock                              # the writer lock (held by rank 0 of a collect run)
+    .tmp/                              # every temp file of writers and readers (swept when a writer starts)
+    rank000/.lock                      # the rank's writer lock
     rank000/progress.json              # per-rank bookkeeping, the resume point (rewritten after every shard)
+    rank000/verified.json              # sha256 of shards already checked, by file identity (inode, size, mtime)
     rank000/shard-000000.safetensors   # token_ids [n], doc_index [n], positions [n], and per point:
-                                       #   dense.{point} [n, d_model]; sae.{point}.values / .indices [n, k]
+                                       #   dense.{point} [n, d_model]; sae.{point}.values [n, k] (store dtype),
+                                       #   sae.{point}.indices [n, k] uint16 (+ .indices_high, packed high bits,
+                                       #   when d_sae > 65536; int32 in stores of format version 1)
 
 Store order is rank 0's shards, then rank 1's, ...; a token's global offset is its index in that order. A shard file
 is written to a temporary name, fsynced and renamed; only then is it recorded in ``progress.json`` (also written
 temp + rename). A shard that is on disk but not recorded is rewritten on resume, so a SIGKILL at any moment loses at
 most the shard in flight and never duplicates one. ``ActivationStore`` reads ``manifest.json`` or, while a run is
-still going (no manifest yet), merges the progress files on the fly.
+still going (no manifest yet), merges the progress files on the fly. Opening checks the manifest, a shard's first
+read checks its header and (unless ``verify=False``) its sha256, once per file identity (``qwen_scope.store_check``).
 
 Example:
     >>> store = ActivationStore("acts/")
@@ -31,10 +38,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from saes import SparseCodes
-from qwen_scope.store_writer import FORMAT, MANIFEST, file_sha256, merge_manifest
+from qwen_scope.store_check import (VerifyCache, check_against_progress, check_manifest, check_shard,
+                                    damaged_message, REPAIR)
+from qwen_scope.store_files import MANIFEST, temp_path, write_safetensors
+from qwen_scope.store_writer import merge_manifest, unpack_indices
 
 
 # ---------------------------------------------------------------------------------------------- reader
@@ -72,7 +81,10 @@ class ActivationStore:
 
     Args:
         path: the store directory (``manifest.json``, or the ``rank*/progress.json`` of a run still going).
-        verify: recompute every shard's sha256 against the manifest first (reads everything once).
+        verify: check each shard's sha256 against the manifest on its first read (default; a shard already
+            checked and unchanged since costs a ``stat``). False reads shards unchecked; the manifest and the shard
+            headers are checked either way.
+        max_open: shard files kept memory-mapped at once.
 
     Attributes:
         manifest: dict (model, points, sae, context_len, bos_policy, n_tokens, shards, ...).
@@ -80,21 +92,29 @@ class ActivationStore:
         n_tokens: tokens in store order (global offsets run ``0 .. n_tokens-1``).
     """
 
-    def __init__(self, path: str | os.PathLike, *, verify: bool = False, max_open: int = 32):
+    def __init__(self, path: str | os.PathLike, *, verify: bool = True, max_open: int = 32):
         self.root = Path(path)
         manifest_path = self.root / MANIFEST
-        self.manifest = (json.loads(manifest_path.read_text()) if manifest_path.exists()
-                         else merge_manifest(self.root, write=False))
-        if self.manifest.get("format") != FORMAT:
-            raise ValueError(f"{manifest_path} is not a qwen-scope activation store "
-                             f"(format {self.manifest.get('format')!r}, expected {FORMAT!r})")
+        if manifest_path.exists():
+            try:
+                self.manifest = json.loads(manifest_path.read_text())
+            except ValueError as err:
+                raise ValueError(f"{manifest_path} is not valid JSON ({err}); rerun the same collect command to "
+                                 f"merge it again from the rank progress files") from None
+            check_manifest(self.root, self.manifest)
+            if any(self.root.glob("rank*/progress.json")):
+                check_against_progress(self.root, self.manifest, merge_manifest(self.root, write=False))
+        else:
+            self.manifest = merge_manifest(self.root, write=False)
+            check_manifest(self.root, self.manifest)
         self.shards = self.manifest["shards"]
         self._starts = [s["start"] for s in self.shards]
         self._handles: dict[int, object] = {}
         self._max_open = max_open
         self._meta_cache: dict[str, torch.Tensor] = {}
-        if verify:
-            self.verify()
+        self._verify = verify
+        self._checked: set[int] = set()
+        self._caches: dict[str, VerifyCache] = {}
 
     # ------------------------------------------------------------------ description
     @property
@@ -120,19 +140,30 @@ class ActivationStore:
         return points[point]
 
     def verify(self) -> None:
-        """Raise ``ValueError`` naming the first shard whose sha256 differs from the manifest."""
-        for s in self.shards:
-            got = file_sha256(self.root / s["file"])
-            if got != s["sha256"]:
-                raise ValueError(f"{self.root / s['file']}: sha256 {got} != manifest {s['sha256']}; the shard is "
-                                 f"corrupt, delete it and its later shards from rank progress and re-run collect")
+        """Check every shard now (header and sha256); raise ``ValueError`` naming the first damaged one."""
+        for i in range(len(self.shards)):
+            self._handle(i, sha256=True)
 
     # ------------------------------------------------------------------ raw reads
-    def _handle(self, i: int):
+    def _handle(self, i: int, sha256: bool | None = None):
         if i not in self._handles:
             if len(self._handles) >= self._max_open:
                 self._handles.pop(next(iter(self._handles)))
-            self._handles[i] = safe_open(str(self.root / self.shards[i]["file"]), framework="pt")
+            record = self.shards[i]
+            path = self.root / record["file"]
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: shard {i} of the store is missing; {REPAIR}")
+            if (self._verify if sha256 is None else sha256) and i not in self._checked:
+                cache = self._caches.setdefault(path.parent.name, VerifyCache(path.parent))
+                got = cache.sha256(path)
+                cache.save()
+                if got != record["sha256"]:
+                    raise ValueError(damaged_message(path, got, record["sha256"]))
+                self._checked.add(i)
+            handle = safe_open(str(path), framework="pt")
+            check_shard(self.root, record, handle.metadata(), handle.get_slice("token_ids").get_shape()[0],
+                        self.manifest["config_hash"])
+            self._handles[i] = handle
         return self._handles[i]
 
     def _read(self, key: str, start: int, stop: int) -> torch.Tensor:
@@ -181,8 +212,10 @@ class ActivationStore:
             raise ValueError(f"point {point!r} has no SAE codes in {self.root}; points with codes: "
                              f"{[p for p, i in self.manifest['points'].items() if i['sae']]}")
         stop = self.n_tokens if stop is None else stop
+        layout = self.point_info(point)["sae"].get("index_layout", "int32")
+        high = self._read(f"sae.{point}.indices_high", start, stop) if "+" in layout else None
         return SparseCodes(self._read(f"sae.{point}.values", start, stop),
-                           self._read(f"sae.{point}.indices", start, stop).long())
+                           unpack_indices(self._read(f"sae.{point}.indices", start, stop), high, layout))
 
     def feature_acts(self, point: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """SAE codes back to dense feature activations: ``[n, d_sae]`` (dtype of the stored values)."""
@@ -287,15 +320,22 @@ class ActivationStore:
             top_v, top_o = _merge_top(top_v, top_o, feats[live], vals[live], offs[live])
         index = FeatureIndex(counts, sums, top_v, top_o, self.n_tokens)
         if cache:
-            try:
-                path.parent.mkdir(exist_ok=True)
-                tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-                save_file({"counts": counts, "sums": sums, "top_values": top_v, "top_offsets": top_o}, str(tmp),
-                          metadata=key)
-                os.replace(tmp, path)
-            except OSError:
-                pass
+            self._save_index(path, {"counts": counts, "sums": sums, "top_values": top_v, "top_offsets": top_o}, key)
         return index
+
+    def _save_index(self, path: Path, tensors: dict[str, torch.Tensor], key: dict[str, str]) -> None:
+        """Cache a feature index (best effort: a store the user cannot write to is read without the cache)."""
+        tmp = None
+        try:
+            path.parent.mkdir(exist_ok=True)
+            tmp = temp_path(self.root, "index", path.name)
+            write_safetensors(tmp, tensors, key)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+        finally:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
 
 
 def _merge_top(top_v: torch.Tensor, top_o: torch.Tensor, feats: torch.Tensor, vals: torch.Tensor,

@@ -1,88 +1,68 @@
-"""Writing the activation store: shard files written atomically, per-rank progress, and the merged manifest.
+"""Writing the activation store: shard files written atomically, per-rank progress, the merged manifest, the code
+layout.
 
 The layout and the crash-safety contract are described in ``qwen_scope.store`` (the reader). A shard file is written
-to a temporary name, fsynced and renamed; only then is it recorded in ``rank{r}/progress.json`` (also temp + rename).
+to a temp file in ``<store>/.tmp/``, fsynced and renamed into ``rank{r}/``; only then is it recorded in
+``rank{r}/progress.json`` (also temp + rename). Each rank's writer holds the lock of its folder while it lives.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+import torch.nn.functional as F
 
-FORMAT = "qwen-scope-activations"
-VERSION = 1
-MANIFEST = "manifest.json"
-
-
-# ---------------------------------------------------------------------------------------------- file helpers
-def config_hash(config: dict) -> str:
-    """Stable sha256 (first 16 hex digits) of a JSON-able config dict."""
-    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+from qwen_scope.store_check import VerifyCache, find_damaged
+from qwen_scope.store_files import (FORMAT, MANIFEST, SHARD_NAME, VERSION, StoreLock, atomic_write_json,
+                                    config_hash, file_sha256, fsync_dir, sweep_temp, temp_path, write_safetensors)
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# ---------------------------------------------------------------------------------------------- code layout
+def index_layout(d_sae: int) -> str:
+    """How SAE feature indices are stored: ``"uint16"`` (d_sae <= 65536), ``"uint16+<h>"`` (the low 16 bits, plus
+    ``h`` high bits bit-packed into ``indices_high``, for d_sae <= 2^24) or ``"int32"`` (wider, and stores of
+    format version 1)."""
+    bits = max(1, (int(d_sae) - 1).bit_length())
+    return "uint16" if bits <= 16 else f"uint16+{bits - 16}" if bits <= 24 else "int32"
 
 
-def atomic_write_json(path: Path, obj: dict) -> None:
-    """Write ``obj`` as JSON to ``path`` via a temporary file, fsync and rename (never a half-written file)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+def code_bytes(d_sae: int, k: int, value_bytes: int = 2) -> float:
+    """Bytes one stored SAE code takes (value + index) in ``index_layout(d_sae)``."""
+    layout = index_layout(d_sae)
+    index = 4 if layout == "int32" else 2 if layout == "uint16" else 2 + -(-k * int(layout[7:]) // 8) / k
+    return value_bytes + index
 
 
-_HASH_BLOCK = 1 << 26
-_hash_pool: ThreadPoolExecutor | None = None
+def pack_indices(indices: torch.Tensor, layout: str) -> dict[str, torch.Tensor]:
+    """``indices [n, k]`` (any integer dtype, any device) in ``layout`` (``index_layout(d_sae)``):
+    ``{"indices": ...}`` and, with high bits, ``{"indices_high": [n, ceil(k * h / 8)] uint8}``."""
+    if layout == "int32":
+        return {"indices": indices.int()}
+    # the cast keeps the low 16 bits (two's complement wrap-around); the view reads them back unsigned
+    out = {"indices": indices.to(torch.int16).view(torch.uint16)}
+    if layout != "uint16":
+        n, k = indices.shape
+        h = int(layout[7:])
+        shifts = torch.arange(16, 16 + h, device=indices.device)
+        bits = ((indices.long()[..., None] >> shifts) & 1).reshape(n, k * h)
+        bits = F.pad(bits, (0, -(k * h) % 8)).reshape(n, -1, 8)
+        out["indices_high"] = (bits << torch.arange(8, device=indices.device)).sum(-1).to(torch.uint8)
+    return out
 
 
-def file_sha256(path: Path) -> str:
-    """Block-tree sha256 of a file: sha256 over the sha256 digests of its 64 MiB blocks, hashed in parallel threads.
-
-    A multi-GB shard hashes at memory speed instead of one core's sha256 rate; ``verify`` recomputes the same.
-    """
-    global _hash_pool
-    if _hash_pool is None:
-        _hash_pool = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1), thread_name_prefix="sha256")
-    size = os.path.getsize(path)
-    if size == 0:
-        return hashlib.sha256(b"").hexdigest()
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        view = memoryview(mm)
-        try:
-            digests = _hash_pool.map(lambda a: hashlib.sha256(view[a:a + _HASH_BLOCK]).digest(),
-                                     range(0, size, _HASH_BLOCK))
-            return hashlib.sha256(b"".join(digests)).hexdigest()
-        finally:
-            view.release()
-
-
-def _write_shard_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[str, int]:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    digest = file_sha256(tmp)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    return digest, path.stat().st_size
+def unpack_indices(low: torch.Tensor, high: torch.Tensor | None, layout: str) -> torch.Tensor:
+    """The inverse of ``pack_indices``: LongTensor ``[n, k]`` (``low`` is int32 in stores of format version 1)."""
+    indices = low.long()
+    if high is None or layout in ("int32", "uint16"):
+        return indices
+    n, k = low.shape
+    h = int(layout[7:])
+    bits = (high.long()[..., None] >> torch.arange(8)) & 1
+    bits = bits.reshape(n, -1)[:, :k * h].reshape(n, k, h)
+    return indices | (bits << torch.arange(16, 16 + h)).sum(-1)
 
 
 # ---------------------------------------------------------------------------------------------- writer
@@ -95,27 +75,40 @@ class ShardWriter:
             guards resume: a different config in the same ``out_dir`` is an error unless ``overwrite=True``.
         rank, world_size: this process's rank and the number of ranks.
         overwrite: discard this rank's previous progress instead of resuming.
+        repair: accept recorded shards that are missing or damaged (listed in ``damaged``) for ``rewrite``;
+            without it they are an error naming them.
         workers: background threads writing shard files (the caller keeps computing meanwhile).
         max_pending: shards in flight before ``write`` blocks (bounds host memory).
 
     After construction, ``cursor`` is the opaque resume state passed with the last complete shard (``None`` for a
-    fresh run), and ``n_rows`` / ``n_tokens`` / ``n_pad`` count what is already on disk.
+    fresh run), ``n_rows`` / ``n_tokens`` / ``n_pad`` count what is already on disk and ``damaged`` lists
+    ``(position in shards, reason)`` of the recorded shards whose files are missing or differ from their record.
     """
 
     def __init__(self, out_dir: str | os.PathLike, config: dict, *, rank: int = 0, world_size: int = 1,
-                 overwrite: bool = False, workers: int = 2, max_pending: int = 2):
+                 overwrite: bool = False, repair: bool = False, workers: int = 2, max_pending: int = 2):
         self.root = Path(out_dir)
         self.dir = self.root / f"rank{rank:03d}"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.config, self.hash = config, config_hash(config)
-        self.rank, self.world_size = rank, world_size
-        self.progress_path = self.dir / "progress.json"
-        for stale in self.dir.glob(".*.tmp-*"):
-            stale.unlink(missing_ok=True)
-        state = self._load_previous(overwrite)
-        self.shards: list[dict] = state.get("shards", [])
-        self.complete: bool = state.get("complete", False)
-        self.stats: dict = state.get("stats", {})
+        self.lock = StoreLock(self.dir)
+        try:
+            self.config, self.hash = config, config_hash(config)
+            self.rank, self.world_size = rank, world_size
+            self.progress_path = self.dir / "progress.json"
+            self.owner = self.dir.name
+            sweep_temp(self.root, self.owner)
+            for stale in self.dir.glob(".*tmp*"):
+                stale.unlink(missing_ok=True)
+            state = self._load_previous(overwrite)
+            self.shards: list[dict] = state.get("shards", [])
+            self.complete: bool = state.get("complete", False)
+            self.stats: dict = state.get("stats", {})
+            self.verified = VerifyCache(self.dir)
+            self.damaged = find_damaged(self.root, self.shards, self.verified)
+            if self.damaged and not repair:
+                raise ValueError(_damage_message(self.root, self.shards, self.damaged))
+        except BaseException:
+            self.lock.release()
+            raise
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"shard-writer-{rank}")
         self._pending: list[tuple[Future, dict]] = []
         self.max_pending = max_pending
@@ -125,9 +118,14 @@ class ShardWriter:
             for old in self.dir.glob("shard-*.safetensors"):
                 old.unlink()
             self.progress_path.unlink(missing_ok=True)
+            (self.dir / VerifyCache.NAME).unlink(missing_ok=True)
         if not self.progress_path.exists():
             return {}
-        state = json.loads(self.progress_path.read_text())
+        try:
+            state = json.loads(self.progress_path.read_text())
+        except ValueError as err:
+            raise ValueError(f"{self.progress_path} is not valid JSON ({err}); the rank's record of its shards is "
+                             f"lost: rerun with --overwrite (overwrite=True) to collect this store again") from None
         if state.get("config_hash") != self.hash:
             old = state.get("config", {})
             diff = sorted(k for k in set(old) | set(self.config) if old.get(k) != self.config.get(k))
@@ -153,6 +151,10 @@ class ShardWriter:
     def n_pad(self) -> int:
         return sum(s["n_pad"] for s in self.shards)
 
+    def _meta(self, index: int) -> dict[str, str]:
+        # One metadata key: the shard's bytes must not depend on how often a run was interrupted.
+        return {FORMAT: json.dumps({"config_hash": self.hash, "rank": self.rank, "index": index}, sort_keys=True)}
+
     def write(self, tensors: dict[str, torch.Tensor], *, n_rows: int, n_pad: int, cursor: dict) -> None:
         """Queue one shard (CPU tensors, ``token_ids [n]`` included); record it once its file is renamed into place.
 
@@ -162,14 +164,43 @@ class ShardWriter:
             cursor: resume state after this shard (JSON-able), handed back by ``cursor`` on resume.
         """
         index = len(self.shards) + len(self._pending)
-        name = f"shard-{index:06d}.safetensors"
-        record = {"file": f"{self.dir.name}/{name}", "index": index, "n_tokens": int(tensors["token_ids"].numel()),
+        name = SHARD_NAME.format(rank=self.rank, index=index)
+        record = {"file": name, "index": index, "n_tokens": int(tensors["token_ids"].numel()),
                   "n_rows": n_rows, "n_pad": n_pad, "cursor": cursor}
-        # One metadata key: safetensors writes its metadata map in arbitrary order, and shards should be
-        # byte-identical however often a run was interrupted.
-        meta = {FORMAT: json.dumps({"config_hash": self.hash, "rank": self.rank, "index": index}, sort_keys=True)}
-        self._pending.append((self._pool.submit(_write_shard_file, self.dir / name, tensors, meta), record))
+        future = self._pool.submit(self._write_file, name, tensors, self._meta(index))
+        self._pending.append((future, record))
         self._commit(block=len(self._pending) > self.max_pending)
+
+    def rewrite(self, position: int, tensors: dict[str, torch.Tensor], *, n_rows: int, n_pad: int,
+                cursor: dict) -> None:
+        """Write the recorded shard at ``position`` again (a repair) and record its new hash.
+
+        Raises:
+            ValueError: the recomputed rows are not those recorded (the corpus or the code changed).
+        """
+        record = self.shards[position]
+        got = {"n_tokens": int(tensors["token_ids"].numel()), "n_rows": n_rows, "n_pad": n_pad, "cursor": cursor}
+        want = {k: record[k] for k in got}
+        if got != want:
+            raise ValueError(f"{self.root / record['file']}: the recomputed shard holds {got}, its record {want}; "
+                             f"the corpus no longer yields the recorded rows, so it cannot be repaired: rerun "
+                             f"with --overwrite to collect the store again")
+        record["sha256"], record["bytes"] = self._write_file(record["file"], tensors, self._meta(record["index"]))
+        self.damaged = [d for d in self.damaged if d[0] != position]
+        self._save()
+
+    def _write_file(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict) -> tuple[str, int]:
+        path = self.root / name
+        tmp = temp_path(self.root, self.owner, path.name)
+        try:
+            write_safetensors(tmp, {k: v.contiguous() for k, v in tensors.items()}, metadata)
+            digest = file_sha256(tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsync_dir(path.parent)
+        self.verified.remember(path, digest)
+        return digest, path.stat().st_size
 
     def _commit(self, block: bool) -> None:
         changed = False
@@ -187,22 +218,34 @@ class ShardWriter:
             self._commit(block=True)
 
     def finish(self, stats: dict | None = None) -> None:
-        """Flush, mark this rank complete and store ``stats`` (JSON-able) in its progress file."""
+        """Flush, mark this rank complete, store ``stats`` (JSON-able) in its progress file, release the lock."""
         self.flush()
         self.complete = True
         self.stats = dict(stats or {})
         self._save()
-        self._pool.shutdown()
+        self.close()
 
     def close(self) -> None:
-        self.flush()
-        self._pool.shutdown()
+        """Flush, stop the writer threads and release the rank's lock."""
+        try:
+            self.flush()
+        finally:
+            self._pool.shutdown()
+            self.verified.save()
+            self.lock.release()
 
     def _save(self) -> None:
         atomic_write_json(self.progress_path, {
             "format": FORMAT, "version": VERSION, "config_hash": self.hash, "config": self.config,
             "rank": self.rank, "world_size": self.world_size, "complete": self.complete,
-            "shards": self.shards, "stats": self.stats})
+            "shards": self.shards, "stats": self.stats}, root=self.root, owner=self.owner)
+
+
+def _damage_message(root: Path, shards: list[dict], damaged: list[tuple[int, str]]) -> str:
+    listed = "; ".join(f"{shards[i]['file']} ({why})" for i, why in damaged[:5])
+    more = f" and {len(damaged) - 5} more" if len(damaged) > 5 else ""
+    return (f"{root}: {len(damaged)} recorded shard(s) are missing or damaged: {listed}{more}. Rerun the same "
+            f"collect command with --repair (repair=True) to recompute exactly those, or --overwrite to start over")
 
 
 def merge_manifest(out_dir: str | os.PathLike, *, write: bool = True) -> dict:
@@ -216,7 +259,12 @@ def merge_manifest(out_dir: str | os.PathLike, *, write: bool = True) -> dict:
     if not ranks:
         raise FileNotFoundError(f"{root} holds no activation store (no manifest.json, no rank*/progress.json); "
                                 f"run `qwen-scope collect ... --out {root}` first")
-    states = [json.loads(p.read_text()) for p in ranks]
+    states = []
+    for p in ranks:
+        try:
+            states.append(json.loads(p.read_text()))
+        except ValueError as err:
+            raise ValueError(f"{p} is not valid JSON ({err}); rerun the collect command with --overwrite") from None
     first = states[0]
     hashes = {s["config_hash"] for s in states}
     if len(hashes) != 1:
@@ -231,11 +279,12 @@ def merge_manifest(out_dir: str | os.PathLike, *, write: bool = True) -> dict:
     config = first["config"]
     complete = len(states) == first["world_size"] and all(s["complete"] for s in states)
     manifest = {
-        "format": FORMAT, "version": VERSION, "config_hash": first["config_hash"], "config": config,
+        "format": FORMAT, "version": max(s.get("version", 1) for s in states), "config_hash": first["config_hash"],
+        "config": config,
         **{k: config.get(k) for k in ("model", "points", "sae", "context_len", "bos_policy", "store_dtype")},
         "world_size": first["world_size"], "complete": complete, "n_tokens": start, "n_rows": n_rows,
         "n_pad": n_pad, "padding_fraction": n_pad / max(1, n_pad + start), "shards": shards,
         "rank_stats": [s.get("stats", {}) for s in states]}
     if write:
-        atomic_write_json(root / MANIFEST, manifest)
+        atomic_write_json(root / MANIFEST, manifest, root=root)
     return manifest

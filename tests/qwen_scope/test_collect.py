@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -200,6 +201,8 @@ def test_sigkill_at_any_moment_then_resume_gives_exactly_the_uninterrupted_store
     state = json.loads(progress.read_text())
     assert proc.returncode == -signal.SIGKILL and not state["complete"] and 3 <= len(state["shards"]) < 13
     exec(compile(_script(setup, killed, slow=False), "resume", "exec"), {})
+    # whatever temp file the kill left (in .tmp/, by design) the resumed writer swept
+    assert not list((killed / ".tmp").iterdir()) and not list(killed.glob("rank000/.*tmp*"))
     exec(compile(_script(setup, whole, slow=False), "whole", "exec"), {})
     a, b = ActivationStore(killed, verify=True), ActivationStore(whole, verify=True)
     assert a.n_tokens == b.n_tokens == 800 and a.manifest["complete"]
@@ -315,3 +318,148 @@ def test_the_store_records_a_release_that_loads_again(tmp_path, how):
     recorded = ActivationStore(tmp_path / "store").point_info("resid_post.1")["sae"]["release"]
     again = load(recorded, 1)
     assert torch.equal(again.W_enc, load(release_dir, 1).W_enc)
+
+
+def test_a_second_collect_run_into_the_same_store_gets_one_error_naming_the_first(setup, tmp_path, capsys):
+    from qwen_scope.cli import main
+    from tests.qwen_scope.test_store_files import _holder
+
+    out = tmp_path / "acts"
+    proc = _holder(out)  # a run that holds the store's writer lock
+    try:
+        with pytest.raises(ValueError, match=rf"acts is being written by another collect run \(pid {proc.pid}"):
+            collect(setup["model"], setup["corpus"], points=["resid_post.1"], token_budget=64, context_len=32,
+                    out_dir=out, tokenizer=setup["tok"], progress=False)
+        assert not (out / "rank000").exists()  # refused before anything was written
+        model_dir = tmp_path / "tiny"
+        setup["model"].save_pretrained(model_dir)
+        setup["tok"].save_pretrained(model_dir)
+        capsys.readouterr()
+        assert main(["collect", str(model_dir), str(setup["root"] / "corpus.jsonl"), "--out", str(out),
+                     "--points", "resid_post.1", "--tokens", "64", "--context-len", "32", "--no-progress"]) == 2
+        err = _error_line(capsys.readouterr().err)
+        assert f"pid {proc.pid}" in err
+    finally:
+        proc.kill()
+        proc.wait()
+    summary = collect(setup["model"], setup["corpus"], points=["resid_post.1"], token_budget=64, context_len=32,
+                      out_dir=out, tokenizer=setup["tok"], progress=False)
+    assert summary.complete and summary.n_tokens == 64
+
+
+def _error_line(err: str) -> str:
+    """The CLI's error, checked to be one line (whatever transformers printed before it)."""
+    tail = err[err.index("qwen-scope collect: error: "):]
+    assert tail.count("\n") == 1 and tail.endswith("\n"), tail
+    return tail
+
+
+def _shard_hashes(root: Path) -> dict[str, str]:
+    from qwen_scope.store_files import file_sha256
+
+    return {p.name: file_sha256(p) for p in sorted(root.glob("rank000/shard-*.safetensors"))}
+
+
+def test_rerun_on_a_damaged_store_refuses_then_repair_recomputes_exactly_the_damaged_shards(setup, tmp_path):
+    kw = dict(points=["resid_post.1"], sae_layers=[2], release=str(setup["release"]), token_budget=300,
+              context_len=32, batch_size=2, shard_tokens=64, tokenizer=setup["tok"], progress=False)
+    clean = collect(setup["model"], setup["corpus"], out_dir=tmp_path / "clean", **kw)
+    want = _shard_hashes(tmp_path / "clean")
+    assert clean.n_shards == 5 and len(want) == 5
+    out = tmp_path / "damaged"
+    shutil.copytree(tmp_path / "clean", out)
+    shards = sorted(out.glob("rank000/shard-*.safetensors"))
+    shards[1].unlink()
+    shards[2].write_bytes(os.urandom(shards[2].stat().st_size))
+    shards[4].write_bytes(shards[4].read_bytes()[:-10])
+    with pytest.raises(ValueError, match=r"3 recorded shard\(s\) are missing or damaged: rank000/shard-000001"
+                                         r".*missing.*shard-000002.*sha256.*shard-000004.*bytes.*--repair"):
+        collect(setup["model"], setup["corpus"], out_dir=out, **kw)
+    repaired = collect(setup["model"], setup["corpus"], out_dir=out, repair=True, **kw)
+    assert repaired.complete and repaired.n_tokens == 300 and repaired.n_tokens_this_run == 0
+    assert repaired.n_tokens_repaired == 64 + 64 + 44 and "repaired 172 tokens" in str(repaired)
+    assert _shard_hashes(out) == want  # byte for byte the uninterrupted run
+    assert json.loads((out / "manifest.json").read_text())["shards"] == \
+        json.loads((tmp_path / "clean" / "manifest.json").read_text())["shards"]
+    ActivationStore(out).verify()
+
+
+def test_a_repair_that_finds_other_rows_refuses(setup, tmp_path):
+    kw = dict(points=["resid_post.1"], token_budget=200, context_len=32, batch_size=2, shard_tokens=64,
+              tokenizer=setup["tok"], progress=False)
+    collect(setup["model"], setup["corpus"], out_dir=tmp_path, **kw)
+    progress = tmp_path / "rank000" / "progress.json"
+    state = json.loads(progress.read_text())
+    state["shards"][1]["cursor"] = [0, 0]  # the record no longer says where the corpus continues
+    progress.write_text(json.dumps(state))
+    (tmp_path / "rank000" / "shard-000002.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"shard-000002.safetensors: the recomputed shard holds .* cannot be "
+                                         r"repaired: rerun with --overwrite"):
+        collect(setup["model"], setup["corpus"], out_dir=tmp_path, repair=True, **kw)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"token_budget": 0}, r"token_budget \(--tokens\) must be a whole number >= 1, got 0"),
+    ({"token_budget": -5}, r"token_budget \(--tokens\) must be .* got -5"),
+    ({"batch_size": -1}, r"batch_size \(--batch-size\) must be .* got -1"),
+    ({"batch_size": 0}, r"batch_size \(--batch-size\) must be .* got 0"),
+    ({"context_len": 0}, r"context_len \(--context-len\) must be .* got 0"),
+    ({"shard_tokens": 0}, r"shard_tokens \(--shard-tokens\) must be .* got 0"),
+    ({"corpus": []}, r"the corpus list:[0-9a-f]+ yields no tokens: 0 document\(s\)"),
+    ({"corpus": ["", "", ""]}, r"yields no tokens: 3 document\(s\), every one empty .* --text-column \('text'\)")])
+def test_bad_settings_are_refused_before_anything_is_written(setup, tmp_path, bad, match):
+    kw = dict(points=["resid_post.1"], token_budget=64, context_len=32, batch_size=2, tokenizer=setup["tok"],
+              progress=False, out_dir=tmp_path / "acts")
+    corpus = bad.pop("corpus", setup["corpus"])
+    with pytest.raises(ValueError, match=match):
+        collect(setup["model"], corpus, **{**kw, **bad})
+    assert not list((tmp_path / "acts").glob("rank*/*.safetensors"))
+    assert not (tmp_path / "acts" / "manifest.json").exists()
+
+
+def test_cli_bad_settings_are_one_line_and_write_nothing(setup, tmp_path, capsys):
+    from qwen_scope.cli import main
+
+    model_dir = tmp_path / "tiny"
+    setup["model"].save_pretrained(model_dir)
+    setup["tok"].save_pretrained(model_dir)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a store")
+    base = ["collect", str(model_dir), str(setup["root"] / "corpus.jsonl"), "--points", "resid_post.1",
+            "--no-progress"]
+    cases = [(["--out", str(tmp_path / "o"), "--tokens", "infK"], "--tokens expects a whole token count >= 1"),
+             (["--out", str(tmp_path / "o"), "--tokens", "0"], "got '0'"),
+             (["--out", str(tmp_path / "o"), "--tokens", "-5"], "got '-5'"),
+             (["--out", str(tmp_path / "o"), "--tokens", "64", "--batch-size", "-1"], "batch_size (--batch-size)"),
+             (["--out", str(tmp_path / "o"), "--tokens", "64", "--context-len", "0"], "context_len (--context-len)"),
+             (["--out", str(a_file), "--tokens", "64"], f"--out) {a_file} is a file; expected a directory")]
+    for args, needle in cases:
+        capsys.readouterr()
+        assert main(base + args) == 2, args
+        err = _error_line(capsys.readouterr().err)
+        assert needle in err, (args, err)
+    assert not (tmp_path / "o").exists() and a_file.read_text() == "not a store"
+
+
+def test_stored_indices_take_two_bytes_and_the_manifest_records_the_layout(setup, tmp_path):
+    from safetensors import safe_open
+
+    collect(setup["model"], setup["corpus"], sae_layers=[1], release=str(setup["release"]), token_budget=96,
+            context_len=32, out_dir=tmp_path, batch_size=2, tokenizer=setup["tok"], progress=False)
+    store = ActivationStore(tmp_path)
+    assert store.point_info("resid_post.1")["sae"]["index_layout"] == "uint16" and store.manifest["version"] == 2
+    with safe_open(str(tmp_path / store.shards[0]["file"]), framework="pt") as f:
+        assert f.get_slice("sae.resid_post.1.indices").get_dtype() == "U16"
+        assert f.get_slice("sae.resid_post.1.values").get_dtype() == "BF16"
+    want = load(setup["release"], 1).encode_sparse(_direct(setup, store, "resid_post.1"))
+    assert torch.equal(store.sae_codes("resid_post.1").indices, want.indices)
+
+
+def _direct(setup, store: ActivationStore, point: str) -> torch.Tensor:
+    """``point``'s activations of every stored token, from a forward of each packed row."""
+    parts = []
+    for a, b in _rows(store):
+        with capture(setup["model"], [point]) as cap:
+            setup["model"](input_ids=store.token_ids()[a:b][None], use_cache=False)
+        parts.append(cap[point][0])
+    return torch.cat(parts)

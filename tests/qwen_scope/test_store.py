@@ -1,17 +1,22 @@
-"""The activation store: atomic sharded writes, resume bookkeeping, manifest merge, and every reader path."""
+"""The activation store: atomic sharded writes, resume bookkeeping, manifest merge, every reader path, and the
+compact code layout (uint16 indices, packed high bits, version-1 stores with int32 indices still read)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from qwen_scope.store import ActivationStore
-from qwen_scope.store_writer import ShardWriter, merge_manifest
+from qwen_scope.store_files import config_hash
+from qwen_scope.store_writer import (ShardWriter, code_bytes, index_layout, merge_manifest, pack_indices,
+                                     unpack_indices)
 
 D_MODEL, D_SAE, K = 8, 32, 4
 POINTS = {"resid_post.1": {"dense": True, "d_model": D_MODEL, "sae": {"release": "r", "layer": 1, "k": K,
-                                                                     "d_sae": D_SAE}},
+                                                                     "d_sae": D_SAE, "index_layout": "uint16"}},
           "resid_post.0": {"dense": True, "d_model": D_MODEL, "sae": None}}
 
 
@@ -31,7 +36,7 @@ def _shard(start: int, n: int, seed: int):
         "dense.resid_post.1": torch.randn(n, D_MODEL, generator=g).bfloat16(),
         "dense.resid_post.0": torch.randn(n, D_MODEL, generator=g).bfloat16(),
         "sae.resid_post.1.values": values.bfloat16(),
-        "sae.resid_post.1.indices": indices.int(),
+        **{f"sae.resid_post.1.{k}": v for k, v in pack_indices(indices, "uint16").items()},
     }
 
 
@@ -59,7 +64,7 @@ def test_round_trip_reads_back_every_tensor_across_shard_boundaries(tmp_path):
     manifest = merge_manifest(tmp_path)
     assert manifest["n_tokens"] == 39 and manifest["complete"] and len(manifest["shards"]) == 3
     assert [s["start"] for s in manifest["shards"]] == [0, 16, 32]
-    store = ActivationStore(tmp_path, verify=True)
+    store = ActivationStore(tmp_path)
     assert store.points == ["resid_post.1", "resid_post.0"] and len(store) == 39
     assert torch.equal(store.token_ids(), _cat(shards, "token_ids").long())
     assert store.token_ids().dtype == torch.long
@@ -140,7 +145,8 @@ def test_resume_state_survives_a_new_writer_and_unrecorded_shards_are_rewritten(
     t = _shard(32, 5, seed=7)
     w.write(t, n_rows=1, n_pad=11, cursor={"shard": 3})
     w.finish()
-    store = ActivationStore(tmp_path, verify=True)
+    store = ActivationStore(tmp_path)
+    store.verify()
     assert len(store) == 37 and torch.equal(store.dense("resid_post.0", 32, 37), t["dense.resid_post.0"])
     assert store.manifest["n_pad"] == 11 and abs(store.manifest["padding_fraction"] - 11 / 48) < 1e-12
 
@@ -175,11 +181,55 @@ def test_reader_errors_name_the_point_and_the_fix(tmp_path):
         store.sae_codes("resid_post.0")
     with pytest.raises(IndexError, match=r"\[0, 16\)"):
         store.dense("resid_post.0", 10, 17)
-    shard = tmp_path / "rank000" / "shard-000000.safetensors"
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match="sha256"):
-        ActivationStore(tmp_path, verify=True)
     with pytest.raises(FileNotFoundError, match="qwen-scope collect"):
         ActivationStore(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("d_sae", [32, 65536, 81920, 131072, 1 << 20, 1 << 25])
+def test_pack_indices_is_lossless_in_every_layout(d_sae):
+    g = torch.Generator().manual_seed(d_sae % 1000)
+    indices = torch.randint(0, d_sae, (37, 13), generator=g)
+    indices[0, :2] = torch.tensor([0, d_sae - 1])
+    layout = index_layout(d_sae)
+    packed = pack_indices(indices, layout)
+    assert torch.equal(unpack_indices(packed["indices"], packed.get("indices_high"), layout), indices)
+    want = {32: "uint16", 65536: "uint16", 81920: "uint16+1", 131072: "uint16+1", 1 << 20: "uint16+4",
+            1 << 25: "int32"}[d_sae]
+    assert layout == want and packed["indices"].dtype == (torch.int32 if want == "int32" else torch.uint16)
+    # bytes a code with bf16 values and k = 100 (the 2B release): 4 up to 64K features, 6 before this layout
+    assert code_bytes(d_sae, 100) == {"uint16": 4, "uint16+1": 4.13, "uint16+4": 4.5, "int32": 6}[want]
+
+
+def test_a_shard_stores_two_bytes_an_index(tmp_path):
+    _write(tmp_path, [16])
+    with safe_open(str(tmp_path / "rank000" / "shard-000000.safetensors"), framework="pt") as f:
+        idx, val = f.get_slice("sae.resid_post.1.indices"), f.get_slice("sae.resid_post.1.values")
+        assert (idx.get_dtype(), val.get_dtype()) == ("U16", "BF16") and idx.get_shape() == [16, K]
+
+
+def test_a_version_1_store_with_int32_indices_reads_the_same_codes(tmp_path):
+    """What the writer before the compact layout left: int32 indices, no index_layout, format version 1."""
+    points = {p: {**i, "sae": i["sae"] and {k: v for k, v in i["sae"].items() if k != "index_layout"}}
+              for p, i in POINTS.items()}
+    config = _config(points=points)
+    tensors = _shard(0, 16, seed=1)
+    low = tensors.pop("sae.resid_post.1.indices")
+    tensors["sae.resid_post.1.indices"] = low.int()
+    (tmp_path / "rank000").mkdir()
+    meta = {"qwen-scope-activations": json.dumps({"config_hash": config_hash(config), "rank": 0, "index": 0},
+                                                 sort_keys=True)}
+    path = tmp_path / "rank000" / "shard-000000.safetensors"
+    save_file(tensors, str(path), metadata=meta)
+    from qwen_scope.store_files import file_sha256
+
+    record = {"file": "rank000/shard-000000.safetensors", "index": 0, "n_tokens": 16, "n_rows": 1, "n_pad": 0,
+              "cursor": [1, 0], "sha256": file_sha256(path), "bytes": path.stat().st_size}
+    (tmp_path / "rank000" / "progress.json").write_text(json.dumps({
+        "format": "qwen-scope-activations", "version": 1, "config_hash": config_hash(config), "config": config,
+        "rank": 0, "world_size": 1, "complete": True, "shards": [record], "stats": {}}))
+    merge_manifest(tmp_path)
+    store = ActivationStore(tmp_path)
+    codes = store.sae_codes("resid_post.1")
+    assert store.manifest["version"] == 1 and codes.indices.dtype == torch.long
+    assert torch.equal(codes.indices, low.long()) and torch.equal(codes.values, tensors["sae.resid_post.1.values"])
+    assert store.feature_index("resid_post.1", top_n=2).counts.sum() == (codes.values > 0).sum()
