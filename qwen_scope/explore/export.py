@@ -16,12 +16,30 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from qwen_scope.explore.card import DecodedExample, FeatureCard
+
+
+def public_name(value):
+    """``value`` as an export may show it: a local path (absolute, ``./``, ``~`` or existing) becomes its last part
+    (``/home/me/runs/tiny-qwen`` -> ``tiny-qwen``), so shared pages and JSON carry no local paths; hub ids and other
+    values pass unchanged.
+
+    Example:
+        >>> public_name("/home/me/models/tiny-qwen"), public_name("Qwen/Qwen3.5-2B-Base")
+        ('tiny-qwen', 'Qwen/Qwen3.5-2B-Base')
+    """
+    if not isinstance(value, (str, Path)):
+        return value
+    text = str(value)
+    if os.path.isabs(text) or text.startswith(("./", "../", "~")) or (text and Path(text).exists()):
+        return Path(text.rstrip("/")).name or text
+    return text
 
 
 def _activation(e: DecodedExample, lo: float, hi: float, contains: float) -> dict:
@@ -67,7 +85,7 @@ def feature_json(card: FeatureCard, *, model_id: str | None = None, source: str 
     view = card.view
     lens = view.logits if view is not None else None
     out = {
-        "modelId": model_id or meta.get("model") or "", "layer": source, "index": card.feature,
+        "modelId": model_id or public_name(meta.get("model")) or "", "layer": source, "index": card.feature,
         "maxActApprox": card.max, "frac_nonzero": card.density, "mean_activation": card.mean,
         "n_tokens": card.n_tokens, "decoder_norm": view.decoder_norm if view is not None else None,
         "pos_str": [s for s, _ in card.logit_top], "pos_values": [v for _, v in card.logit_top],

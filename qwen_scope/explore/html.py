@@ -13,12 +13,13 @@ from __future__ import annotations
 import html
 import json
 import os
+import urllib.parse
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from qwen_scope.explore.card import DecodedExample, FeatureCard, feature_card
 from qwen_scope.explore.database import Example
-from qwen_scope.explore.export import write_feature_json
+from qwen_scope.explore.export import public_name, write_feature_json
 from qwen_scope.explore.views import feature_views, make_decoder, vocab_limit
 
 CSS = """
@@ -32,6 +33,17 @@ CSS = """
 .qs-t{border-radius:2px}.qs-mark{outline:1.5px solid #a63603;font-weight:bold}
 .qs-pos{color:#a63603}.qs-neg{color:#08519c}
 """
+
+
+def _href(path: str) -> str:
+    """A relative link for an attribute: percent-encoded, so a file name with quotes or angle brackets (a hostile
+    dashboard name) can neither close the attribute nor break the link, then HTML-escaped."""
+    return html.escape(urllib.parse.quote(path.replace(os.sep, "/")), quote=True)
+
+
+def _meta_line(meta: dict) -> str:
+    """The database's provenance for a page: local paths reduced to their last part (pages get shared)."""
+    return ", ".join(f"{k}={public_name(v)}" for k, v in meta.items())
 
 
 def _esc(s: str) -> str:
@@ -84,7 +96,8 @@ def feature_card_html(card: FeatureCard, *, link: Callable[[int], str | None] = 
         link: href of another feature's page, or None for no link.
     """
     meta = card.meta
-    where = " · ".join(f"{k} {html.escape(str(meta[k]))}" for k in ("model", "point", "layer", "release") if k in meta)
+    where = " · ".join(f"{k} {html.escape(str(public_name(meta[k])))}" for k in ("model", "point", "layer", "release")
+                       if k in meta)
     view = card.view
     stats = [f"density {card.density:.3%}", f"fires on {card.count} of {card.n_tokens} tokens",
              f"max {card.max:.3f}", f"mean {card.mean:.3f}"]
@@ -154,7 +167,7 @@ def database_summary_html(db) -> str:
     rows = "".join(f"<tr><td>#{f}</td><td>{html.escape(db.label(f))}</td><td>{float(db.density[f]):.3%}</td>"
                    f"<td>{float(db.act_max[f]):.3f}</td></tr>" for f in db.top_features(10))
     alive = int((db.count > 0).sum())
-    meta = html.escape(", ".join(f"{k}={v}" for k, v in db.meta.items()))
+    meta = html.escape(_meta_line(db.meta))
     return (f'<div class="qs-card"><style>{CSS}</style><b>FeatureDatabase</b> · {db.d_sae} features ({alive} live) '
             f"over {db.n_tokens} tokens · {meta}<table class='qs-tab'><tr><th>feature</th><th>label</th>"
             f"<th>density</th><th>max</th></tr>{rows}</table></div>")
@@ -191,9 +204,9 @@ def _index_html(title: str, entries: list[dict], db, plotly_src: str) -> str:
     # a label) would put the HTML parser in the double-escaped state where the closing tag no longer counts.
     payload = json.dumps(entries, ensure_ascii=False).replace("<", "\\u003c")
     return (f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f'<script src="{plotly_src}"></script><style>{CSS} body{{margin:16px}} th[data-k]{{cursor:pointer}}'
+            f'<script src="{_href(plotly_src)}"></script><style>{CSS} body{{margin:16px}} th[data-k]{{cursor:pointer}}'
             f"</style></head><body><div class='qs-card'><h2>{html.escape(title)}</h2>"
-            f'<div class="qs-meta">{html.escape(", ".join(f"{k}={v}" for k, v in db.meta.items()))}</div>'
+            f'<div class="qs-meta">{html.escape(_meta_line(db.meta))}</div>'
             f'<p><input id="qs-q" size="40" placeholder="search label, token or feature id"> '
             f'<span id="qs-count" class="qs-meta"></span></p>'
             f'<table class="qs-tab"><thead><tr><th data-k="id">feature</th><th data-k="label">label</th>'
@@ -251,15 +264,16 @@ def write_dashboard(db, out: str | Path, *, scope=None, layer: int | None = None
         page = assets / "features" / f"{f}.html"
         body = feature_card_html(card, link=lambda g: f"{g}.html" if g in on_page else None)
         page.write_text(f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>Feature #{f}</title></head>'
-                        f'<body><p><a href="{index_rel}">← all features</a></p>{body}</body></html>',
+                        f'<body><p><a href="{_href(index_rel)}">← all features</a></p>{body}</body></html>',
                         encoding="utf-8")
         if export_json:
             write_feature_json(card, assets / "json" / f"{f}.json")
         entries.append({"id": f, "label": card.label, "notes": card.notes, "density": card.density,
-                        "max": card.max, "href": os.path.relpath(page, index.parent),
+                        "max": card.max, "href": _href(os.path.relpath(page, index.parent)),
                         "tokens": [e.strings[e.mark] for e in card.top],
                         "logits": [s for s, _ in card.logit_top]})
-    title = title or f"Features of {db.meta.get('model', 'the model')} at {db.meta.get('point', f'layer {layer}')}"
+    title = title or (f"Features of {public_name(db.meta.get('model', 'the model'))} at "
+                      f"{db.meta.get('point', f'layer {layer}')}")
     index.parent.mkdir(parents=True, exist_ok=True)
     index.write_text(_index_html(title, entries, db, os.path.relpath(plotly_js, index.parent)), encoding="utf-8")
     return index

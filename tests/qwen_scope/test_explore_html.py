@@ -180,3 +180,79 @@ def test_index_json_has_no_raw_angle_bracket_and_round_trips(tmp_path):
     assert "<" not in raw
     data = json.loads(raw)
     assert data[0]["label"] == label
+
+
+class Attributes(HTMLParser):
+    """Every start tag with its attributes, to check that nothing hostile became markup."""
+
+    def __init__(self):
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+
+_HOSTILE = "<img src=x onerror=\"document.title='pwned'\">"
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    """A dashboard whose index file name, label, notes, tokens and provenance are all hostile or local paths."""
+    root = tmp_path_factory.mktemp("hostile")
+    model_dir, store_dir = root / "models" / "tiny-qwen", root / "runs" / "store"
+    model_dir.mkdir(parents=True)
+    store_dir.mkdir(parents=True)
+    db = build_feature_database(chunks(synthetic(), 100), D_SAE,
+                                meta={"model": str(model_dir), "store": str(store_dir), "point": "resid_post.2",
+                                      "layer": 2, "release": _HOSTILE})
+    db.annotate(5, label=_HOSTILE, notes=f"</p>{_HOSTILE}")
+    index = write_dashboard(db, root / f'x"><img src=q onerror=alert(1)>.html', decode=lambda ids: [_HOSTILE] * len(ids),
+                            features=[5, 6])
+    return root, index
+
+
+def _written(root):
+    return [p for p in root.rglob("*") if p.is_file() and p.suffix in (".html", ".json")]
+
+
+def test_hostile_names_and_texts_are_escaped_everywhere(hostile):
+    import urllib.parse
+
+    root, index = hostile
+    pages = [p for p in _written(root) if p.suffix == ".html"]
+    assert len(pages) == 3
+    for page in pages:
+        found = Attributes()
+        found.feed(page.read_text())
+        assert all(tag != "img" for tag, _ in found.tags), page
+        assert not [a for _, attrs in found.tags for a in attrs if a.startswith("on")], page
+        # Every link and script source resolves to a file that exists, from the page's own folder.
+        for tag, attrs in found.tags:
+            target = attrs.get("href") or attrs.get("src") if tag in ("a", "script") else None
+            if target:
+                assert (page.parent / urllib.parse.unquote(target)).exists(), (page, target)
+    data = json.loads(index.read_text().split('id="qs-data">')[1].split("</script>")[0])
+    for entry in data:
+        assert (index.parent / urllib.parse.unquote(entry["href"])).exists() and '"' not in entry["href"]
+
+
+def test_exports_carry_no_local_paths_and_plotly_is_written_once(hostile):
+    root, index = hostile
+    for file in _written(root):
+        assert str(root) not in file.read_text(), file
+    assert "Features of tiny-qwen at resid_post.2" in index.read_text()
+    card = json.loads(next(root.rglob("5.json")).read_text())
+    assert card["modelId"] == "tiny-qwen"
+    (plotly,) = root.rglob("plotly.min.js")
+    assert plotly.stat().st_size > 1_000_000
+    assert all(p.stat().st_size < 200_000 for p in _written(root))  # no page inlines plotly.js
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium not installed")
+def test_hostile_dashboard_executes_nothing_in_headless_chromium(hostile, tmp_path):
+    root, index = hostile
+    cmd = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}"]
+    for page in [index, *sorted(root.rglob("features/*.html"))]:
+        dom = subprocess.run(cmd + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
+        assert "<html" in dom and "pwned" not in dom.split("</title>")[0]
