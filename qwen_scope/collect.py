@@ -254,7 +254,7 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
             "corpus": corpus_id or _corpus_id(corpus), "text_column": text_column, "world_size": world,
             "rows_per_shard": batch_size * max(1, shard_tokens // (batch_size * context_len)),
             "use_cache": False}
-        store_lock = _lock_store(Path(out_dir), rank, world)
+        store_lock = _lock_store(Path(out_dir), rank, world, device)
         writer = ShardWriter(out_dir, config, rank=rank, world_size=world, overwrite=overwrite, repair=repair)
         if (overwrite or writer.damaged) and rank == 0:
             # a repair changes recorded shards: readers see the rank progress files until the new manifest
@@ -298,7 +298,7 @@ def _check_settings(*, token_budget, context_len, batch_size, shard_tokens, out_
         raise ValueError(f"out_dir (--out) {out} is a file; expected a directory: a new one, or a store to resume")
 
 
-def _lock_store(root: Path, rank: int, world: int) -> StoreLock | None:
+def _lock_store(root: Path, rank: int, world: int, device: torch.device) -> StoreLock | None:
     """Rank 0 takes the store's writer lock and sweeps its temp folder; every rank learns whether it got it."""
     import torch.distributed as dist
 
@@ -311,7 +311,8 @@ def _lock_store(root: Path, rank: int, world: int) -> StoreLock | None:
             error = str(err)
     if world > 1 and dist.is_available() and dist.is_initialized():
         box = [error]
-        dist.broadcast_object_list(box, src=0)
+        # NCCL moves the object through this rank's own GPU (the default would be GPU 0 on every rank)
+        dist.broadcast_object_list(box, src=0, device=device if dist.get_backend() == "nccl" else None)
         error = box[0]
     if error is not None:
         raise StoreBusyError(error)
