@@ -41,6 +41,7 @@ class FeatureCard:
         hist_edges, hist_counts: activation histogram on the log grid. cooccurring: ``[Cooccurrence]`` (maybe empty).
         view: logit lens / nearest features / decoder norm (None without weights).
         logit_top, logit_bottom: decoded ``(token, logit)`` pairs of the logit lens.
+        explanation: the automatic explanation ``{"text", "detection_auroc", "explainer"}`` or None.
     """
 
     feature: int
@@ -60,6 +61,7 @@ class FeatureCard:
     view: FeatureView | None = None
     logit_top: tuple[tuple[str, float], ...] = field(default=())
     logit_bottom: tuple[tuple[str, float], ...] = field(default=())
+    explanation: dict | None = None
 
     def __repr__(self) -> str:
         label = f" {self.label!r}" if self.label else ""
@@ -132,7 +134,7 @@ def feature_card(db: FeatureDatabase, feature: int, *, scope=None, model=None, s
         bins=tuple((b, decoded(b.examples)) for b in db.quantile_bins(feature)),
         hist_edges=tuple(edges.tolist()), hist_counts=tuple(counts.tolist()),
         cooccurring=tuple(db.cooccurring(feature, n_cooccurring)) if tracked else (),
-        view=view, logit_top=logit_top, logit_bottom=logit_bottom)
+        view=view, logit_top=logit_top, logit_bottom=logit_bottom, explanation=db.explanation(feature))
 
 
 def _weights(db: FeatureDatabase, scope, model, sae):

@@ -7,7 +7,8 @@ holds the result, its queries, the user's labels/notes and the on-disk format::
       database.json         config, token counts, provenance (model, point, release, layer)
       database.safetensors  count / sum / max / histogram per feature, top examples and samples with context windows,
                             co-occurrence counts of the tracked features
-      labels.json           {"<feature>": {"label": str, "notes": str}} — written whenever you annotate
+      labels.json           {"<feature>": {"label", "notes", "explanation", "detection_auroc", "explainer"}} —
+                            written whenever you annotate or store an explanation
 
 Example:
     >>> db = FeatureDatabase.load("runs/db")
@@ -283,12 +284,29 @@ class FeatureDatabase:
         if self.path is not None:
             self._write_labels(self.path)
 
+    def explanation(self, feature: int) -> dict | None:
+        """The automatic explanation of ``feature``: ``{"text", "detection_auroc", "explainer"}``, or None."""
+        entry = self.labels.get(self._check(feature), {})
+        if "explanation" not in entry:
+            return None
+        return {"text": entry["explanation"], "detection_auroc": entry.get("detection_auroc"),
+                "explainer": entry.get("explainer", "")}
+
+    def set_explanation(self, feature: int, text: str, *, score: float | None = None, explainer: str = "") -> None:
+        """Store an automatic explanation (``qwen_scope.evals.explain_features`` writes them) beside the user's
+        label; saved to ``labels.json`` at once if the db has a path."""
+        entry = self.labels.setdefault(self._check(feature), {})
+        entry.update(explanation=str(text), detection_auroc=None if score is None else float(score),
+                     explainer=str(explainer))
+        if self.path is not None:
+            self._write_labels(self.path)
+
     def search(self, query: str, decode: Callable[[int], str] | None = None) -> list[int]:
-        """Features whose label or notes contain ``query`` (case-insensitive), or whose top-activating token
-        (decoded with ``decode``) does; an integer query also matches that feature id."""
+        """Features whose label, notes or explanation contain ``query`` (case-insensitive), or whose top-activating
+        token (decoded with ``decode``) does; an integer query also matches that feature id."""
         q = query.strip().lower()
         hits = [f for f, e in sorted(self.labels.items())
-                if q and (q in e.get("label", "").lower() or q in e.get("notes", "").lower())]
+                if q and any(q in str(e.get(key, "")).lower() for key in ("label", "notes", "explanation"))]
         if q.isdigit() and int(q) < self.d_sae and int(q) not in hits:
             hits.insert(0, int(q))
         if decode is not None and q:

@@ -10,7 +10,9 @@ Shape (one feature)::
      "topkCosSimIndices", "topkCosSimValues", "correlated_features_indices", "correlated_features_jaccard",
      "activations": [{"bin_min", "bin_max", "bin_contains", "tokens", "values", "maxValue",
                       "maxValueTokenIndex", "qualifying_token_index", "dataIndex"}],   # top group has bin_min -1
-     "explanations": [{"description", "notes", "typeName": "user"}]}
+     "explanations": [{"description", "notes", "typeName": "user"},        # the user's label
+                      {"description", "typeName": "qwen-scope-detection", "explanationModelName",
+                       "scores": [{"explanationScoreTypeName": "detection-auroc", "value"}]}]}   # automatic
 """
 from __future__ import annotations
 
@@ -102,6 +104,13 @@ def feature_json(card: FeatureCard, *, model_id: str | None = None, source: str 
         "explanations": ([{"description": card.label, "notes": card.notes, "typeName": "user"}]
                          if card.label or card.notes else []),
     }
+    if card.explanation is not None:
+        auto = card.explanation
+        out["explanations"].append({
+            "description": auto["text"], "typeName": "qwen-scope-detection",
+            "explanationModelName": auto["explainer"],
+            "scores": ([] if auto["detection_auroc"] is None
+                       else [{"explanationScoreTypeName": "detection-auroc", "value": auto["detection_auroc"]}])})
     for b, examples in card.bins:
         out["activations"] += [_activation(e, b.lo, b.hi, b.contains) for e in examples]
     return out

@@ -125,6 +125,11 @@ def feature_card_html(card: FeatureCard, *, link: Callable[[int], str | None] = 
                  + "".join(example_html(e, card.max) for e in examples))
     label = f' <span class="qs-label">{html.escape(card.label)}</span>' if card.label else ""
     notes = f"<p>{html.escape(card.notes)}</p>" if card.notes else ""
+    if card.explanation is not None:
+        auto, score = card.explanation, card.explanation["detection_auroc"]
+        notes += (f'<p class="qs-meta">explanation ({html.escape(auto["explainer"])}'
+                  + (f", detection AUROC {score:.2f}" if score is not None else "")
+                  + f'): {html.escape(auto["text"])}</p>')
     return (f'<div class="qs-card"><style>{CSS}</style><h2>Feature #{card.feature}{label}</h2>'
             f'<div class="qs-meta">{where}</div>{notes}'
             f'<div class="qs-stats">{"".join(f"<span>{s}</span>" for s in stats)}</div>'
@@ -181,10 +186,11 @@ function esc(s){return s.replace(/[&<>"]/g, c => ({'&':'&amp;','<':'&lt;','>':'&
 function render(){
   const q = box.value.trim().toLowerCase();
   const rows = data.filter(d => !q || String(d.id) === q || d.label.toLowerCase().includes(q)
-      || d.notes.toLowerCase().includes(q) || d.tokens.some(t => t.toLowerCase().includes(q))
+      || d.notes.toLowerCase().includes(q) || d.explanation.toLowerCase().includes(q)
+      || d.tokens.some(t => t.toLowerCase().includes(q))
       || d.logits.some(t => t.toLowerCase().includes(q)));
   rows.sort((a, b) => (a[key] < b[key] ? -1 : a[key] > b[key] ? 1 : 0) * (desc ? -1 : 1));
-  body.innerHTML = rows.map(d => `<tr><td><a href="${d.href}">#${d.id}</a></td><td>${esc(d.label)}</td>`
+  body.innerHTML = rows.map(d => `<tr><td><a href="${d.href}">#${d.id}</a></td><td>${esc(d.label || d.explanation)}</td>`
     + `<td>${(100 * d.density).toFixed(3)}%</td><td>${d.max.toFixed(3)}</td>`
     + `<td class="qs-ex">${esc(d.tokens.slice(0, 5).map(t => JSON.stringify(t)).join(' '))}</td>`
     + `<td class="qs-ex">${esc(d.logits.slice(0, 5).map(t => JSON.stringify(t)).join(' '))}</td></tr>`).join('');
@@ -207,7 +213,7 @@ def _index_html(title: str, entries: list[dict], db, plotly_src: str) -> str:
             f'<script src="{_href(plotly_src)}"></script><style>{CSS} body{{margin:16px}} th[data-k]{{cursor:pointer}}'
             f"</style></head><body><div class='qs-card'><h2>{html.escape(title)}</h2>"
             f'<div class="qs-meta">{html.escape(_meta_line(db.meta))}</div>'
-            f'<p><input id="qs-q" size="40" placeholder="search label, token or feature id"> '
+            f'<p><input id="qs-q" size="40" placeholder="search label, explanation, token or feature id"> '
             f'<span id="qs-count" class="qs-meta"></span></p>'
             f'<table class="qs-tab"><thead><tr><th data-k="id">feature</th><th data-k="label">label</th>'
             f'<th data-k="density">density</th><th data-k="max">max</th><th>top tokens</th><th>logit lens</th>'
@@ -269,6 +275,7 @@ def write_dashboard(db, out: str | Path, *, scope=None, layer: int | None = None
         if export_json:
             write_feature_json(card, assets / "json" / f"{f}.json")
         entries.append({"id": f, "label": card.label, "notes": card.notes, "density": card.density,
+                        "explanation": card.explanation["text"] if card.explanation else "",
                         "max": card.max, "href": _href(os.path.relpath(page, index.parent)),
                         "tokens": [e.strings[e.mark] for e in card.top],
                         "logits": [s for s, _ in card.logit_top]})
