@@ -20,14 +20,15 @@ difference of mean document scores), and the rule keeps the best ``n_features`` 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from qwen_scope.applications.scoring import document_scores, layer_list
 from qwen_scope.compare import LayerComparison
 
-__all__ = ["RuleFeature", "FeatureClassifier", "document_scores"]
+__all__ = ["RuleFeature", "FeatureClassifier", "binary_metrics"]
 
 _FORMAT = "qwen-scope/feature-classifier/1"
 
@@ -55,44 +56,6 @@ class RuleFeature:
     def rate_diff(self) -> float:
         """rate_pos - rate_neg on the seeds."""
         return self.rate_pos - self.rate_neg
-
-
-def _layer_list(scope, layers: int | Iterable[int] | None) -> list[int]:
-    layer_list = scope.layers if layers is None else ([layers] if isinstance(layers, int) else list(layers))
-    if not layer_list:
-        raise ValueError("no layers to read: attach SAEs first (Scope.load_saes) or pass layers=")
-    missing = [n for n in layer_list if n not in scope.saes]
-    if missing:
-        raise ValueError(f"no SAE at layer(s) {missing}; the scope has SAEs at layers {scope.layers}. Pass layers= "
-                         f"from those or load them with scope.load_saes(release, {missing})")
-    return layer_list
-
-
-def document_scores(scope, texts: Sequence[str], layers: int | Iterable[int] | None = None, *,
-                    template: str | None = None) -> dict[int, torch.Tensor]:
-    """Per layer, each text's largest activation of every feature over positions 1.. (0 where it never fires).
-
-    Args:
-        scope: a ``Scope`` with SAEs at ``layers``.
-        texts: N texts.
-        layers: SAE layers (default: every loaded one).
-        template: chat template, see ``Scope.tokenize``.
-
-    Returns:
-        ``{layer: [N, d_sae] float32}``. A one-token text has no positions left and scores 0 everywhere.
-    """
-    layer_list = _layer_list(scope, layers)
-    rows: dict[int, list[torch.Tensor]] = {n: [] for n in layer_list}
-    for text in texts:
-        feats = scope.features(text, layer_list, skip_first=True, template=template)
-        for n in layer_list:
-            lf = feats[n]
-            # `first` is 0 for a one-token text; position 0 stays out regardless.
-            values, indices = lf.values[1:].clamp(min=0), lf.indices[1:]
-            score = torch.zeros(lf.d_sae)
-            score.scatter_reduce_(0, indices.flatten(), values.flatten(), "amax")
-            rows[n].append(score)
-    return {n: torch.stack(r) for n, r in rows.items()}
 
 
 def _stumps(pos: torch.Tensor, neg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,7 +88,7 @@ class FeatureClassifier:
         self.rules = tuple(rules)
         self.template = template
         if scope is not None:
-            _layer_list(scope, sorted({r.layer for r in self.rules}))
+            layer_list(scope, sorted({r.layer for r in self.rules}))
 
     @classmethod
     def fit(cls, scope, positives: Sequence[str], negatives: Sequence[str], *,
@@ -148,47 +111,90 @@ class FeatureClassifier:
         Example:
             >>> clf = FeatureClassifier.fit(scope, ["def f(): pass", ...], ["The cat sat.", ...], layers=[3, 4])
         """
+        for what, seeds in (("positives", positives), ("negatives", negatives)):
+            if not isinstance(seeds, str) and len(seeds) == 0:
+                raise ValueError(f"{what} is empty: few-seed classification needs seeds of both classes (a few of "
+                                 f"each, e.g. 8); pass {what} examples")
         positives, negatives = _texts(positives, "positives"), _texts(negatives, "negatives")
+        layers = layer_list(scope, layers)
+        pos = document_scores(scope, positives, layers, template=template)
+        neg = document_scores(scope, negatives, layers, template=template)
+        return cls.from_seed_scores(scope, pos, neg, n_features=n_features, min_rate_diff=min_rate_diff,
+                                    template=template)
+
+    @classmethod
+    def from_seed_scores(cls, scope, positives: Mapping[int, torch.Tensor], negatives: Mapping[int, torch.Tensor], *,
+                         n_features: int = 4, min_rate_diff: float = 0.5,
+                         template: str | None = None) -> FeatureClassifier:
+        """``fit`` from the seeds' document scores (``{layer: [P, d_sae]}`` and ``{layer: [M, d_sae]}``), e.g. read
+        from an activation store with ``store_document_scores``; every layer of ``positives`` is searched."""
         if int(n_features) < 1:
             raise ValueError(f"n_features must be >= 1, got {n_features}")
         if not 0 < min_rate_diff <= 1:
             raise ValueError(f"min_rate_diff must be in (0, 1], got {min_rate_diff}")
-        layer_list = _layer_list(scope, layers)
-        pos = document_scores(scope, positives, layer_list, template=template)
-        neg = document_scores(scope, negatives, layer_list, template=template)
+        layers = sorted(positives)
+        if sorted(negatives) != layers:
+            raise ValueError(f"positives score layers {layers} but negatives {sorted(negatives)}; score both at the "
+                             "same layers")
+        n_pos, n_neg = positives[layers[0]].shape[0], negatives[layers[0]].shape[0]
+        for what, n in (("positive", n_pos), ("negative", n_neg)):
+            if n == 0:
+                raise ValueError(f"no {what} seeds: few-seed classification needs seeds of both classes (a few of "
+                                 f"each, e.g. 8); add {what} examples")
         candidates: list[RuleFeature] = []
-        for n in layer_list:
-            threshold, rate_p, rate_n = _stumps(pos[n], neg[n])
-            lc = LayerComparison(n, len(positives), len(negatives), rate_p, rate_n, pos[n].mean(0), neg[n].mean(0))
+        best = 0.0
+        for n in layers:
+            pos, neg = positives[n].float(), negatives[n].float()
+            threshold, rate_p, rate_n = _stumps(pos, neg)
+            best = max(best, float((rate_p - rate_n).max()))
+            lc = LayerComparison(n, n_pos, n_neg, rate_p, rate_n, pos.mean(0), neg.mean(0))
             for d in lc.ranked(n_features, side="a"):
                 if d.diff >= min_rate_diff:
                     candidates.append(RuleFeature(n, d.feature, float(threshold[d.feature]), d.rate_a, d.rate_b,
                                                   d.mean_a, d.mean_b))
         if not candidates:
-            raise ValueError(f"no feature at layers {layer_list} separates the seeds by min_rate_diff="
-                             f"{min_rate_diff}; lower min_rate_diff, search more layers, or use clearer seeds")
+            raise ValueError(f"no feature at layers {layers} separates the seeds by min_rate_diff={min_rate_diff} "
+                             f"(the best seed rate difference is {best:.2f}): the classes look alike to these SAEs; "
+                             "lower min_rate_diff, search more layers, or use clearer seeds")
         candidates.sort(key=lambda r: (-r.rate_diff, -abs(r.mean_pos - r.mean_neg), r.layer, r.feature))
         return cls(scope, candidates[: int(n_features)], template=template)
 
-    def scores(self, texts: Sequence[str]) -> torch.Tensor:
+    @property
+    def layers(self) -> list[int]:
+        """The SAE layers the rule reads."""
+        return sorted({r.layer for r in self.rules})
+
+    def scores(self, texts: Sequence[str], *, batch_size: int = 16) -> torch.Tensor:
         """Document scores of the rule's features.
 
         Args:
-            texts: N texts.
+            texts: N texts. batch_size: texts per forward.
         Returns:
             [N, F] float32, column i is ``rules[i]``'s largest activation over positions 1.. of each text.
         """
         texts = _texts(texts, "texts")
         if self.scope is None:
             raise ValueError("this classifier has no scope; load it with FeatureClassifier.from_json(text, scope)")
-        layers = sorted({r.layer for r in self.rules})
-        per_layer = document_scores(self.scope, texts, layers, template=self.template)
-        return torch.stack([per_layer[r.layer][:, r.feature] for r in self.rules], dim=1)
+        per_layer = document_scores(self.scope, texts, self.layers, template=self.template, batch_size=batch_size)
+        return self.rule_scores(per_layer)
+
+    def rule_scores(self, per_layer: Mapping[int, torch.Tensor]) -> torch.Tensor:
+        """The rule's columns ``[N, F]`` of already computed document scores ``{layer: [N, d_sae]}``."""
+        missing = [n for n in self.layers if n not in per_layer]
+        if missing:
+            raise ValueError(f"the rule reads layers {self.layers} but the scores hold {sorted(per_layer)}; score "
+                             f"layers {missing} too")
+        return torch.stack([per_layer[r.layer][:, r.feature].float() for r in self.rules], dim=1)
 
     @property
     def thresholds(self) -> torch.Tensor:
         """[F] float32 thresholds of the rule's features."""
         return torch.tensor([r.threshold for r in self.rules], dtype=torch.float32)
+
+    def margin(self, rule_scores: torch.Tensor) -> torch.Tensor:
+        """[N] the largest ``score_i / threshold_i`` over the rule's features: the rule fires where it is > 1, and
+        sweeping a cut on it scales every threshold at once (the precision/recall curve of the rule)."""
+        return (rule_scores / self.thresholds.clamp(min=1e-6)).max(1).values
 
     def votes(self, texts: Sequence[str]) -> torch.Tensor:
         """[N] int64: how many rule features fire above their threshold on each text."""
@@ -197,6 +203,10 @@ class FeatureClassifier:
     def predict(self, texts: str | Sequence[str]) -> torch.Tensor:
         """[N] bool: True where any rule feature's document score exceeds its threshold."""
         return self.votes([texts] if isinstance(texts, str) else texts) > 0
+
+    def predict_scores(self, per_layer: Mapping[int, torch.Tensor]) -> torch.Tensor:
+        """``predict`` on already computed document scores ``{layer: [N, d_sae]}``: [N] bool."""
+        return (self.rule_scores(per_layer) > self.thresholds).any(1)
 
     def evaluate(self, texts: Sequence[str], labels: Sequence[bool] | torch.Tensor) -> dict[str, float]:
         """Precision, recall, F1 and accuracy of ``predict`` against ``labels``.
@@ -209,14 +219,7 @@ class FeatureClassifier:
         y = torch.as_tensor(labels, dtype=torch.bool).flatten()
         if len(y) != len(texts):
             raise ValueError(f"got {len(texts)} texts but {len(y)} labels; pass one label per text")
-        p = self.predict(texts)
-        tp, fp = int((p & y).sum()), int((p & ~y).sum())
-        fn, tn = int((~p & y).sum()), int((~p & ~y).sum())
-        precision = tp / (tp + fp) if tp + fp else 0.0
-        recall = tp / (tp + fn) if tp + fn else 0.0
-        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-        return {"precision": precision, "recall": recall, "f1": f1, "accuracy": (tp + tn) / len(y), "tp": tp,
-                "fp": fp, "fn": fn, "tn": tn}
+        return binary_metrics(self.predict(texts), y)
 
     def explain(self) -> str:
         """The rule as text: one line per feature with its threshold and seed statistics."""
@@ -247,6 +250,18 @@ class FeatureClassifier:
     def __repr__(self) -> str:
         feats = ", ".join(f"L{r.layer}#{r.feature}>{r.threshold:.2f}" for r in self.rules)
         return f"FeatureClassifier(OR of {len(self.rules)}: {feats})"
+
+
+def binary_metrics(predicted: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """Precision, recall, F1 and accuracy of [N] bool predictions against [N] bool labels (0.0 where undefined)."""
+    p, y = torch.as_tensor(predicted, dtype=torch.bool), torch.as_tensor(labels, dtype=torch.bool)
+    tp, fp = int((p & y).sum()), int((p & ~y).sum())
+    fn, tn = int((~p & y).sum()), int((~p & ~y).sum())
+    precision = tp / (tp + fp) if tp + fp else 0.0
+    recall = tp / (tp + fn) if tp + fn else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return {"precision": precision, "recall": recall, "f1": f1, "accuracy": (tp + tn) / max(1, len(y)), "tp": tp,
+            "fp": fp, "fn": fn, "tn": tn}
 
 
 def _texts(texts, what: str) -> list[str]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from qwen_scope.applications.classify import document_scores
+from qwen_scope.applications.scoring import document_scores
 
 __all__ = ["FeatureFootprint", "redundancy_matrix", "greedy_cover", "CoverPick"]
 

@@ -11,7 +11,8 @@ pre-activations (a feature whose pre-activation is pushed to <= 0 cannot be amon
     penalty = mean over the (masked) tokens of  sum over chosen features f of  relu(W_enc[f] x + b_enc[f] - target)^p
 
 with x the residual stream at the SAE's layer (``resid_post.layer``, read with gradients), ``target`` an allowed level
-(0 by default) and ``p`` = 2 (smooth) or 1. Only the chosen rows of ``W_enc`` enter the matmul, so a penalty on a
+(0 by default, or one per feature) and ``p`` = 2 (smooth) or 1; ``FeaturePenalty.sasft`` is SASFT's form (``p`` = 1,
+a mean over the features, per-feature targets: ``qwen_scope.applications.sasft``). Only the chosen rows of ``W_enc`` enter the matmul, so a penalty on a
 handful of features costs next to nothing beside the forward. The SAE itself stays frozen.
 
     pen = FeaturePenalty(scope.sae(12), layer=12, features=[6159, 812])
@@ -23,7 +24,7 @@ handful of features costs next to nothing beside the forward. The SAE itself sta
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,22 +42,37 @@ class FeaturePenalty:
         sae: a ``TopKSAE`` (its weights are read, never trained).
         layer: the decoder block whose output the SAE reads.
         features: feature ids to keep off.
-        target: pre-activation level allowed before the penalty starts (>= 0).
+        target: pre-activation level allowed before the penalty starts: one for all features or one per feature
+            (SASFT: each feature's average pre-activation on the sample's own class).
         power: 2 (squared excess, smooth) or 1.
+        reduce: combine the features of a token by ``"sum"`` or ``"mean"`` (SASFT).
     """
 
-    def __init__(self, sae, layer: int, features: int | Iterable[int], *, target: float = 0.0, power: int = 2):
+    def __init__(self, sae, layer: int, features: int | Iterable[int], *,
+                 target: float | Sequence[float] | torch.Tensor = 0.0, power: int = 2, reduce: str = "sum"):
         ids = torch.as_tensor([features] if isinstance(features, int) else list(features), dtype=torch.long)
         if ids.numel() == 0:
             raise ValueError("no features to penalise: pass feature ids, e.g. the top of scope.compare(...)")
         bad = ids[(ids < 0) | (ids >= sae.d_sae)]
         if bad.numel():
             raise ValueError(f"feature ids {bad.tolist()} are outside the SAE's 0..{sae.d_sae - 1}")
-        if target < 0 or power not in (1, 2):
-            raise ValueError(f"need target >= 0 and power 1 or 2, got target={target}, power={power}")
-        self.layer, self.features, self.target, self.power = int(layer), ids, float(target), int(power)
+        targets = torch.as_tensor(target, dtype=torch.float32).flatten()
+        if targets.numel() not in (1, ids.numel()):
+            raise ValueError(f"target must be one level or one per feature ({ids.numel()}), got {targets.numel()}")
+        if power not in (1, 2) or reduce not in ("sum", "mean"):
+            raise ValueError(f"need power 1 or 2 and reduce 'sum' or 'mean', got power={power}, reduce={reduce!r}")
+        self.layer, self.features, self.power, self.reduce = int(layer), ids, int(power), reduce
+        self.target = targets.expand(ids.numel()).clone()  # [F]
         self._W = sae.W_enc.detach()[ids].float()  # [F, d_model]
         self._b = sae.b_enc.detach()[ids].float()
+
+    @classmethod
+    def sasft(cls, sae, layer: int, features: Iterable[int], targets: Sequence[float] | torch.Tensor
+              ) -> FeaturePenalty:
+        """SASFT's loss term: ``mean over tokens and features of relu(pre_act_f - avg_pre_act_f)`` (power 1, a
+        mean over the features), ``targets`` the features' average pre-activations on the sample's own class
+        (``sasft.class_targets``); multiply by λ (SASFT's default 1e-3) and pass the response mask."""
+        return cls(sae, layer, features, target=targets, power=1, reduce="mean")
 
     def pre_acts(self, resid: torch.Tensor) -> torch.Tensor:
         """The chosen features' pre-activations ``[..., F]`` in fp32 (differentiable in ``resid``)."""
@@ -65,8 +81,9 @@ class FeaturePenalty:
     def __call__(self, resid: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The penalty of residual activations ``resid [B, T, d_model]``; ``mask [B, T]`` (1 = penalise) selects
         tokens, the mean is over the selected ones (0 when none is)."""
-        excess = (self.pre_acts(resid) - self.target).clamp(min=0)
-        per_token = (excess * excess if self.power == 2 else excess).sum(-1)  # [B, T]
+        excess = (self.pre_acts(resid) - self.target.to(resid.device)).clamp(min=0)
+        per_feature = excess * excess if self.power == 2 else excess
+        per_token = per_feature.sum(-1) if self.reduce == "sum" else per_feature.mean(-1)  # [B, T]
         if mask is None:
             return per_token.mean()
         if mask.shape != per_token.shape:
@@ -100,5 +117,6 @@ class FeaturePenalty:
     def __repr__(self) -> str:
         shown = self.features.tolist()[:8]
         more = f" (+{self.features.numel() - 8})" if self.features.numel() > 8 else ""
-        return (f"FeaturePenalty(layer={self.layer}, features={shown}{more}, target={self.target}, "
-                f"power={self.power})")
+        level = self.target[0].item() if bool((self.target == self.target[0]).all()) else "per feature"
+        return (f"FeaturePenalty(layer={self.layer}, features={shown}{more}, target={level}, "
+                f"power={self.power}, reduce={self.reduce!r})")
