@@ -107,6 +107,8 @@ def _register(adapter: QwenAdapter, point: HookPoint, tracker: _PassTracker, edi
             return (new, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": new}
 
+    if point.kind == "embed":
+        return adapter.embed.register_forward_hook(on_output)
     if point.kind == "resid_post":
         return adapter.layers[n].register_forward_hook(on_output)
     if point.kind == "attn_out":
@@ -117,7 +119,101 @@ def _register(adapter: QwenAdapter, point: HookPoint, tracker: _PassTracker, edi
         return adapter.layers[n].register_forward_pre_hook(on_input, with_kwargs=True)
     if point.kind == "resid_mid":
         return adapter.post_attention_norm(n).register_forward_pre_hook(on_input, with_kwargs=True)
+    if point.kind == "mlp_post":
+        return _part(adapter, point, "mlp", "down_proj").register_forward_pre_hook(on_input, with_kwargs=True)
+    return _register_internal(adapter, point, tracker, edit)
+
+
+def _part(adapter: QwenAdapter, point: HookPoint, where: str, attr: str) -> nn.Module:
+    """The submodule ``attr`` of block ``point.layer``'s mixer or MLP, or a ValueError saying where the point exists."""
+    n = point.layer
+    owner = adapter.mlp(n) if where == "mlp" else adapter.mixer(n)
+    module = getattr(owner, attr, None)
+    if isinstance(module, nn.Module):
+        return module
+    if where == "mlp":
+        raise ValueError(f"{point.name} needs a dense MLP (with down_proj); block {n} has {type(owner).__name__}")
+    wanted = "full_attention" if point.kind.startswith("attn_") else "linear_attention"
+    layers = [i for i, t in enumerate(adapter.layer_types) if t == wanted]
+    if adapter.layer_types[n] == wanted:
+        raise ValueError(f"{point.name}: {type(owner).__name__} of block {n} has no {attr} module, so {point.kind} "
+                         f"cannot be read in the {adapter.family} family")
+    raise ValueError(f"{point.name}: block {n} is a {adapter.layer_types[n]} layer ({type(owner).__name__} has no "
+                     f"{attr}); {point.kind} exists on the {wanted} layers {layers or 'of other families'}")
+
+
+def _register_internal(adapter: QwenAdapter, point: HookPoint, tracker: _PassTracker, edit: Edit):
+    """Capture-only points inside the attention or GDN mixer: the value is formed from what that module computes."""
+    mixer = adapter.mixer(point.layer)
+
+    def read(value: torch.Tensor) -> None:
+        edit(value, tracker.context(point, value))
+
+    if point.kind in ("attn_q", "attn_k", "attn_v"):
+        proj = _part(adapter, point, "attn", f"{point.kind[-1]}_proj")
+        head_dim = int(mixer.head_dim)
+
+        def on_projection(module, args, out):
+            heads = out.view(*out.shape[:-1], -1, head_dim)  # [B, T, H(*2), head_dim]
+            if point.kind == "attn_q" and out.shape[-1] == 2 * adapter.config.num_attention_heads * head_dim:
+                # Qwen3.5's q_proj holds query and output gate per head: the query is the first half.
+                heads = out.view(*out.shape[:-1], -1, 2 * head_dim)[..., :head_dim]
+            read(heads)
+        return proj.register_forward_hook(on_projection)
+    if point.kind == "attn_z":
+        _part(adapter, point, "attn", "o_proj")
+        head_dim = int(mixer.head_dim)
+
+        def on_z(module, args):
+            read(args[0].view(*args[0].shape[:-1], -1, head_dim))
+        return mixer.o_proj.register_forward_pre_hook(on_z)
+    if point.kind == "attn_pattern":
+        _part(adapter, point, "attn", "q_proj")
+        impl = getattr(adapter.config, "_attn_implementation", None)
+        if impl != "eager":
+            raise ValueError(f"{point.name} needs eager attention ({impl!r} never forms the softmax weights): load "
+                             f"with attn_implementation='eager' or call model.set_attn_implementation('eager')")
+
+        def on_pattern(module, args, output):
+            weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+            if weights is None:
+                raise ValueError(f"{point.name}: the attention returned no weights; use attn_implementation='eager'")
+            read(weights.transpose(1, 2))  # [B, H, T, T_k] -> [B, T, H, T_k]
+        return mixer.register_forward_hook(on_pattern)
+    if point.kind in ("gdn_beta", "gdn_decay"):
+        proj = _part(adapter, point, "gdn", "in_proj_b" if point.kind == "gdn_beta" else "in_proj_a")
+
+        def on_gate(module, args, out):
+            if point.kind == "gdn_beta":
+                read(out.sigmoid())
+            else:
+                read(-mixer.A_log.float().exp() * nn.functional.softplus(out.float() + mixer.dt_bias))
+        return proj.register_forward_hook(on_gate)
+    if point.kind == "gdn_core":
+        norm = _part(adapter, point, "gdn", "norm")
+        shape: list[int] = []
+
+        def on_mixer(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            shape[:] = hidden.shape[:2]
+
+        def on_core(module, args):
+            # The norm sees [B*T*Hv, Dv]; the mixer's input gives back B and T.
+            read(args[0].view(shape[0], shape[1], int(mixer.num_v_heads), -1))
+        return _Handles(mixer.register_forward_pre_hook(on_mixer, with_kwargs=True),
+                        norm.register_forward_pre_hook(on_core))
     raise AssertionError(f"unhandled hook kind {point.kind}")
+
+
+class _Handles:
+    """Several hook handles removed as one."""
+
+    def __init__(self, *handles):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 @contextlib.contextmanager
@@ -275,8 +371,10 @@ def intervene(model: nn.Module, edits: Mapping[str, Edit | Sequence[Edit]]) -> I
     for name, fns in edits.items():
         point = parse_hook_name(name, adapter.n_layers)
         if not point.writable:
-            raise ValueError(f"{point.name} is capture-only (editing the norm input would not change the residual); "
-                             f"edit {HookPoint('attn_out', point.layer)} or {resid_post(point.layer)} instead")
+            why = ("editing the norm input would not change the residual" if point.kind == "resid_mid"
+                   else "it is read from inside the mixer, where a write would not reach the computation")
+            raise ValueError(f"{point.name} is capture-only ({why}); edit {HookPoint('attn_out', point.layer)}, "
+                             f"{HookPoint('mlp_post', point.layer)} or {resid_post(point.layer)} instead")
         for j, fn in enumerate([fns] if callable(fns) else list(fns)):
             pairs.append((point, _counted(fn, point.name, handle) if j == 0 else fn))
     with _hooked(adapter, pairs):

@@ -142,3 +142,97 @@ def test_capture_accessors_name_the_recorded_points_for_a_missing_one():
     for accessor in (cap.calls, cap.positions, cap.__getitem__):
         with pytest.raises(KeyError, match=r"nothing captured at resid_post.2.*\['resid_post.1'\]"):
             accessor("blocks.2.hook_resid_post")
+
+
+def _eager(family: str):
+    model = tiny_model(family)
+    model.set_attn_implementation("eager")
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_embedding_mlp_and_attention_internals_reproduce_the_module_outputs(family):
+    model = _eager(family)
+    adapter = get_adapter(model)
+    n = adapter.layer_types.index("full_attention")
+    points = ["hook_embed", f"resid_pre.{n}", f"attn_out.{n}", f"mlp_out.{n}", f"blocks.{n}.mlp.hook_post",
+              f"attn_q.{n}", f"attn_k.{n}", f"attn_v.{n}", f"attn_z.{n}", f"blocks.{n}.attn.hook_pattern"]
+    ids = _ids()
+    with torch.no_grad(), capture(model, points) as cap:
+        model(input_ids=ids, use_cache=False)
+    block, attn = adapter.layers[n], adapter.mixer(n)
+    with torch.no_grad():
+        assert torch.equal(cap["embed"], adapter.embed(ids))
+        x = block.input_layernorm(cap[f"resid_pre.{n}"])
+        H, D = adapter.config.num_attention_heads, attn.head_dim
+        q = attn.q_proj(x).view(2, 9, H, -1)[..., :D]  # Qwen3.5: the query half of query + gate
+        torch.testing.assert_close(cap[f"attn_q.{n}"], q)
+        torch.testing.assert_close(cap[f"attn_k.{n}"], attn.k_proj(x).view(2, 9, -1, D))
+        torch.testing.assert_close(cap[f"attn_v.{n}"], attn.v_proj(x).view(2, 9, -1, D))
+        torch.testing.assert_close(attn.o_proj(cap[f"attn_z.{n}"].flatten(-2)), cap[f"attn_out.{n}"])
+        torch.testing.assert_close(adapter.mlp(n).down_proj(cap[f"mlp_post.{n}"]), cap[f"mlp_out.{n}"])
+    pattern = cap[f"attn_pattern.{n}"]  # [B, T, H, T_k]
+    assert pattern.shape == (2, 9, H, 9)
+    torch.testing.assert_close(pattern.sum(-1), torch.ones(2, 9, H))
+    # Causal: query t gives no weight to keys after it.
+    seen = torch.ones(9, 9, dtype=torch.bool).tril()  # [T, T_k]
+    by_head = pattern.transpose(1, 2)  # [B, H, T, T_k]
+    assert bool((by_head[..., ~seen] == 0).all()) and bool((by_head[..., seen] > 0).all())
+
+
+def test_gated_deltanet_internals_are_the_values_the_layer_uses():
+    model = tiny_model("qwen3_5")
+    adapter = get_adapter(model)
+    n = adapter.layer_types.index("linear_attention")
+    with torch.no_grad(), capture(model, [f"resid_pre.{n}", f"attn_out.{n}", f"gdn_beta.{n}", f"gdn_decay.{n}",
+                                          f"gdn_core.{n}"]) as cap:
+        model(input_ids=_ids(), use_cache=False)
+    gdn = adapter.mixer(n)
+    with torch.no_grad():
+        x = adapter.layers[n].input_layernorm(cap[f"resid_pre.{n}"])
+        torch.testing.assert_close(cap[f"gdn_beta.{n}"], gdn.in_proj_b(x).sigmoid())
+        decay = -gdn.A_log.float().exp() * torch.nn.functional.softplus(gdn.in_proj_a(x).float() + gdn.dt_bias)
+        torch.testing.assert_close(cap[f"gdn_decay.{n}"], decay)
+        assert bool((cap[f"gdn_decay.{n}"] < 0).all())
+        core = cap[f"gdn_core.{n}"]  # [B, T, Hv, Dv]
+        assert core.shape == (2, 9, gdn.num_v_heads, gdn.head_v_dim)
+        gate = gdn.in_proj_z(x).reshape(-1, gdn.head_v_dim)
+        out = gdn.out_proj(gdn.norm(core.reshape(-1, gdn.head_v_dim), gate).reshape(2, 9, -1))
+        torch.testing.assert_close(out, cap[f"attn_out.{n}"])
+
+
+def test_internal_points_say_where_they_exist_and_what_they_need():
+    model = tiny_model("qwen3_5")
+    adapter = get_adapter(model)
+    gdn_layer, attn_layer = adapter.layer_types.index("linear_attention"), adapter.layer_types.index("full_attention")
+    with pytest.raises(ValueError, match=rf"attn_q\.{gdn_layer}: block {gdn_layer} is a linear_attention layer.*"
+                                         rf"full_attention layers \[1, 3\]"):
+        with capture(model, [f"attn_q.{gdn_layer}"]):
+            pass
+    with pytest.raises(ValueError, match=r"needs eager attention .*attn_implementation='eager'"):
+        with capture(model, [f"attn_pattern.{attn_layer}"]):
+            pass
+    with pytest.raises(ValueError, match=r"gdn_beta\.1: block 1 is a full_attention layer"):
+        with capture(model, [f"gdn_beta.{attn_layer}"]):
+            pass
+    with pytest.raises(ValueError, match=r"mlp_post\.1 needs a dense MLP"):
+        with capture(tiny_model("qwen3_moe"), ["mlp_post.1"]):
+            pass
+    assert _hook_count(model) == 0
+
+
+def test_embed_and_mlp_post_are_writable():
+    from hooks import intervene
+
+    model = tiny_model("qwen3")
+    ids = _ids()
+    with torch.no_grad():
+        base = model(input_ids=ids, use_cache=False).logits
+        with intervene(model, {"hook_embed": lambda act, ctx: act * 0, "mlp_post.0": lambda act, ctx: act}):
+            zeroed = model(input_ids=ids, use_cache=False).logits
+        with intervene(model, {"mlp_post.2": lambda act, ctx: act}):
+            same = model(input_ids=ids, use_cache=False).logits
+    assert not torch.allclose(base, zeroed) and torch.equal(base, same)
+    with pytest.raises(ValueError, match=r"attn_z\.1 is capture-only"):
+        with intervene(model, {"attn_z.1": lambda act, ctx: act}):
+            pass

@@ -24,6 +24,15 @@ from hooks import HookPoint, parse_hook_name, resid_post
     ("blocks.1.hook_mlp_out", "mlp_out", 1),
     ("model.layers.1.mlp", "mlp_out", 1),
     ("mlp_out.0", "mlp_out", 0),
+    ("blocks.1.mlp.hook_post", "mlp_post", 1),
+    ("blocks.3.attn.hook_q", "attn_q", 3),
+    ("blocks.3.attn.hook_k", "attn_k", 3),
+    ("blocks.3.attn.hook_v", "attn_v", 3),
+    ("blocks.3.attn.hook_z", "attn_z", 3),
+    ("blocks.3.attn.hook_pattern", "attn_pattern", 3),
+    ("blocks.2.linear_attn.hook_beta", "gdn_beta", 2),
+    ("blocks.2.linear_attn.hook_decay", "gdn_decay", 2),
+    ("blocks.2.linear_attn.hook_core", "gdn_core", 2),
 ])
 def test_aliases_parse_to_the_canonical_point(name, kind, layer):
     assert parse_hook_name(name, n_layers=4) == HookPoint(kind, layer)
@@ -54,3 +63,9 @@ def test_out_of_range_layer_names_the_depth():
 def test_resid_post_builds_the_canonical_name_of_the_sae_site():
     assert resid_post(12) == "resid_post.12" == HookPoint("resid_post", 12).name
     assert parse_hook_name(resid_post(-1), n_layers=4) == HookPoint("resid_post", 3)
+
+
+@pytest.mark.parametrize("name", ["embed", "hook_embed", "model.embed_tokens", "model.language_model.embed_tokens"])
+def test_the_embedding_is_one_model_wide_point(name):
+    point = parse_hook_name(name, n_layers=4)
+    assert point == HookPoint("embed", 0) and point.name == "embed" and point.writable
