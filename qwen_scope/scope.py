@@ -8,6 +8,7 @@ An SAE of layer n reads ``resid_post.n``: the output of decoder block n.
 """
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -19,6 +20,8 @@ from hooks import QwenAdapter, get_adapter, resid_post
 from saes import Release, TopKSAE, check_d_model, get_release, load
 
 __all__ = ["Scope"]
+
+logger = logging.getLogger(__name__)
 
 
 def _model_name(model: nn.Module) -> str | None:
@@ -104,6 +107,7 @@ class Scope:
                 _check_layer_index(layer, n_layers, str(model_id), f"{release} layer {layer}")
                 early[layer] = load(release, layer, device=device, dtype=sae_dtype or dtype, cache_dir=cache_dir)
         quiet_reference_kernel_advice()
+        logger.info("loading %s (%s on %s) with SAEs at layers %s", model_id, dtype, device, sorted(early))
         model = AutoModelForCausalLM.from_pretrained(str(model_id), dtype=dtype, revision=revision,
                                                      cache_dir=cache_dir, **model_kwargs).to(device).eval()
         if tokenizer is None:

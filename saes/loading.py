@@ -7,6 +7,7 @@ each layer once as safetensors (bf16 or fp32) and memory-maps it on later loads.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pickle
 import re
@@ -19,6 +20,8 @@ import torch
 
 from saes.registry import Release, get_release, layer_index, list_releases
 from saes.topk import RELEASE_KEYS, TopKSAE, _check_release_shapes
+
+logger = logging.getLogger(__name__)
 
 _LAYER_RE = re.compile(r"layer(\d+)\b")
 _HUB_DIR_RE = re.compile(r"^models--(?P<org>[^-][\w.-]*?)--(?P<name>SAE-Res-.+)$")
@@ -311,6 +314,7 @@ def _via_cache(root: str | Path, path: Path, release: Release | None, layer: int
         try:
             save_file({key: t.to(dtype).contiguous() for key, t in state.items()}, tmp, metadata=meta)
             os.replace(tmp, target)
+            logger.info("converted %s to %s", path, target)
         finally:
             tmp.unlink(missing_ok=True)  # a failed write (disk full, interrupt) leaves no stray temporary
     return read_release_file(target, release)
@@ -354,6 +358,7 @@ def load(source: str | Path, layer: int | None = None, *, device: str | torch.de
     state = {key: t.to(device=device, dtype=dtype) for key, t in state.items()}
     sae = TopKSAE.from_release_state(state, k=k).requires_grad_(False).eval()
     sae.release, sae.layer, sae.source = release, layer, str(path)
+    logger.debug("loaded layer %d SAE (d_model %d, d_sae %d, k %d) from %s", layer, sae.d_model, sae.d_sae, k, path)
     if expected_d_model is not None:
         check_d_model(sae, expected_d_model)
     return sae
