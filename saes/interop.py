@@ -42,8 +42,8 @@ def to_sae_lens(sae: TopKSAE, *, device: str | torch.device | None = None, dtype
     dtype = dtype or sae.dtype
     meta = {}
     if sae.layer is not None:
-        meta.update(hook_name=f"blocks.{sae.layer}.hook_resid_post", hf_hook_name=f"model.layers.{sae.layer}",
-                    hook_head_index=None, prepend_bos=True)
+        meta.update(hook_name=sae.cfg.hook_name, hf_hook_name=f"model.layers.{sae.layer}", hook_head_index=None,
+                    prepend_bos=True)
     if sae.release is not None:
         meta.update(model_name=sae.release.model_id, dataset_path=None)
     cfg = TopKSAEConfig(d_in=sae.d_model, d_sae=sae.d_sae, k=sae.k, dtype=_dtype_str(dtype), device=str(device),

@@ -331,7 +331,7 @@ def load(source: str | Path, layer: int | None = None, *, device: str | torch.de
         source: sae-lens release id (``"qwen-scope-3.5-2b-base-w32k-l100"``), HF repo id
             (``"Qwen/SAE-Res-Qwen3.5-2B-Base-W32K-L0_100"``), a local release directory, or a single
             ``.pt`` / ``.safetensors`` file.
-        layer: layer index (0-based; optional for a file named ``layer{n}...``).
+        layer: layer index (0-based; optional for a file named ``layer{n}...``), or sae-lens's SAE id ``"layer12"``.
         device: where the weights go (default CPU).
         dtype: weight dtype (default: as stored, float32).
         revision, cache_dir: hub revision and cache (``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` are honoured).
