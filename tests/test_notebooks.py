@@ -14,12 +14,14 @@ import pytest
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 PUBLIC = re.compile(r"^\s*(?:from|import)\s+(qwen_scope|saes|hooks)(\.[\w.]+)?", re.M)
 # Modules a notebook may import from besides the package roots: documented entry points.
-ALLOWED_SUBMODULES = {"qwen_scope.nano", "qwen_scope.collect", "qwen_scope.explore", "qwen_scope.applications"}
+ALLOWED_SUBMODULES = {"qwen_scope.nano", "qwen_scope.collect", "qwen_scope.explore", "qwen_scope.applications",
+                      "qwen_scope.evals"}
 
 
 def test_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == ["01_features_of_a_text.ipynb", "02_steering.ipynb",
-                                          "03_collect_and_explore.ipynb", "04_applications.ipynb"]
+                                          "03_collect_and_explore.ipynb", "04_applications.ipynb",
+                                          "05_evaluation.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

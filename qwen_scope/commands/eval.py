@@ -96,26 +96,31 @@ def _run_sae(args) -> int:
     return 0
 
 
+def _strengths(args) -> list[float]:
+    if not args.sweep:
+        return []
+    if args.mode == "ablate":
+        raise SystemExit("--sweep varies an add strength or a clamp value; use --mode add or --mode clamp")
+    try:
+        return [float(s) for s in args.sweep.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"bad --sweep {args.sweep!r}: expected comma-separated numbers like 0,2,4,8") from None
+
+
 def _run_steer(args) -> int:
     from qwen_scope.evals import evaluate_steering, sweep_strength
     from qwen_scope.steering import FeatureEdit
 
     prompts = [p.replace("\\n", "\n") for p in args.prompt]
-    scope = build_scope(args, [args.layer])
+    strengths = _strengths(args)
     value = 0.0 if args.mode == "ablate" else args.strength
     edit = FeatureEdit(args.layer, args.feature, args.mode, value, args.scale, args.positions)
+    scope = build_scope(args, [args.layer])
     ev = evaluate_steering(scope, prompts, edit, max_new_tokens=args.max_new_tokens, n_controls=args.controls,
                            template=args.template)
     print(ev.summary())
-    payload = {"edit": edit.__dict__, "base_perplexity": ev.base_perplexity,
-               "arms": [a.__dict__ for a in ev.arms]}
-    if args.sweep:
-        if args.mode == "ablate":
-            raise SystemExit("--sweep varies an add strength or a clamp value; use --mode add or --mode clamp")
-        try:
-            strengths = [float(s) for s in args.sweep.split(",") if s.strip()]
-        except ValueError:
-            raise SystemExit(f"bad --sweep {args.sweep!r}: expected comma-separated numbers like 0,2,4,8") from None
+    payload = {"edit": edit.__dict__, "base_perplexity": ev.base_perplexity, "arms": [a.__dict__ for a in ev.arms]}
+    if strengths:
         sw = sweep_strength(scope, prompts, args.layer, args.feature, strengths, mode=args.mode, scale=args.scale,
                             positions=args.positions, max_new_tokens=args.max_new_tokens, template=args.template)
         print(sw.table())

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from hooks import capture, intervene, resid_post
-from saes import TopKSAE, check_d_model
+from saes import TopKSAE, check_d_model, fused_encode
 from qwen_scope.evals.corpus import corpus_rows, rows_fingerprint, token_batches
 from qwen_scope.evals.results import LayerEval, SAEEvaluation
 
@@ -123,10 +123,13 @@ def _splice(mode: str, sae: TopKSAE, skip: int, mean: torch.Tensor | None):
             new = torch.zeros_like(h)
         elif mode == "mean":
             new = mean.to(h).expand_as(h)
+        elif mode == "sae":
+            # The encode users run (the TileLang kernel on sm_90 for bf16 residuals), exact by its contract.
+            new = sae.decode(fused_encode(h, sae))
         else:
             x = h.float()
             recon = sae(x)
-            new = recon + (x - recon) if mode == "sae+error" else recon
+            new = recon + (x - recon)
         return torch.cat([act[:, :skip], new.to(act.dtype)], dim=1)
     return edit
 
@@ -162,7 +165,7 @@ def _batch(scope, ids: torch.Tensor, saes: dict[int, TopKSAE], totals: dict[int,
             if n not in means:
                 means[n] = x.mean(0).cpu()
             t = totals[n]
-            codes = sae.encode_sparse(x)
+            codes = fused_encode(x, sae)
             recon = sae.decode(codes)
             active = codes.values > 0
             t.n += x.shape[0]
@@ -272,8 +275,8 @@ def evaluate_saes(scope, corpus, layers: int | Iterable[int] | None = None, *, c
     done = state["batches"]
     bar = tqdm(total=cfg.max_tokens, unit="tok", unit_scale=True, disable=not progress, desc="SAE eval")
     for i, ids in enumerate(_chain(first, batches)):
-        bar.update(ids.numel())
         if i < done:
+            bar.update(ids.numel())
             continue
         state["clean_nll"] += _batch(scope, ids, table, totals, state["means"], cfg.skip_first, modes)
         state["n_pred"] += ids.shape[0] * (ids.shape[1] - cfg.skip_first - 1)
@@ -282,6 +285,7 @@ def evaluate_saes(scope, corpus, layers: int | Iterable[int] | None = None, *, c
             out.mkdir(parents=True, exist_ok=True)
             state["totals"] = {n: t.state() for n, t in totals.items()}
             _write_atomic(out / STATE_FILE, lambda p: torch.save(state, p))
+        bar.update(ids.numel())
     bar.close()
     clean_loss = state["clean_nll"] / state["n_pred"]
     result = SAEEvaluation(meta=meta, layers={n: _layer_result(n, totals[n], table[n], clean_loss, state["n_pred"],
