@@ -32,7 +32,7 @@ def test_huge_ranges_stay_bounded_and_absurd_positions_are_refused():
     spec = parse_positions("0-99999999999")
     assert spec.ranges == ((0, 99999999999),)
     assert position_mask(spec, torch.arange(5) + 10**10).all()
-    assert parse_positions(torch.arange(10**6)).ranges == ((0, 10**6 - 1),)
+    assert parse_positions(torch.arange(10**5)).ranges == ((0, 10**5 - 1),)
     with pytest.raises(ValueError, match=r"beyond any sequence"):
         parse_positions("0-" + "9" * 30)
     with pytest.raises(ValueError, match=r"bad position range '5-2'"):
