@@ -239,6 +239,13 @@ class Scope:
 
         return steer(self, prompt, edits, **kwargs)
 
+    def generate(self, prompts, edits=(), **kwargs):
+        """Generations of one prompt or a batch, steered by ``edits`` (none: plain), on the static decode engine
+        where it applies; see ``qwen_scope.engine.batches.generate``."""
+        from qwen_scope.engine.batches import generate
+
+        return generate(self, prompts, edits, **kwargs)
+
     def compare(self, text_a, text_b, layers: int | Iterable[int] | None = None, **kwargs):
         """Features ranked by activation-rate difference; see ``qwen_scope.compare.compare``."""
         from qwen_scope.compare import compare

@@ -12,6 +12,7 @@ clamp to 0.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ import torch
 
 from hooks import InterventionContext, Positions, intervene, parse_positions, position_mask, resid_post
 from saes import TopKSAE
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FeatureEdit", "add", "clamp", "ablate", "PRESETS", "steering", "Generation", "SteeringResult",
            "Sweep", "steer", "sweep", "parse_steer_positions"]
@@ -250,6 +253,7 @@ class SteeringResult:
     baseline: Generation | None
     steered: Generation
     fired: dict[str, int]
+    generated_by: str = "transformers"
 
     @property
     def first_difference(self) -> int | None:
@@ -285,7 +289,7 @@ def _describe(e: FeatureEdit) -> str:
 
 def steer(scope, prompt: str, edits: FeatureEdit | Sequence[FeatureEdit], *, max_new_tokens: int = 40,
           do_sample: bool = False, template: str | None = None, top_n: int = 5, seed: int | None = 0,
-          baseline: bool = True, **generate_kwargs) -> SteeringResult:
+          baseline: bool = True, engine: str = "auto", **generate_kwargs) -> SteeringResult:
     """Generate from ``prompt`` without and with ``edits`` (same seed), with per-step token probabilities.
 
     Args:
@@ -297,6 +301,9 @@ def steer(scope, prompt: str, edits: FeatureEdit | Sequence[FeatureEdit], *, max
         top_n: candidates kept per step.
         seed: torch seed set before each generation (so sampled runs are comparable).
         baseline: also generate the unsteered continuation.
+        engine: ``"auto"`` (the static decode engine, baseline and steered as one batch, where it applies; else
+            transformers' ``generate``, the reason logged and kept in ``generated_by``), ``"static"`` (the engine
+            or a ValueError naming why not) or ``"transformers"``.
         **generate_kwargs: passed to ``model.generate`` (e.g. ``temperature``).
 
     Returns:
@@ -309,11 +316,38 @@ def steer(scope, prompt: str, edits: FeatureEdit | Sequence[FeatureEdit], *, max
     edit_list = (edits,) if isinstance(edits, FeatureEdit) else tuple(edits)
     _group_edits(scope.saes, edit_list)
     ids = scope.tokenize(prompt, template)
+    reason = _engine_choice(scope, engine, generate_kwargs)
+    if reason is None:
+        from qwen_scope.engine.batches import generate_rows
+
+        rows = [[]] * baseline + [list(edit_list)]
+        gens, _ = generate_rows(scope, [ids] * len(rows), rows, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                seed=seed, top_n=top_n, **generate_kwargs)
+        passes = dict.fromkeys(_group_edits(scope.saes, edit_list), len(gens[-1].token_ids))
+        return SteeringResult(prompt, edit_list, gens[0] if baseline else None, gens[-1],
+                              {resid_post(n): c for n, c in passes.items()}, "engine")
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, **generate_kwargs)
     base = _generate(scope, ids, top_n, seed, **kwargs) if baseline else None
     with steering(scope, edit_list, prompt_length=ids.shape[1]) as fired:
         steered = _generate(scope, ids, top_n, seed, **kwargs)
-    return SteeringResult(prompt, edit_list, base, steered, dict(fired))
+    return SteeringResult(prompt, edit_list, base, steered, dict(fired), f"transformers ({reason})")
+
+
+def _engine_choice(scope, engine: str, generate_kwargs: Mapping[str, object]) -> str | None:
+    """None to generate on the decode engine, else the one-line reason for transformers' ``generate``."""
+    if engine not in ("auto", "static", "transformers"):
+        raise ValueError(f"engine must be 'auto', 'static' or 'transformers', got {engine!r}")
+    if engine == "transformers":
+        return "engine='transformers' was asked for"
+    from qwen_scope.engine.batches import engine_reason
+
+    reason = engine_reason(scope, generate_kwargs)
+    if reason and engine == "static":
+        raise ValueError(f"engine='static' cannot run this request: {reason}; use engine='auto' to fall back to "
+                         "transformers' generate")
+    if reason:
+        log.info("steering: transformers' generate, not the decode engine: %s", reason)
+    return reason
 
 
 @dataclass(frozen=True)
@@ -343,7 +377,8 @@ def sweep(scope, prompt: str, layer: int, feature: int, strengths: Sequence[floa
         strengths: e.g. ``[-20, -5, 0, 5, 20, 100]``.
         mode: ``"add"`` or ``"clamp"``.
         scale, positions: as for ``add``.
-        **steer_kwargs: passed to ``steer`` (``max_new_tokens``, ``template``, ...).
+        **steer_kwargs: passed to ``steer`` (``max_new_tokens``, ``template``, ...); ``engine="auto"`` runs the
+            baseline and every strength as one batch on the decode engine (default: one generate per strength).
 
     Returns:
         ``Sweep`` (``.table()`` renders it).
@@ -353,6 +388,17 @@ def sweep(scope, prompt: str, layer: int, feature: int, strengths: Sequence[floa
     # Every strength checked before the first generation.
     edits = [add(layer, feature, s, scale=scale, positions=positions) if mode == "add" else
              clamp(layer, feature, s, positions=positions) for s in strengths]
+    # The one-generation-per-strength loop stays the default (its calls are what callers count on); engine="auto"
+    # or "static" runs the baseline and every strength as one batch on the decode engine.
+    engine = steer_kwargs.pop("engine", "transformers")
+    generate_kwargs = {k: v for k, v in steer_kwargs.items()
+                       if k not in ("max_new_tokens", "do_sample", "template", "top_n", "seed", "baseline")}
+    if _engine_choice(scope, engine, generate_kwargs) is None:
+        from qwen_scope.engine.batches import sweep_batched
+
+        return sweep_batched(scope, prompt, layer, feature, strengths, mode=mode, scale=scale, positions=positions,
+                             **{k: v for k, v in steer_kwargs.items() if k != "baseline"})[0]
+    steer_kwargs["engine"] = "transformers"
     base = steer(scope, prompt, [], **{**steer_kwargs, "baseline": False}).steered
     runs = [steer(scope, prompt, [edit], **{**steer_kwargs, "baseline": False}).steered for edit in edits]
     return Sweep(prompt, layer, feature, tuple(float(s) for s in strengths), base, tuple(runs))

@@ -1,0 +1,174 @@
+"""One decoder layer's decode step (T = 1 per row) against the engine's static state, written from the HF modules.
+
+Each function reads the weights of one transformers module and reproduces that module's math for one new token per
+row, but against preallocated buffers: the attention layer writes its key and value at the row's own position of a
+static KV cache and attends over the valid prefix through a mask built from device-side positions; the Gated DeltaNet
+layer updates its conv state and recurrent state in place. Norms, rotary tables, the dense MLP and the GDN gated
+norm are the HF modules' own calls (pure tensor ops), so their numerics are the model's by construction. Nothing here
+reads a tensor value on the host, branches on data or changes a shape between steps, so the whole step can be
+captured as one CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashqla_kernels import recurrent_gated_delta_rule
+
+__all__ = ["rotate_half", "apply_rotary", "attention_decode", "gdn_decode", "mlp_decode", "is_moe_block",
+           "unsupported_mlp_reason"]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``rotate_half``: ``[x1, x2] -> [-x2, x1]`` over the last dim."""
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on the first ``cos.shape[-1]`` dims of q [B, H, T, D] and k [B, Hkv, T, D] (cos, sin: [B, T, R]).
+
+    The partial form of Qwen3.5 / Qwen3-Next; with R = D it is Qwen3's full rotation (the pass-through part is
+    empty), element for element the same arithmetic.
+    """
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rot = cos.shape[-1]
+    q_rot, q_pass = q[..., :rot], q[..., rot:]
+    k_rot, k_pass = k[..., :rot], k[..., rot:]
+    q_embed = (q_rot * cos) + (rotate_half(q_rot) * sin)
+    k_embed = (k_rot * cos) + (rotate_half(k_rot) * sin)
+    return torch.cat([q_embed, q_pass], dim=-1), torch.cat([k_embed, k_pass], dim=-1)
+
+
+def attention_decode(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                     valid: torch.Tensor) -> torch.Tensor:
+    """Full attention for one new token per row, KV cache written in place.
+
+    Args:
+        attn: the HF attention module (``Qwen3Attention``, or the gated ``Qwen3_5Attention`` / ``Qwen3NextAttention``
+            whose ``q_proj`` also yields the output gate).
+        x: [B, 1, d_model] normed input.
+        cos, sin: [B, 1, R] rotary tables at ``positions``.
+        k_cache, v_cache: [B, Hkv, S, D] static cache; position p of row b is slot p.
+        positions: [B] int64 device tensor, where this token sits in each row.
+        valid: [B, 1, 1, S] bool, key slots each row may attend to (slots <= its position).
+
+    Returns:
+        [B, 1, d_model] the attention block's output (after ``o_proj``).
+    """
+    B = x.shape[0]
+    D = attn.head_dim
+    gated = attn.q_proj.out_features == 2 * attn.config.num_attention_heads * D
+    if gated:
+        q, gate = torch.chunk(attn.q_proj(x).view(B, 1, -1, D * 2), 2, dim=-1)
+        gate = gate.reshape(B, 1, -1)
+    else:
+        q, gate = attn.q_proj(x), None
+    q = attn.q_norm(q.view(B, 1, -1, D)).transpose(1, 2)
+    k = attn.k_norm(attn.k_proj(x).view(B, 1, -1, D)).transpose(1, 2)
+    v = attn.v_proj(x).view(B, 1, -1, D).transpose(1, 2)
+    q, k = apply_rotary(q, k, cos, sin)
+    # One slot per row at its own position: a scatter with a device index, no host-side slicing.
+    slot = positions.view(B, 1, 1, 1).expand(B, k.shape[1], 1, D)
+    k_cache.scatter_(2, slot, k.to(k_cache.dtype))
+    v_cache.scatter_(2, slot, v.to(v_cache.dtype))
+    out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=valid, scale=attn.scaling,
+                                         enable_gqa=q.shape[1] != k_cache.shape[1])
+    out = out.transpose(1, 2).reshape(B, 1, -1)
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
+    return attn.o_proj(out)
+
+
+def _gdn_projections(gdn: nn.Module, x: torch.Tensor):
+    """(mixed_qkv [B, C, 1], z [B, 1, Hv, Dv], b [B, 1, Hv], a [B, 1, Hv]) in either family's weight layout."""
+    B = x.shape[0]
+    if hasattr(gdn, "in_proj_qkvz"):
+        # Qwen3-Next groups q, k, v, z (and b, a) per key head; the module's own reordering undoes that.
+        q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
+        mixed = torch.cat([t.reshape(B, 1, -1) for t in (q, k, v)], dim=-1)
+        return mixed.transpose(1, 2), z, b, a
+    mixed = gdn.in_proj_qkv(x).transpose(1, 2)
+    z = gdn.in_proj_z(x).reshape(B, 1, -1, gdn.head_v_dim)
+    return mixed, z, gdn.in_proj_b(x), gdn.in_proj_a(x)
+
+
+def _conv_update(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """transformers' ``causal_conv1d_update`` + SiLU for one token: shift the state in place, convolve, activate."""
+    C, K = conv_state.shape[1], conv_state.shape[-1]
+    new = torch.cat([conv_state, mixed], dim=-1).to(weight.dtype)  # [B, C, K + 1]
+    conv_state.copy_(new[:, :, -K:])
+    out = F.conv1d(new, weight.unsqueeze(1), bias, padding=0, groups=C)[:, :, -1:]
+    return F.silu(out).to(mixed.dtype)
+
+
+def gdn_decode(gdn: nn.Module, x: torch.Tensor, conv_state: torch.Tensor,
+               recurrent_state: torch.Tensor) -> torch.Tensor:
+    """Gated DeltaNet for one new token per row, conv and recurrent state updated in place.
+
+    Args:
+        gdn: the HF ``Qwen3_5GatedDeltaNet`` / ``Qwen3NextGatedDeltaNet`` module.
+        x: [B, 1, d_model] normed input.
+        conv_state: [B, C, K] (C = 2 Hk Dk + Hv Dv), the last K conv inputs.
+        recurrent_state: [B, Hv, Dk, Dv] float32.
+
+    Returns:
+        [B, 1, d_model] the mixer's output (after ``out_proj``).
+    """
+    B = x.shape[0]
+    mixed, z, b, a = _gdn_projections(gdn, x)
+    mixed = _conv_update(mixed, conv_state, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias).transpose(1, 2)
+    q, k, v = torch.split(mixed, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
+    q = q.reshape(B, 1, -1, gdn.head_k_dim)
+    k = k.reshape(B, 1, -1, gdn.head_k_dim)
+    v = v.reshape(B, 1, -1, gdn.head_v_dim)
+    beta = b.sigmoid()
+    g = -gdn.A_log.float().exp() * F.softplus(a.float() + gdn.dt_bias)
+    out, state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=recurrent_state,
+                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
+    recurrent_state.copy_(state)
+    out = gdn.norm(out.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim)).reshape(B, 1, -1)
+    return gdn.out_proj(out)
+
+
+def is_moe_block(mlp: nn.Module) -> bool:
+    """Whether ``mlp`` is a sparse MoE block (router ``gate`` + 3-D ``experts``) rather than a dense SwiGLU."""
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
+
+
+def unsupported_mlp_reason(mlp: nn.Module) -> str | None:
+    """Why the engine cannot run this MLP inside a captured step, or None when it can."""
+    if not is_moe_block(mlp):
+        return None if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) else (
+            f"{type(mlp).__name__} is neither a SwiGLU MLP nor a sparse MoE block")
+    experts = mlp.experts
+    if not hasattr(experts, "gate_up_proj") or getattr(experts, "gate_up_proj").dim() != 3:
+        return f"{type(experts).__name__} keeps no fused 3-D gate_up_proj (per-expert modules)"
+    if not hasattr(experts, "has_gate") or getattr(experts, "_is_expert_parallel", False):
+        return f"{type(experts).__name__} has no transformers experts interface (or runs expert-parallel)"
+    return None
+
+
+def mlp_decode(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The MLP for [B, 1, d_model]: the dense module itself, or a sparse MoE block with its experts gathered.
+
+    transformers' default experts loop picks the hit experts with ``nonzero`` (a host sync and a data-dependent
+    shape); its ``batched_mm`` form gathers each token's k experts' weights by device indices instead, the same
+    math in a fixed shape, so the step uses that.
+    """
+    if not is_moe_block(mlp):
+        return mlp(x)
+    from transformers.integrations.moe import batched_mm_experts_forward
+
+    B, T, d = x.shape
+    flat = x.view(-1, d)
+    _, weights, chosen = mlp.gate(flat)
+    out = batched_mm_experts_forward(mlp.experts, flat, chosen, weights)
+    shared = getattr(mlp, "shared_expert", None)
+    if shared is not None:
+        out = out + F.sigmoid(mlp.shared_expert_gate(flat)) * shared(flat)
+    return out.reshape(B, T, d)
