@@ -1,0 +1,207 @@
+"""Steered generation throughput: transformers' generate (as installed, and with our patches) vs the decode engine.
+
+Model: the Qwen3.5-2B-shaped random bf16 model of ``collect_throughput.py`` (hidden 2048, 24 layers: 18 GDN and 6
+full attention, vocab 248320), prompts of ``--prompt`` tokens, ``--new`` new tokens, greedy. Arms:
+  hf          ``model.generate`` as installed (FLA's kernels when importable), steering by ``qwen_scope.steering``'s hook;
+  hf+patches  the same inside ``flashqla_kernels.patched_transformers(fused_layer=True)``;
+  engine      ``qwen_scope.engine.DecodeEngine.generate`` (prefill on the model's forward, then the captured decode
+              step replayed per token on CUDA), steering from its device buffers.
+Each at batch 1, 8, 32, 128 and steering none / one add (``resid_post.12``, every position) / one clamp through a
+32K-wide SAE. Reported: new tokens/s (B x new / wall, prefill included), ms per decode token (wall / new), and the
+weight-bandwidth floor: the bytes of the weights read once per step over 4.2 TB/s (the H200's HBM3e peak).
+
+Correctness first: on one prompt each arm's greedy tokens are compared with the engine's (the count of identical
+decisions is reported; a near-tie may split bf16 paths, the CPU tests prove the fp32 equality).
+
+Usage: ``python benchmarks/steer_generate.py --out benchmarks/results`` on the GPU machine writes
+``steer_generate.json`` and ``steer_generate.md`` after every arm (a timeout keeps what ran); ``--tiny`` runs every arm
+on a tiny model (CPU is fine) as a dry run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata as md
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HBM_BYTES_PER_S = 4.2e12
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_model(tiny: bool):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if tiny:
+        config = tf.Qwen3_5TextConfig(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+            linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False)
+    else:
+        config = tf.Qwen3_5TextConfig(
+            vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+            linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False,
+            max_position_embeddings=8192)
+    config._attn_implementation = "sdpa"
+    with torch.device(DEVICE):
+        model = tf.Qwen3_5ForCausalLM(config)
+    dtype = torch.float32 if tiny else torch.bfloat16
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def random_sae(d_model: int, d_sae: int, k: int, dtype: torch.dtype):
+    from saes import TopKSAE
+
+    g = torch.Generator().manual_seed(0)
+    w_dec = torch.randn(d_model, d_sae, generator=g)
+    w_dec = w_dec / w_dec.norm(dim=0, keepdim=True)
+    sae = TopKSAE(w_dec.T.contiguous(), w_dec, torch.zeros(d_sae), torch.zeros(d_model), k=k)
+    return sae.to(DEVICE, dtype).requires_grad_(False)
+
+
+def weight_floor_ms(model) -> float:
+    """One decode step reads every weight once (the embedding only by row): bytes / HBM bandwidth, in ms."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    params -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    return 1e3 * params / HBM_BYTES_PER_S
+
+
+def edits_for(kind: str, layer: int):
+    from qwen_scope.steering import add, clamp
+
+    return {"none": [], "add": [add(layer, 7, 8.0)], "clamp": [clamp(layer, 7, 5.0)]}[kind]
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_hf(model, saes, prompts, new: int, edits, patched: bool) -> torch.Tensor:
+    import contextlib
+
+    from flashqla_kernels import patched_transformers
+    from qwen_scope.steering import steering
+
+    ids = torch.stack(prompts)
+    ctx = patched_transformers(fused_layer=True) if patched else contextlib.nullcontext()
+    with torch.no_grad(), ctx, steering(model, edits, saes=saes, prompt_length=ids.shape[1]):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, pad_token_id=0)
+    return out[:, ids.shape[1]:]
+
+
+def run_engine(engine, prompts, new: int, edits) -> torch.Tensor:
+    result = engine.generate(prompts, [edits] * len(prompts), max_new_tokens=new, stop_tokens=[])
+    return torch.stack([r.token_ids for r in result.rows])
+
+
+def timed(fn) -> tuple[float, torch.Tensor]:
+    fn()  # warm-up: kernels compiled, the engine's buffers allocated and its graph captured
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - start, out
+
+
+def versions() -> dict:
+    out = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)", "torch": torch.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    for dist in ("transformers", "tilelang", "flash-linear-attention", "fla-core"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = None
+    out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                   cwd=Path(__file__).parent).stdout.strip() or None
+    return out
+
+
+def write(out: Path, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "steer_generate.json").write_text(json.dumps(result, indent=1))
+    v = result["env"]
+    lines = [f"# Steered generation ({v['gpu']}, {v['date']})", "",
+             f"torch {v['torch']}, transformers {v['transformers']}, tilelang {v['tilelang']}, fla "
+             f"{v['fla-core'] or v['flash-linear-attention']}, commit {v['commit']}. Model: {result['model']}; prompt "
+             f"{result['prompt']} tokens, {result['new']} new tokens, greedy. Weight-bandwidth floor: "
+             f"{result['floor_ms']:.4g} ms per step ({result['weight_gb']:.2f} GB of weights at 4.2 TB/s).", "",
+             "| arm | batch | steering | new tokens/s | ms per token | floor ms | x hf | same tokens as engine | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["arms"]:
+        if "tokens_per_s" in r:
+            lines.append(f"| {r['arm']} | {r['batch']} | {r['steering']} | {r['tokens_per_s']:,.1f} | "
+                         f"{r['ms_per_token']:.2f} | {result['floor_ms']:.4g} | {r.get('vs_hf', float('nan')):.2f} | "
+                         f"{r.get('agree', '-')} | |")
+        else:
+            lines.append(f"| {r['arm']} | {r['batch']} | {r['steering']} | - | - | - | - | - | {r['error']} |")
+    (out / "steer_generate.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--tiny", action="store_true", help="dry run of every arm on a tiny model (CPU ok)")
+    parser.add_argument("--batches", type=int, nargs="+", default=None)
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512; tiny 8)")
+    parser.add_argument("--new", type=int, default=None, help="new tokens (default 128; tiny 4)")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting arms after this many seconds")
+    args = parser.parse_args(argv)
+    batches = args.batches or ([1, 2] if args.tiny else [1, 8, 32, 128])
+    P, new = args.prompt or (8 if args.tiny else 512), args.new or (4 if args.tiny else 128)
+    began = time.perf_counter()
+
+    from qwen_scope.engine import DecodeEngine
+
+    model = build_model(args.tiny)
+    cfg = model.config
+    layer = min(12, cfg.num_hidden_layers - 1)
+    saes = {layer: random_sae(cfg.hidden_size, 256 if args.tiny else 32768, 8 if args.tiny else 100, model.dtype)}
+    engine = DecodeEngine(model, saes)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    result = {"env": versions(), "model": "tiny Qwen3.5 (fp32, dry run)" if args.tiny else
+              "Qwen3.5-2B-shaped random bf16", "prompt": P, "new": new, "floor_ms": weight_floor_ms(model),
+              "weight_gb": weight_bytes / 1e9, "arms": []}
+    g = torch.Generator().manual_seed(1)
+    for B in batches:
+        prompts = [torch.randint(1, cfg.vocab_size, (P,), generator=g).to(DEVICE) for _ in range(B)]
+        for kind in ("none", "add", "clamp"):
+            edits = edits_for(kind, layer)
+            arms = {"engine": lambda: run_engine(engine, prompts, new, edits),
+                    "hf": lambda: run_hf(model, saes, prompts, new, edits, patched=False),
+                    "hf+patches": lambda: run_hf(model, saes, prompts, new, edits, patched=True)}
+            reference, hf_rate = None, None
+            for name, fn in arms.items():
+                row = {"arm": name, "batch": B, "steering": kind}
+                if time.perf_counter() - began > args.budget_s:
+                    row["error"] = f"skipped: past the {args.budget_s:.0f} s budget"
+                else:
+                    try:
+                        wall, tokens = timed(fn)
+                        row.update(tokens_per_s=B * new / wall, ms_per_token=1e3 * wall / new)
+                        reference = tokens.cpu() if name == "engine" else reference
+                        row["agree"] = f"{int((tokens.cpu() == reference).sum())}/{reference.numel()}"
+                        hf_rate = row["tokens_per_s"] if name == "hf" else hf_rate
+                    except Exception as err:  # an arm that fails is reported in the table, the others still run
+                        row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+                result["arms"].append(row)
+            for row in result["arms"][-3:]:
+                if hf_rate and "tokens_per_s" in row:
+                    row["vs_hf"] = row["tokens_per_s"] / hf_rate
+            write(args.out, result)
+    print((args.out / "steer_generate.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
