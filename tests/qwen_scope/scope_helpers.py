@@ -35,3 +35,46 @@ def write_tiny_checkpoint(root, family: str = "qwen3_5"):
     tiny_model(family).save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
     return model_dir, write_sae_release(root)
+
+
+def corpus_windows(width: int = 200, seed: int = 0) -> tuple[list[str], list[str]]:
+    """Non-overlapping raw ``width``-character windows of the nano corpus slice: (source code, docs), shuffled.
+    Source files carry docstrings and comments, docs carry code examples: the classes mix."""
+    import json
+    import random
+
+    from qwen_scope.nano import NANO_DIR
+
+    docs = [json.loads(line) for line in (NANO_DIR / "corpus_sample.jsonl").read_text().splitlines() if line]
+    cut = [(d["source"], d["text"][i:i + width]) for d in docs for i in range(0, len(d["text"]) - width + 1, width)]
+    rng = random.Random(seed)
+    code, prose = [t for s, t in cut if s == "source"], [t for s, t in cut if s != "source"]
+    rng.shuffle(code)
+    rng.shuffle(prose)
+    return code, prose
+
+
+def tiny_sae_store(root, *, token_budget: int):
+    """A store collected from the tiny model's layer-1 SAE codes over the test corpus (rows of 32 tokens, shards of
+    128): ``(store, corpus)``."""
+    from qwen_scope.collect import collect, load_corpus
+    from qwen_scope.store import ActivationStore
+    from tests.factories import write_sae_release
+    from tests.qwen_scope.test_collect import write_corpus
+
+    corpus = load_corpus(write_corpus(root / "corpus.jsonl"))
+    collect(tiny_model("qwen3_5"), corpus, sae_layers=[1], release=str(write_sae_release(root / "rel")),
+            token_budget=token_budget, context_len=32, out_dir=root / "store", tokenizer=tiny_tokenizer(),
+            shard_tokens=128, progress=False)
+    return ActivationStore(root / "store"), corpus
+
+
+def doc_max_by_hand(store, point: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Brute force over a store's codes: ``(document ids [D], [D, d_sae])``, each document's largest activation per
+    feature over its tokens at positions > 0 (zeros for a document with none)."""
+    acts = store.feature_acts(point).float()
+    docs, pos = store.doc_index(), store.positions()
+    ids = docs.unique()
+    rows = [acts[(docs == d) & (pos > 0)].clamp(min=0).amax(0) if ((docs == d) & (pos > 0)).any()
+            else torch.zeros(acts.shape[1]) for d in ids]
+    return ids, torch.stack(rows)

@@ -8,7 +8,7 @@ import torch
 
 from qwen_scope import FeatureClassifier, nano_scope
 from qwen_scope.cli import main
-from tests.qwen_scope.test_tuning import corpus_windows
+from tests.qwen_scope.scope_helpers import corpus_windows
 
 
 def test_classify_fits_filters_and_reloads(tmp_path, capsys):

@@ -9,6 +9,7 @@ import torch
 
 from qwen_scope import nano_corpus, nano_scope
 from qwen_scope.applications import FeatureFootprint, document_scores, greedy_cover, redundancy_matrix
+from tests.qwen_scope.scope_helpers import doc_max_by_hand, tiny_sae_store
 from tests.qwen_scope.test_classify import _chunks, _is_code, _is_prose
 
 
@@ -100,22 +101,13 @@ def test_on_nano_code_covers_what_prose_misses_and_the_cover_picks_code(nano):
 
 
 def test_from_store_counts_each_document_once_across_chunks_and_skips_row_starts(tmp_path):
-    from qwen_scope.collect import collect, load_corpus
+    from qwen_scope.collect import collect
     from qwen_scope.store import ActivationStore
-    from tests.factories import tiny_model, tiny_tokenizer, write_sae_release
-    from tests.qwen_scope.test_collect import write_corpus
+    from tests.factories import tiny_model, tiny_tokenizer
 
-    corpus = load_corpus(write_corpus(tmp_path / "corpus.jsonl"))
-    collect(tiny_model("qwen3_5"), corpus, sae_layers=[1], release=str(write_sae_release(tmp_path / "rel")),
-            token_budget=400, context_len=32, out_dir=tmp_path / "store", tokenizer=tiny_tokenizer(),
-            shard_tokens=128, progress=False)
-    store = ActivationStore(tmp_path / "store")
-    acts = store.feature_acts("resid_post.1").float()
-    docs, pos = store.doc_index(), store.positions()
+    store, corpus = tiny_sae_store(tmp_path, token_budget=400)
+    _, scores = doc_max_by_hand(store, "resid_post.1")
     for threshold, min_docs in ((0.0, 1), (0.5, 2)):
-        # brute force: each document's largest activation per feature over tokens at positions > 0
-        scores = torch.stack([acts[(docs == d) & (pos > 0)].amax(0) if ((docs == d) & (pos > 0)).any()
-                              else torch.zeros(acts.shape[1]) for d in docs.unique()])
         want = FeatureFootprint.from_scores({1: scores}, threshold=threshold, min_docs=min_docs)
         for chunk in (7, 50, 1 << 16):  # documents cut by chunks and by shards
             got = FeatureFootprint.from_store(store, "resid_post.1", threshold=threshold, min_docs=min_docs,

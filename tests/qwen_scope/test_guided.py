@@ -22,7 +22,7 @@ def code_texts():
 
 
 def _ids(scope, texts):
-    enc = [scope.tokenizer(t, add_special_tokens=False)["input_ids"][:96] for t in texts]
+    enc = [scope.tokenizer(t, add_special_tokens=False)["input_ids"][:64] for t in texts]
     n = min(len(e) for e in enc)
     return torch.tensor([e[:n] for e in enc])
 
@@ -63,7 +63,7 @@ def test_penalty_is_the_formula_on_the_captured_layer_and_the_hook_is_scoped(cod
         pen(resid, torch.ones(2, 2))
 
 
-def _finetune(scope, ids, pen, weight: float, steps: int = 12) -> float:
+def _finetune(scope, ids, pen, weight: float, steps: int = 8) -> float:
     opt = torch.optim.Adam(scope.model.parameters(), lr=2e-3)
     scope.model.train()
     with pen.watch(scope.model) as last:
@@ -94,6 +94,7 @@ def test_fine_tuning_with_the_penalty_switches_the_feature_off_on_held_out_text(
         with torch.no_grad():
             after = float(scope.sae(LAYER).encode(capture_resid(scope.model, held_ids))[:, 1:, feature].mean())
         results[weight] = (before, after, lm_before, lm_after)
+    print({w: [round(v, 3) for v in r] for w, r in results.items()})  # (before, after, lm before, lm after)
     before, after, lm_before, lm_after = results[1.0]
     assert before > 0 and after < 0.2 * before, results  # the feature is (nearly) off on unseen code
     assert lm_after < lm_before + 0.5, results  # the LM loss does not blow up

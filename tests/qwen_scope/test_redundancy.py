@@ -10,15 +10,15 @@ import torch
 from qwen_scope import nano_scope
 from qwen_scope.applications import (Benchmark, coverage_subsample, overlap_figure, ranking_check, redundancy_matrix,
                                      spearman)
-from tests.qwen_scope.test_tuning import corpus_windows
+from tests.qwen_scope.scope_helpers import corpus_windows
 
-LAYER = 3
+LAYER, WIDTH = 3, 64
 
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     scope = nano_scope([LAYER])
-    code, prose = corpus_windows(width=128)
+    code, prose = corpus_windows(width=WIDTH)
     path = tmp_path_factory.mktemp("bench") / "mixed.jsonl"
     path.write_text("".join(json.dumps({"question": t}) + "\n" for t in prose[:24] + code[:24]))
     mixed = Benchmark.load(scope, str(path), split="train", text_column="question", threshold=1.0, label="mixed")
@@ -53,7 +53,7 @@ def test_coverage_subsample_keeps_the_footprint_and_the_ranking(bench):
     keep = coverage_subsample(mixed.scores, 12, threshold=1.0)
     assert len(set(keep.tolist())) == 12
     assert mixed.footprint(keep).coverage_of(mixed.footprint()) >= 0.9
-    ids = [scope.tokenizer(t, add_special_tokens=False)["input_ids"][:128] for t in mixed.texts]
+    ids = [scope.tokenizer(t, add_special_tokens=False)["input_ids"][:WIDTH] for t in mixed.texts]
     batch = torch.tensor(ids)
     scores = []
     for _ in _variants(scope):

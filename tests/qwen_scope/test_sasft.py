@@ -10,7 +10,7 @@ from hooks import capture_forward
 from qwen_scope import FeaturePenalty, nano_scope
 from qwen_scope.applications import (class_targets, contrast_features, repetition_rate, response_mask,
                                      reward_function, split_by_repetition, token_rewards)
-from tests.qwen_scope.test_tuning import corpus_windows
+from tests.qwen_scope.scope_helpers import corpus_windows
 
 LAYER = 3
 

@@ -6,7 +6,7 @@ import torch
 
 from qwen_scope import nano_scope
 from qwen_scope.applications import document_scores, iter_document_scores, store_document_scores
-from tests.qwen_scope.test_tuning import corpus_windows
+from tests.qwen_scope.scope_helpers import corpus_windows, doc_max_by_hand, tiny_sae_store
 
 
 def test_batched_scores_equal_one_forward_per_text_in_order():
@@ -28,21 +28,10 @@ def test_batched_scores_equal_one_forward_per_text_in_order():
 
 
 def test_store_scores_equal_the_brute_force_maximum_per_document(tmp_path):
-    from qwen_scope.collect import collect, load_corpus
-    from qwen_scope.store import ActivationStore
-    from tests.factories import tiny_model, tiny_tokenizer, write_sae_release
-    from tests.qwen_scope.test_collect import write_corpus
-
-    corpus = load_corpus(write_corpus(tmp_path / "corpus.jsonl"))
-    collect(tiny_model("qwen3_5"), corpus, sae_layers=[1], release=str(write_sae_release(tmp_path / "rel")),
-            token_budget=300, context_len=32, out_dir=tmp_path / "store", tokenizer=tiny_tokenizer(),
-            shard_tokens=128, progress=False)
-    store = ActivationStore(tmp_path / "store")
-    acts = store.feature_acts("resid_post.1").float()
-    docs, pos = store.doc_index(), store.positions()
-    want = torch.stack([acts[(docs == d) & (pos > 0)].clamp(min=0).amax(0) for d in docs.unique()])
+    store, _ = tiny_sae_store(tmp_path, token_budget=300)
+    docs, want = doc_max_by_hand(store, "resid_post.1")
     ids, got = store_document_scores(store, "resid_post.1", chunk_tokens=50)
-    assert ids.tolist() == docs.unique().tolist()
+    assert ids.tolist() == docs.tolist()
     torch.testing.assert_close(got, want)
     ids, some = store_document_scores(store, "resid_post.1", features=[5, 2])
     torch.testing.assert_close(some, want[:, [5, 2]])

@@ -7,7 +7,7 @@ import pytest
 from qwen_scope import FeatureFootprint, nano_scope
 from qwen_scope.applications import (FeaturePrompt, TextGenerator, coverage_figure, document_scores, efficiency,
                                      feature_prompts, sample_coverage, synthesize)
-from tests.qwen_scope.test_tuning import corpus_windows
+from tests.qwen_scope.scope_helpers import corpus_windows
 
 LAYER, STRONG = 3, 2.0
 
@@ -31,7 +31,7 @@ def test_targeted_loop_beats_random_sampling_from_the_same_generator(setup):
                      prompts, budget=64, batch_size=16, attempts=2, threshold=STRONG)
     random_prompts = [t[i:i + 24] for t in pool for i in (0, 80, 160)]
     base = sample_coverage(scope, TextGenerator(scope.model, scope.tokenizer, max_new_tokens=24, temperature=0.8),
-                           random_prompts, gap, budget=128, batch_size=16, threshold=STRONG)
+                           random_prompts, gap, budget=80, batch_size=16, threshold=STRONG)
     eff = efficiency(run, base)
     print(run, base, eff, sep="\n")
     assert eff.ratio > 1.5, eff

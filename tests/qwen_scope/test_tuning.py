@@ -2,30 +2,15 @@
 size and thresholds tuned on one split and scored on another, beside the diff-of-means probe; curves and errors."""
 from __future__ import annotations
 
-import json
-import random
-
 import pytest
 import torch
 
 from qwen_scope import FeatureClassifier, nano_scope
 from qwen_scope.applications import (MeanDiffProbe, best_threshold, binary_metrics, document_scores, pr_curve,
                                      pr_figure, tune_rule)
-from qwen_scope.nano import NANO_DIR
+from tests.qwen_scope.scope_helpers import corpus_windows
 
 LAYERS = [2, 3]
-
-
-def corpus_windows(width: int = 200, seed: int = 0) -> tuple[list[str], list[str]]:
-    """Non-overlapping raw ``width``-character windows of the nano corpus slice: (source code, docs), shuffled.
-    Source files carry docstrings and comments, docs carry code examples: the classes mix."""
-    docs = [json.loads(line) for line in (NANO_DIR / "corpus_sample.jsonl").read_text().splitlines() if line]
-    cut = [(d["source"], d["text"][i:i + width]) for d in docs for i in range(0, len(d["text"]) - width + 1, width)]
-    rng = random.Random(seed)
-    code, prose = [t for s, t in cut if s == "source"], [t for s, t in cut if s != "source"]
-    rng.shuffle(code)
-    rng.shuffle(prose)
-    return code, prose
 
 
 @pytest.fixture(scope="module")
