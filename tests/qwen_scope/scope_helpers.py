@@ -1,6 +1,8 @@
 """Tiny ``Scope`` objects for the qwen_scope tests: a tiny random Qwen model, the byte tokenizer, random SAEs."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from qwen_scope.scope import Scope
@@ -52,6 +54,19 @@ def corpus_windows(width: int = 200, seed: int = 0) -> tuple[list[str], list[str
     rng.shuffle(code)
     rng.shuffle(prose)
     return code, prose
+
+
+@functools.lru_cache(maxsize=None)
+def window_scores(n_code: int = 62, n_prose: int = 64) -> tuple[dict, dict]:
+    """Document scores at layers 2 and 3 of the nano model of the first ``n_code`` source and ``n_prose``
+    documentation windows of ``corpus_windows()``: ``({layer: [n_code, d_sae]}, {layer: [n_prose, d_sae]})``,
+    computed once for every test module that slices them (nothing may write to them)."""
+    from qwen_scope import nano_scope
+    from qwen_scope.applications import document_scores
+
+    code, prose = corpus_windows()
+    scores = document_scores(nano_scope([2, 3]), code[:n_code] + prose[:n_prose], [2, 3], batch_size=32)
+    return ({n: s[:n_code] for n, s in scores.items()}, {n: s[n_code:] for n, s in scores.items()})
 
 
 def tiny_sae_store(root, *, token_budget: int):

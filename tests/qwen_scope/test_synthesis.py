@@ -3,11 +3,12 @@ than random sampling from the same generator; the loop's bookkeeping with a scri
 from __future__ import annotations
 
 import pytest
+import torch
 
 from qwen_scope import FeatureFootprint, nano_scope
 from qwen_scope.applications import (FeaturePrompt, TextGenerator, coverage_figure, document_scores, efficiency,
                                      feature_prompts, sample_coverage, synthesize)
-from tests.qwen_scope.scope_helpers import corpus_windows
+from tests.qwen_scope.scope_helpers import corpus_windows, window_scores
 
 LAYER, STRONG = 3, 2.0
 
@@ -16,9 +17,11 @@ LAYER, STRONG = 3, 2.0
 def setup():
     scope = nano_scope([LAYER])
     code, prose = corpus_windows()
-    train = FeatureFootprint.from_scores(document_scores(scope, prose[:40], LAYER), threshold=STRONG)
+    code_scores, prose_scores = window_scores()
+    train = FeatureFootprint.from_scores({LAYER: prose_scores[LAYER][:40]}, threshold=STRONG)
     pool = prose[40:64] + code[:24]
-    target = FeatureFootprint.from_scores(document_scores(scope, pool, LAYER), threshold=STRONG, min_docs=2)
+    target = FeatureFootprint.from_scores({LAYER: torch.cat([prose_scores[LAYER][40:64], code_scores[LAYER][:24]])},
+                                          threshold=STRONG, min_docs=2)
     gap = {LAYER: train.missing(target)[LAYER][:24]}
     return scope, pool, gap
 

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from qwen_scope import FeatureClassifier, nano_scope
-from qwen_scope.applications import (MeanDiffProbe, best_threshold, binary_metrics, document_scores, pr_curve,
-                                     pr_figure, tune_rule)
-from tests.qwen_scope.scope_helpers import corpus_windows
+from qwen_scope.applications import MeanDiffProbe, best_threshold, binary_metrics, pr_curve, pr_figure, tune_rule
+from tests.qwen_scope.scope_helpers import corpus_windows, window_scores
 
 LAYERS = [2, 3]
 
@@ -16,13 +15,13 @@ LAYERS = [2, 3]
 @pytest.fixture(scope="module")
 def split():
     """6 seeds per class, a tuning split of 24 + 24 and a test split of 32 + 32 windows, scored once."""
-    scope = nano_scope(LAYERS)
-    code, prose = corpus_windows()
-    parts = {"seed": (code[:6], prose[:6]), "tune": (code[6:30], prose[6:30]), "test": (code[30:62], prose[30:62])}
-    out = {"scope": scope}
-    for name, (pos, neg) in parts.items():
-        out[name] = (document_scores(scope, pos + neg, LAYERS, batch_size=32),
-                     torch.tensor([True] * len(pos) + [False] * len(neg)))
+    code, prose = window_scores()
+    parts = {"seed": slice(0, 6), "tune": slice(6, 30), "test": slice(30, 62)}
+    out = {"scope": nano_scope(LAYERS)}
+    for name, rows in parts.items():
+        n = rows.stop - rows.start
+        out[name] = ({layer: torch.cat([code[layer][rows], prose[layer][rows]]) for layer in LAYERS},
+                     torch.tensor([True] * n + [False] * n))
     out["seed_pos"] = {n: s[:6] for n, s in out["seed"][0].items()}
     out["seed_neg"] = {n: s[6:] for n, s in out["seed"][0].items()}
     return out
