@@ -24,6 +24,8 @@
 #                LAYER_PROFILE=N also profiles N forwards of each arm
 #   collect-profile  benchmarks/collect_profile.py: torch.profiler of (a) and a steady (c1) step: GPU idle, blocking calls
 #   glue         benchmarks/glue_kernels.py: each glue kernel alone against the copy floor
+#   steer        benchmarks/steer_generate.py (generate as installed, with our patches, the decode engine; STEER_ARGS=
+#                "--batches 1 --new 32" narrows it)
 #   swiglu       the fused gate/up GEMM with the SwiGLU epilogue: its GPU tests, then benchmarks/swiglu_gemm.py
 set -o pipefail
 export PYTHONUNBUFFERED=1 FLA_FLASH_QLA=0 TILELANG_CACHE_DIR=/tmp/tlcache TRITON_CACHE_DIR=/tmp/triton_cache
@@ -103,6 +105,8 @@ for p in "$@"; do
         glue) phase glue "${GLUE_S:-120}" python3 benchmarks/glue_kernels.py --out "$OUT" ;;
         swiglu) phase swiglu "${SWIGLU_S:-240}" bash -c "python3 -m pytest -q -rA --timeout 120 -p no:cacheprovider -m gpu \
                     tests/flashqla_kernels/test_decoder_hopper_swiglu_gemm.py; python3 benchmarks/swiglu_gemm.py --out $OUT" ;;
+        steer) phase steer "${STEER_S:-300}" python3 benchmarks/steer_generate.py --out "$OUT" ${STEER_ARGS:-} \
+                   --budget-s "$(( ${STEER_S:-300} - 40 ))" ;;
         layer) phase layer "${LAYER_S:-400}" python3 benchmarks/gdn_layer.py --arms "${LAYER_ARMS:-ours,ours_op,qla_op,fla,torch,compile,ours+compile}" \
                    --profile "${LAYER_PROFILE:-0}" --out "$OUT" ;;
         *) echo "unknown phase $p" | tee -a "$OUT/phases.log" ;;
