@@ -119,7 +119,7 @@ class SteeringBench:
         kwargs = dict(max_new_tokens=max_new_tokens, top_n=top_n, seed=seed, template=template)
         reason = engine_reason(self.scope)
         if reason is not None:
-            yield _finished(steer(self.scope, prompt, list(edits), engine="transformers", **kwargs))
+            yield _finished(steer(self.scope, prompt, list(edits), **kwargs))
             return
         yield from self._stream_engine(prompt, edits, **kwargs)
 
