@@ -1,7 +1,8 @@
 """The notebooks in ``notebooks/`` run top to bottom on CPU (bundled defaults) without an error.
 
 Each runs in a fresh kernel inside a temporary directory (what they write stays there). Committed notebooks carry no
-outputs, and import only the public API.
+outputs, and import only the public API. Their real-model cells (which run only when the weights are in the hub
+cache) run too, offline, against a fake hub cache holding a tiny model and SAE file under the real repo ids.
 """
 from __future__ import annotations
 
@@ -11,11 +12,28 @@ from pathlib import Path
 
 import pytest
 
+from tests.fake_hub import write_fake_release
+
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 PUBLIC = re.compile(r"^\s*(?:from|import)\s+(qwen_scope|saes|hooks)(\.[\w.]+)?", re.M)
 # Modules a notebook may import from besides the package roots: documented entry points.
 ALLOWED_SUBMODULES = {"qwen_scope.nano", "qwen_scope.collect", "qwen_scope.explore", "qwen_scope.applications",
                       "qwen_scope.evals"}
+# The release and layer the notebooks' real-model cells ask the hub cache for.
+REAL_RELEASE, REAL_LAYER = "qwen-scope-3.5-2b-base-w32k-l50", 12
+
+
+def _has_real_cells(path: Path) -> bool:
+    return "Scope.from_pretrained(" in "".join(
+        "".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+
+
+@pytest.fixture(scope="session")
+def fake_hub_home(tmp_path_factory) -> Path:
+    """An ``HF_HOME`` whose hub cache holds the real-model cells' model and SAE file (tiny, random)."""
+    home = tmp_path_factory.mktemp("hf_home")
+    write_fake_release(home / "hub", REAL_RELEASE, (REAL_LAYER,))
+    return home
 
 
 def test_notebooks_exist():
@@ -37,9 +55,16 @@ def test_notebook_is_committed_clean_and_uses_the_public_api(path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_executes(path, tmp_path):
+def test_notebook_executes(path, tmp_path, request, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
+    real = _has_real_cells(path)
+    if real:
+        # The kernel inherits this environment: its hub cache is the fake one, and nothing is downloaded.
+        home = request.getfixturevalue("fake_hub_home")
+        monkeypatch.setenv("HF_HOME", str(home))
+        monkeypatch.setenv("HF_HUB_CACHE", str(home / "hub"))
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
@@ -47,3 +72,6 @@ def test_notebook_executes(path, tmp_path):
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors
+    if real:
+        printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+        assert "real weights present: True" in printed, f"{path.name}'s real-model cell did not run"
