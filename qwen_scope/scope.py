@@ -252,6 +252,13 @@ class Scope:
 
         return compare(self, text_a, text_b, layers, **kwargs)
 
+    def explore(self, text: str, *, db=None, layer: int | None = None, widget: bool | None = None):
+        """The explorer's views of ``text`` in a notebook: an ipywidgets widget (token → its features → the card,
+        steering sliders) where ipywidgets imports, else the static HTML; see ``qwen_scope.app.jupyter.explore``."""
+        from qwen_scope.app.jupyter import explore
+
+        return explore(self, text, db=db, layer=layer, widget=widget)
+
     def __repr__(self) -> str:
         rel = self.release.id if self.release is not None else None
         return (f"Scope(model={self.model_name!r}, family={self.adapter.family!r}, n_layers={self.adapter.n_layers}, "
