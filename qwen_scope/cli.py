@@ -12,10 +12,10 @@ import re
 import sys
 
 from qwen_scope import __version__
-from qwen_scope.commands import classify, collect, demo, eval, explore, features, releases, steer
+from qwen_scope.commands import app, classify, collect, demo, eval, explore, features, releases, steer
 
 # One module per subcommand, in the order ``--help`` lists them.
-COMMANDS = (classify, collect, demo, eval, explore, features, releases, steer)
+COMMANDS = (app, classify, collect, demo, eval, explore, features, releases, steer)
 
 # A value that starts with "-" but is a number or a list of numbers ("-100,-20,0"): argparse would take it for an
 # option unless it is a single plain number.

@@ -157,7 +157,7 @@ class SteeringBench:
         return view
 
     def sweep(self, prompt: str, layer: int, feature: int, strengths: Sequence[float], *, mode: str = "add",
-              scale: str = "raw", positions: str = "all", max_new_tokens: int = 24):
+              scale: str = "raw", positions: str = "all", max_new_tokens: int = 24, template: str | None = None):
         """Generations of one feature over ``strengths`` (one batch on the engine) and their figure.
 
         Returns:
@@ -167,7 +167,7 @@ class SteeringBench:
         if len(strengths) == 0:
             raise ValueError("no strengths to sweep; give a list such as -20,-5,0,5,20")
         result = sweep(self.scope, prompt, layer, feature, list(strengths), mode=mode, scale=scale,
-                       positions=positions, max_new_tokens=max_new_tokens, engine="auto")
+                       positions=positions, max_new_tokens=max_new_tokens, template=template, engine="auto")
         return result, sweep_figure(result, self.label(feature, layer))
 
 

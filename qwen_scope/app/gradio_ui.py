@@ -111,7 +111,8 @@ def build_app(session: AppSession, *, title: str | None = None):
     def generate(prompt, features, strength, strengths, mode, positions, layer, max_new):
         values = _numbers(strengths, "strengths") if str(strengths or "").strip() else [float(strength)]
         edits = session.bench.edits(features, values, layer=int(layer), mode=mode, positions=positions or "all")
-        for view in session.bench.stream(prompt, edits, max_new_tokens=int(max_new)):
+        for view in session.bench.stream(prompt, edits, max_new_tokens=int(max_new),
+                                         template=session.template):
             yield steer_html(view), steer_rows(view)
 
     def run_sweep(prompt, features, strengths, mode, positions, layer, max_new):
@@ -120,7 +121,7 @@ def build_app(session: AppSession, *, title: str | None = None):
             raise ValueError(f"a sweep varies one feature; the features box holds {len(pairs)}")
         _, fig = session.bench.sweep(prompt, pairs[0].layer, pairs[0].feature, _numbers(strengths, "sweep"),
                                      mode="clamp" if mode == "clamp" else "add", positions=positions or "all",
-                                     max_new_tokens=int(max_new))
+                                     max_new_tokens=int(max_new), template=session.template)
         return fig
 
     def compare(a, b, layer):

@@ -55,7 +55,7 @@ def static_view(session: AppSession, text: str) -> HtmlView:
 
 
 def widget_view(session: AppSession, text: str):
-    """The live widget: token buttons → their features, feature buttons → the card, steering sliders → the bench."""
+    """The live widget: token buttons → their features → the card; steering sliders → the bench."""
     import ipywidgets as w
 
     view = session.analyze(text)
@@ -86,7 +86,7 @@ def widget_view(session: AppSession, text: str):
     def steer(_) -> None:
         edits = session.bench.edits([feature.value], strength.value, layer=session.layer,
                                     positions=positions.value or "all")
-        for step in session.bench.stream(text, edits, max_new_tokens=new_tokens.value):
+        for step in session.bench.stream(text, edits, max_new_tokens=new_tokens.value, template=session.template):
             output.value = steer_html(step)
 
     token_buttons = []

@@ -66,13 +66,14 @@ class AppSession:
         db: a ``FeatureDatabase`` (its ``meta["layer"]`` names the layer it describes) or its directory.
         evaluation: an ``SAEEvaluation``, its ``sae_eval.json`` or the directory holding it (the evaluation tab).
         layer: the layer shown first (default: the database's layer, else the middle loaded layer).
+        template: chat template every prompt is wrapped in (see ``Scope.tokenize``; default raw text).
 
     Raises:
         ValueError: the scope has no SAE, or the database's width differs from the SAE at its layer.
     """
 
     def __init__(self, scope, db: FeatureDatabase | str | Path | None = None, *, evaluation=None,
-                 layer: int | None = None):
+                 layer: int | None = None, template: str | None = None):
         if not scope.layers:
             raise ValueError("the scope has no SAE attached; load one with scope.load_saes(release, layers) "
                              "before starting the explorer")
@@ -88,6 +89,7 @@ class AppSession:
                 raise ValueError(f"the feature database has d_sae {self.db.d_sae} but the layer-{self.db_layer} "
                                  f"SAE has {scope.sae(self.db_layer).d_sae}; pass the database of this SAE")
         self.evaluation = _load_evaluation(evaluation)
+        self.template = template
         self.layer = self._layer(layer if layer is not None else
                                  self.db_layer if self.db_layer is not None else scope.layers[len(scope.layers) // 2])
         self.bench = SteeringBench(scope, self.label)
@@ -110,7 +112,7 @@ class AppSession:
             raise ValueError("the prompt is empty; type a text to read its features")
         self.layer = self._layer(layer if layer is not None else self.layer)
         if self._feats is None or self._feats.text != text:
-            self._feats = self.scope.features(text)
+            self._feats = self.scope.features(text, template=self.template)
             self._live = {}
         return self.view(feature, n=n)
 
@@ -179,7 +181,7 @@ class AppSession:
         if not text_a or not text_b:
             raise ValueError("compare needs two non-empty texts (text A and text B)")
         layer = self._layer(layer if layer is not None else self.layer)
-        cmp = self.scope.compare(text_a, text_b, [layer])
+        cmp = self.scope.compare(text_a, text_b, [layer], template=self.template)
         diffs = cmp[layer].ranked(n)
         labels = {d.feature: self.label(d.feature, layer) for d in diffs}
         fig = comparison_figure(cmp, layer, n=n, labels={f: s for f, s in labels.items() if s})
