@@ -12,6 +12,12 @@ they return and the finer tools stay in their submodules: ``qwen_scope.explore``
 
 __version__ = "0.1.0"
 
+from qwen_scope.sources import quiet_notebook_progress  # noqa: E402
+
+# Before any of our modules imports transformers: in a notebook without ipywidgets its tqdm import would print
+# tqdm's advice to install ipywidgets (the text bars it falls back to are fine).
+quiet_notebook_progress()
+
 from qwen_scope.store import ActivationStore  # noqa: E402
 # The verb shadows the submodule attribute on purpose: `qwen_scope.collect(...)` is the documented call.
 from qwen_scope.collect import collect, load_corpus  # noqa: E402

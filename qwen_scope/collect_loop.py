@@ -256,15 +256,15 @@ def collect_rank(writer: ShardWriter, adapter, rows: Iterator, device: torch.dev
     Returns:
         ``{"rank", "tokens_this_run", "seconds", "tokens", "corpus_exhausted"}``.
     """
-    from tqdm.auto import tqdm
+    from qwen_scope.sources import progress_bar
 
     world, rank = writer.world_size, writer.rank
     budget = config["token_budget"] // world + (rank < config["token_budget"] % world)
     context_len, batch_size, rows_per_shard = config["context_len"], config["batch_size"], config["rows_per_shard"]
     stored = start_tokens = writer.n_tokens
     encoders = {name: encoder(sae) for name, sae in sae_map.items()}
-    bar = tqdm(total=budget, initial=stored, unit="tok", unit_scale=True, disable=not progress,
-               desc=f"collect rank {rank}", smoothing=0.1)
+    bar = progress_bar(total=budget, initial=stored, unit="tok", unit_scale=True, disable=not progress,
+                       desc=f"collect rank {rank}", smoothing=0.1)
     t0, shard, shard_rows, shard_pad, after, queued = time.perf_counter(), [], 0, 0, (-1, 0), None
 
     def finish_step(step: Step) -> None:

@@ -4,16 +4,19 @@ transformers or torch.
 
     config = model_config("Qwen/Qwen3.5-2B-Base")   # FileNotFoundError naming `hf download ...` when not cached offline
     device = check_device("cuda")                   # ValueError on a machine without CUDA
+    bar = progress_bar(total=n, unit="tok")         # a text bar in Jupyter without ipywidgets, with no warning
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
 
-__all__ = ["check_device", "model_config", "quiet_reference_kernel_advice"]
+__all__ = ["check_device", "model_config", "progress_bar", "quiet_notebook_progress", "quiet_reference_kernel_advice"]
 
 # Names a user may try for the bundled nano model, which has no hub id.
 _NANO_GUESSES = {"nano", "qwen-nano", "qwen3.5-nano", "qwen3.5-nano-base", "qwen/qwen3.5-nano"}
@@ -138,3 +141,40 @@ def quiet_reference_kernel_advice() -> None:
     logger = logging.getLogger("transformers.integrations.hub_kernels")
     if _FILTER not in logger.filters:
         logger.addFilter(_FILTER)
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        # A module blocked with sys.modules[name] = None has no spec to find.
+        return False
+
+
+def quiet_notebook_progress() -> None:
+    """Without ipywidgets, ``tqdm.auto`` in Jupyter (transformers imports it with its first module) falls back to
+    the text bar, which is right, but first warns "IProgress not found. Please update jupyter and ipywidgets": a red
+    stderr box in every notebook, advising an optional extra. Drop that one warning; idempotent, and nothing changes
+    where ipywidgets is importable (the widget bars are used). ``import qwen_scope`` calls it, before any of its
+    modules imports transformers."""
+    if not _importable("ipywidgets"):
+        warnings.filterwarnings("ignore", message="IProgress not found", category=Warning)
+
+
+def progress_bar(**kwargs):
+    """A tqdm bar: the notebook widget where ipywidgets is importable, the text bar otherwise, never tqdm's advice to
+    install ipywidgets.
+
+    Args:
+        **kwargs: passed to ``tqdm`` (``total``, ``unit``, ``disable``, ``desc``, ...).
+    Returns:
+        the bar.
+
+    Example:
+        >>> bar = progress_bar(total=10, disable=True)
+    """
+    if _importable("ipywidgets"):
+        from tqdm.auto import tqdm
+    else:
+        from tqdm import tqdm
+    return tqdm(**kwargs)

@@ -135,7 +135,7 @@ def explain_features(db: FeatureDatabase, features: Iterable[int] | None, explai
     Returns:
         ``{feature: Explanation}`` for the features explained in this call.
     """
-    from tqdm.auto import tqdm
+    from qwen_scope.sources import progress_bar
 
     decoder = make_decoder(decode if decode is not None else scope)
     chosen = [db._check(f) for f in (db.top_features(20) if features is None else features)]
@@ -143,7 +143,7 @@ def explain_features(db: FeatureDatabase, features: Iterable[int] | None, explai
     todo = [f for f in chosen if int(db.count[f]) > 0
             and (overwrite or (db.explanation(f) or {}).get("explainer") != name)]
     out: dict[int, Explanation] = {}
-    bar = tqdm(total=len(todo), unit="feature", disable=not progress, desc="explaining")
+    bar = progress_bar(total=len(todo), unit="feature", disable=not progress, desc="explaining")
     for a in range(0, len(todo), batch_size):
         batch = todo[a:a + batch_size]
         splits = {f: split_examples(db, f, n_explain, n_holdout, torch.Generator().manual_seed(seed + f))

@@ -246,7 +246,7 @@ def evaluate_saes(scope, corpus, layers: int | Iterable[int] | None = None, *, c
         >>> r = evaluate_saes(nano_scope(), nano_corpus(8), config=EvalConfig(max_tokens=4096))
         >>> r.layers[5].ce_recovered
     """
-    from tqdm.auto import tqdm
+    from qwen_scope.sources import progress_bar
 
     cfg = config or EvalConfig()
     modes = tuple(dict.fromkeys(modes))
@@ -273,7 +273,7 @@ def evaluate_saes(scope, corpus, layers: int | Iterable[int] | None = None, *, c
         state = saved
     totals = {n: _Totals.from_state(s) for n, s in state["totals"].items()}
     done = state["batches"]
-    bar = tqdm(total=cfg.max_tokens, unit="tok", unit_scale=True, disable=not progress, desc="SAE eval")
+    bar = progress_bar(total=cfg.max_tokens, unit="tok", unit_scale=True, disable=not progress, desc="SAE eval")
     for i, ids in enumerate(_chain(first, batches)):
         if i < done:
             bar.update(ids.numel())

@@ -1,6 +1,7 @@
 """Plotly figure builders: prompt heatmap, per-token top features, two-text comparison, layer-range view,
 activation histogram, logit lens, feature-density overview. Each returns a ``plotly.graph_objects.Figure``
-(shows itself in Jupyter; ``fig.write_html(path)`` for a file) and is tested without Jupyter.
+(shows itself in Jupyter, and in the notebook's HTML export; ``fig.write_html(path)`` for a file) and is tested
+without Jupyter.
 
     feats = scope.features("The Eiffel Tower is in Paris", layers=[3, 4])
     prompt_heatmap(feats, 3)
@@ -8,13 +9,30 @@ activation histogram, logit lens, feature-density overview. Each returns a ``plo
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 
 import plotly.graph_objects as go
+import plotly.io as pio
 import torch
 from plotly.subplots import make_subplots
 
 _COLORS = "Oranges"
+# What plotly picks in a Jupyter kernel, and what this module makes of it (see _embed_in_exported_html).
+_KERNEL_DEFAULT, NOTEBOOK_RENDERER = "plotly_mimetype", "plotly_mimetype+notebook_connected"
+
+
+def _embed_in_exported_html() -> None:
+    """In a Jupyter kernel plotly renders figures as its mimetype only, which JupyterLab draws but nbconvert's HTML
+    export and nbviewer leave blank. Add ``notebook_connected``: beside it, a text/html copy that loads plotly.js from
+    its CDN (one script tag, rather than 4.6 MB inlined into every notebook). Only plotly's own kernel default is
+    changed: a renderer the user chose (``PLOTLY_RENDERER``, or set before this import) and every renderer outside
+    Jupyter stay as they are."""
+    if not os.environ.get("PLOTLY_RENDERER") and pio.renderers.default == _KERNEL_DEFAULT:
+        pio.renderers.default = NOTEBOOK_RENDERER
+
+
+_embed_in_exported_html()
 
 
 def _layer_codes(feats, layer: int | None) -> tuple[list[str], torch.Tensor, int]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qwen_scope.nano import NANO_DIR
-from qwen_scope.sources import check_device, model_config, quiet_reference_kernel_advice
+from qwen_scope.sources import check_device, model_config, progress_bar, quiet_reference_kernel_advice
 
 
 def test_devices_this_machine_can_run_pass_and_others_name_the_fix():
@@ -51,3 +51,12 @@ def test_only_the_reference_kernel_advice_is_silenced(caplog):
                        "`flash-linear-attention` is not installed.")
         logger.warning("some other warning")
     assert [r.getMessage() for r in caplog.records] == ["some other warning"]
+
+
+def test_progress_bars_are_plain_text_and_quiet_without_ipywidgets(monkeypatch, recwarn, capsys):
+    import tqdm
+
+    monkeypatch.setitem(__import__("sys").modules, "ipywidgets", None)
+    bar = progress_bar(total=3, disable=True)
+    assert type(bar) is tqdm.tqdm
+    assert not recwarn.list and capsys.readouterr().err == ""
