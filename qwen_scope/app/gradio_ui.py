@@ -7,7 +7,6 @@ evaluation table). Gradio is an optional extra (``pip install 'qwen-scope[app]'`
 Every callback is a session method; this module only lays out components and turns a ``ValueError`` into the
 message Gradio shows. The session is shared by the browser tabs that connect (one local user).
 """
-from __future__ import annotations
 
 import functools
 import inspect

@@ -26,12 +26,12 @@ def served():
     demo = build_app(AppSession(scope))
     _, url, _ = launch(demo, port=None, prevent_thread_lock=True, quiet=True)
     assert url.startswith("http://127.0.0.1:")
-    yield scope, Client(url, verbose=False)
+    yield scope, Client(url, verbose=False), demo
     demo.close()
 
 
 def test_the_app_reads_features_opens_a_card_and_escapes_tokens(served):
-    scope, client = served
+    scope, client, _ = served
     page, table, token_feats, card = client.predict(HOSTILE, "3", "", api_name="/read")
     feats = scope.features(HOSTILE)
     rows = table["data"]
@@ -46,7 +46,7 @@ def test_the_app_reads_features_opens_a_card_and_escapes_tokens(served):
 
 
 def test_the_app_generates_what_scope_steer_generates(served):
-    scope, client = served
+    scope, client, _ = served
     _, rows = client.predict(PROMPT, "5, 7", 8.0, "", "add", "all", "3", 6, api_name="/generate")
     expected = scope.steer(PROMPT, [add(3, 5, 8.0), add(3, 7, 8.0)], max_new_tokens=6)
     data = rows["data"]
@@ -58,9 +58,29 @@ def test_the_app_generates_what_scope_steer_generates(served):
 def test_a_bad_feature_is_a_message_in_the_page_not_a_trace(served):
     from gradio_client.exceptions import AppError
 
-    _, client = served
+    _, client, _ = served
     with pytest.raises(AppError, match="not FEATURE or LAYER:FEATURE"):
         client.predict(PROMPT, "five", 8.0, "", "add", "all", "3", 4, api_name="/generate")
+
+
+def test_token_and_feature_clicks_list_the_tokens_features_and_open_the_card(served):
+    import gradio as gr
+    import pandas as pd
+    from gradio.helpers import special_args
+
+    scope, client, demo = served
+    client.predict(PROMPT, "3", "", api_name="/read")
+    fns = {f.name: f.fn for f in demo.fns.values()}
+
+    def click(name, inputs, row):
+        args, *_ = special_args(fns[name], inputs, None, gr.SelectData(None, {"index": [row, 0], "value": None, "selected": True}))
+        return fns[name](*args)
+
+    rows, card = click("token_clicked", [], 4)
+    top = scope.features(PROMPT).token_top(3, 4)
+    assert [r[0] for r in rows] == [f for f, _ in top] and f"Feature #{top[0][0]}" in card
+    table = pd.DataFrame(rows, columns=["feature", "value", "label"])
+    assert f"Feature #{top[1][0]}" in click("feature_clicked", [table], 1)
 
 
 def test_gradio_missing_is_none_where_gradio_imports():
