@@ -18,6 +18,10 @@ import torch
 
 __all__ = ["check_device", "model_config", "progress_bar", "quiet_notebook_progress", "quiet_reference_kernel_advice"]
 
+logger = logging.getLogger(__name__)
+
+# One attempt of this many seconds tells whether the hub answers; huggingface_hub's own retries take ~29 s to give up.
+HUB_PROBE_TIMEOUT_S = 5.0
 # Names a user may try for the bundled nano model, which has no hub id.
 _NANO_GUESSES = {"nano", "qwen-nano", "qwen3.5-nano", "qwen3.5-nano-base", "qwen/qwen3.5-nano"}
 
@@ -71,6 +75,28 @@ def _nano_hint(model_id: str) -> str | None:
             f"(features, steer and demo use it when --model is left out; pass that path where a model is asked)")
 
 
+def _hub_unreachable(name: str, revision: str | None) -> str | None:
+    """Why the hub cannot be reached for ``name`` (one request, ``HUB_PROBE_TIMEOUT_S``), or None when it answered
+    (an answer such as "no such repo" is left to the load, which names it)."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        get_hf_file_metadata(hf_hub_url(name, "config.json", revision=revision), timeout=HUB_PROBE_TIMEOUT_S)
+    except HfHubHTTPError:
+        return None
+    # Whatever the transport raises (connection refused, DNS, timeout, proxy, TLS) means the same: no hub.
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    return None
+
+
+def _cached(name: str, revision: str | None, cache_dir: str | Path | None) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(name, "config.json", cache_dir=cache_dir, revision=revision), str)
+
+
 def model_config(model_id: str | Path, *, revision: str | None = None, cache_dir: str | Path | None = None):
     """The model's transformers config, read before any weights so a missing model fails in a second, not after a
     download attempt or a long trace.
@@ -81,8 +107,9 @@ def model_config(model_id: str | Path, *, revision: str | None = None, cache_dir
     Returns:
         the ``PretrainedConfig``.
     Raises:
-        FileNotFoundError: a directory without ``config.json``; a hub model not in the cache while offline (naming
-            ``hf download <repo>``); a name that is neither (with the bundled nano model's path for "nano").
+        FileNotFoundError: a directory without ``config.json``; a hub model not in the cache while offline, or
+            online while the hub does not answer (one short attempt, not the hub client's retries), naming
+            ``hf download <repo>``; a name that is neither (with the bundled nano model's path for "nano").
 
     Example:
         >>> model_config(NANO_DIR).get_text_config().num_hidden_layers
@@ -104,12 +131,22 @@ def model_config(model_id: str | Path, *, revision: str | None = None, cache_dir
     if path.exists() and not path.is_dir():
         raise FileNotFoundError(f"{path} is a file; a model is a directory written by save_pretrained, or a hub id")
     offline = _offline()
+    where = cache_dir or os.environ.get("HF_HUB_CACHE") or "the default hub cache"
+    if not offline and not path.exists():
+        reason = _hub_unreachable(name, revision)
+        if reason and not _cached(name, revision, cache_dir):
+            raise FileNotFoundError(
+                f"model {name} is not in {where} and the hub does not answer ({reason}). Fix: download it where "
+                f"there is network (`hf download {name}`) and point HF_HUB_CACHE (cache_dir=) at that cache, or pass "
+                f"a local model directory")
+        if reason:
+            logger.warning("the hub does not answer (%s); using the cached copy of %s", reason, name)
+            offline = True
     try:
         return AutoConfig.from_pretrained(name, revision=revision, cache_dir=cache_dir, local_files_only=offline)
     except (OSError, ValueError) as e:
         if path.exists():
             raise FileNotFoundError(f"cannot read the config of {path}: {str(e).splitlines()[0]}") from None
-        where = cache_dir or os.environ.get("HF_HUB_CACHE") or "the default hub cache"
         if offline:
             raise FileNotFoundError(
                 f"model {name} is not in {where} and offline mode (HF_HUB_OFFLINE=1) is on. Fix: download it once "

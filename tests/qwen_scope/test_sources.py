@@ -60,3 +60,45 @@ def test_progress_bars_are_plain_text_and_quiet_without_ipywidgets(monkeypatch, 
     bar = progress_bar(total=3, disable=True)
     assert type(bar) is tqdm.tqdm
     assert not recwarn.list and capsys.readouterr().err == ""
+
+
+class _NoNetwork:
+    """A hub HTTP session whose every request fails as without network, counting the attempts."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def request(self, *args, **kwargs):
+        import httpx2
+
+        self.calls += 1
+        raise httpx2.ConnectError("[Errno 101] Network is unreachable")
+
+    def stream(self, *args, **kwargs):
+        return self.request()
+
+
+def test_online_without_network_a_model_not_cached_fails_at_once_naming_the_download(monkeypatch, tmp_path):
+    import time
+
+    import huggingface_hub.constants
+    import huggingface_hub.utils._http as hub_http
+
+    from tests.fake_hub import snapshot_dir
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "0")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    session = _NoNetwork()
+    monkeypatch.setattr(hub_http, "get_session", lambda: session)
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match=r"^model Qwen/Qwen3\.5-9B-Base is not in .* the hub does not answer "
+                                                r"\(ConnectError: .*unreachable\)\. Fix: .*`hf download Qwen/Qwen3\.5-9B-Base`"):
+        model_config("Qwen/Qwen3.5-9B-Base", cache_dir=tmp_path)
+    assert time.perf_counter() - start < 3 and session.calls == 1
+    # A cached model loads from the cache instead, with the same single attempt.
+    (snapshot_dir(tmp_path, "Qwen/Qwen3.5-9B-Base") / "config.json").write_text(
+        model_config(NANO_DIR).to_json_string())
+    assert model_config("Qwen/Qwen3.5-9B-Base", cache_dir=tmp_path).get_text_config().num_hidden_layers == 6
+    assert time.perf_counter() - start < 6 and session.calls == 2
