@@ -145,8 +145,10 @@ class TopKSAE(nn.Module):
         d_sae = W_enc.shape[0]
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= d_sae:
             raise ValueError(f"k must be an int in [1, d_sae={d_sae}], got {k!r}")
-        self.W_enc = _EncoderWeight(W_enc)
-        self.W_dec = _DecoderWeight(W_dec)
+        # a plain Tensor in: torch < 2.13 refuses to build a Parameter subclass from another subclass instance (such
+        # as another SAE's W_enc) whose detach() returns a plain Tensor
+        self.W_enc = _EncoderWeight(W_enc.as_subclass(torch.Tensor))
+        self.W_dec = _DecoderWeight(W_dec.as_subclass(torch.Tensor))
         self.b_enc = nn.Parameter(b_enc)
         self.b_dec = nn.Parameter(b_dec)
         self.k = k

@@ -184,6 +184,20 @@ def test_release_state_round_trips_and_sizes_are_exposed():
     assert "d_sae=128" in repr(sae)
 
 
+def test_an_sae_builds_from_another_saes_weights_sharing_them():
+    """benchmarks and users re-wrap an SAE's tensors (e.g. with another compute dtype): the guarded weight classes
+    are built from plain tensors, so this works on every supported torch (older ones refuse a Parameter subclass
+    built from another subclass instance)."""
+    sae = _sae()
+    other = TopKSAE(sae.W_enc, sae.W_dec, sae.b_enc, sae.b_dec, k=K, compute_dtype=torch.float64)
+    assert type(other.W_enc) is type(sae.W_enc) and type(other.W_dec) is type(sae.W_dec)
+    assert other.W_enc.data_ptr() == sae.W_enc.data_ptr() and other.W_dec.data_ptr() == sae.W_dec.data_ptr()
+    x = torch.randn(4, D_MODEL)
+    torch.testing.assert_close(other.encode(x), sae.encode(x.double()).to(other.encode(x).dtype))
+    with pytest.raises(IndexError, match="W_dec is"):
+        other.W_dec[0]
+
+
 def test_bad_inputs_raise_clear_errors():
     sae = _sae()
     with pytest.raises(ValueError, match="d_model=32"):
