@@ -2,7 +2,9 @@
 # One call on the H200 device machine: set up, then run the named phases in order, each under its own time limit,
 # logs and results under $OUT. A phase that fails or times out is logged and the next one still runs.
 #
-#   device tool: command "bash benchmarks/h200.sh gdn-tests gdn-bench", carry [".gpudeps", ".whl", ".tlc_dev/cache.tar.xz"]
+#   device tool: command "QWEN_SCOPE_COMMIT=<git rev-parse --short HEAD here> bash benchmarks/h200.sh gdn-tests gdn-bench",
+#   carry [".gpudeps", ".whl", ".tlc_dev/cache.tar.xz"] (the device copy's git reports a stale HEAD: the results
+#   record the commit passed in)
 #   on nvidia-h200-x2: "bash benchmarks/h200.sh --split 'gdn-bench collect' 'encode layer-tests layer'" (one list a GPU)
 #
 # Carried, all git-ignored: .gpudeps/site.tar.xz (tilelang, FLA, FlashQLA: ../shared/gpu/pack-deps .gpudeps), .whl/

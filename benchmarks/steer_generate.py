@@ -123,8 +123,10 @@ def versions() -> dict:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
             out[dist] = None
-    out["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                   cwd=Path(__file__).parent).stdout.strip() or None
+    # the device copy's git may not be this tree's: the caller passes the commit (benchmarks/h200.sh)
+    out["commit"] = os.environ.get("QWEN_SCOPE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        cwd=Path(__file__).parent).stdout.strip() or None
     return out
 
 
