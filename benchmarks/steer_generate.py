@@ -20,11 +20,7 @@ on a tiny model (CPU is fine) as a dry run.
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata as md
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,26 +28,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import collect_throughput as ct  # noqa: E402 - the 2B-shaped model's config, sync and the environment report
 
 HBM_BYTES_PER_S = 4.2e12
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ct.DEVICE = DEVICE
 
 
 def build_model(tiny: bool):
     import transformers as tf
 
     torch.manual_seed(0)
-    if tiny:
-        config = tf.Qwen3_5TextConfig(
-            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
-            linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False)
-    else:
-        config = tf.Qwen3_5TextConfig(
-            vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
-            num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-            linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False,
-            max_position_embeddings=8192)
+    config = ct.model_config(tiny)
     config._attn_implementation = "sdpa"
     with torch.device(DEVICE):
         model = tf.Qwen3_5ForCausalLM(config)
@@ -82,11 +71,6 @@ def edits_for(kind: str, layer: int):
     return {"none": [], "add": [add(layer, 7, 8.0)], "clamp": [clamp(layer, 7, 5.0)]}[kind]
 
 
-def sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
 def run_hf(model, saes, prompts, new: int, edits, patched: bool) -> torch.Tensor:
     import contextlib
 
@@ -108,26 +92,11 @@ def run_engine(engine, prompts, new: int, edits) -> torch.Tensor:
 
 def timed(fn) -> tuple[float, torch.Tensor]:
     fn()  # warm-up: kernels compiled, the engine's buffers allocated and its graph captured
-    sync()
+    ct.sync()
     start = time.perf_counter()
     out = fn()
-    sync()
+    ct.sync()
     return time.perf_counter() - start, out
-
-
-def versions() -> dict:
-    out = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)", "torch": torch.__version__,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    for dist in ("transformers", "tilelang", "flash-linear-attention", "fla-core"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            out[dist] = None
-    # the device copy's git may not be this tree's: the caller passes the commit (benchmarks/h200.sh)
-    out["commit"] = os.environ.get("QWEN_SCOPE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-        cwd=Path(__file__).parent).stdout.strip() or None
-    return out
 
 
 def write(out: Path, result: dict) -> None:
@@ -172,7 +141,7 @@ def main(argv=None) -> None:
     saes = {layer: random_sae(cfg.hidden_size, 256 if args.tiny else 32768, 8 if args.tiny else 100, model.dtype)}
     engine = DecodeEngine(model, saes)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    result = {"env": versions(), "model": "tiny Qwen3.5 (fp32, dry run)" if args.tiny else
+    result = {"env": ct.versions(), "model": "tiny Qwen3.5 (fp32, dry run)" if args.tiny else
               "Qwen3.5-2B-shaped random bf16", "prompt": P, "new": new, "floor_ms": weight_floor_ms(model),
               "weight_gb": weight_bytes / 1e9, "arms": []}
     g = torch.Generator().manual_seed(1)
