@@ -28,6 +28,8 @@
 #   glue         benchmarks/glue_kernels.py: each glue kernel alone against the copy floor
 #   steer        benchmarks/steer_generate.py (generate as installed, with our patches, the decode engine; STEER_ARGS=
 #                "--batches 1 --new 32" narrows it)
+#   engine-tests the decode engine's GPU tests (graph replay = eager step, fp32 = generate, sampling, no sync)
+#   eval         benchmarks/eval_throughput.py (evaluate_saes beside the bare forward)
 #   swiglu       the fused gate/up GEMM with the SwiGLU epilogue: its GPU tests, then benchmarks/swiglu_gemm.py
 set -o pipefail
 export PYTHONUNBUFFERED=1 FLA_FLASH_QLA=0 TILELANG_CACHE_DIR=/tmp/tlcache TRITON_CACHE_DIR=/tmp/triton_cache
@@ -107,6 +109,9 @@ for p in "$@"; do
         glue) phase glue "${GLUE_S:-120}" python3 benchmarks/glue_kernels.py --out "$OUT" ;;
         swiglu) phase swiglu "${SWIGLU_S:-240}" bash -c "python3 -m pytest -q -rA --timeout 120 -p no:cacheprovider -m gpu \
                     tests/flashqla_kernels/test_decoder_hopper_swiglu_gemm.py; python3 benchmarks/swiglu_gemm.py --out $OUT" ;;
+        engine-tests) phase engine-tests "${ENGINE_TESTS_S:-150}" python3 -m pytest -q -rfE --timeout 120 -p no:cacheprovider \
+                          tests/qwen_scope/test_engine_gpu.py ;;
+        eval) phase eval "${EVAL_S:-240}" python3 benchmarks/eval_throughput.py --out "$OUT" ;;
         steer) phase steer "${STEER_S:-300}" python3 benchmarks/steer_generate.py --out "$OUT" ${STEER_ARGS:-} \
                    --budget-s "$(( ${STEER_S:-300} - 40 ))" ;;
         layer) phase layer "${LAYER_S:-400}" python3 benchmarks/gdn_layer.py --arms "${LAYER_ARMS:-ours,ours_op,qla_op,fla,torch,compile,ours+compile}" \

@@ -10,6 +10,11 @@ Each at batch 1, 8, 32, 128 and steering none / one add (``resid_post.12``, ever
 32K-wide SAE. Reported: new tokens/s (B x new / wall, prefill included), ms per decode token (wall / new), and the
 weight-bandwidth floor: the bytes of the weights read once per step over 4.2 TB/s (the H200's HBM3e peak).
 
+Sweep: ``--sweep-strengths`` strengths x ``--sweep-prompts`` prompts of one add edit (``--sweep-new`` new tokens),
+as one engine batch of all rows, against the loop of one ``generate`` per (strength, prompt) that a sweep without
+the engine runs. The loop is timed over its first prompt's strengths and scaled by the prompt count (the rows of a
+loop cost the same; the table says so).
+
 Correctness first: on one prompt each arm's greedy tokens are compared with the engine's (the count of identical
 decisions is reported; a near-tie may split bf16 paths, the CPU tests prove the fp32 equality).
 
@@ -90,6 +95,24 @@ def run_engine(engine, prompts, new: int, edits) -> torch.Tensor:
     return torch.stack([r.token_ids for r in result.rows])
 
 
+def run_sweep(model, engine, saes, layer: int, vocab: int, P: int, N: int, M: int, new: int) -> dict:
+    """N strengths x M prompts of one add edit: one engine batch against the loop of generate calls."""
+    from qwen_scope.steering import add
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, vocab, (P,), generator=g).to(DEVICE) for _ in range(M)]
+    strengths = torch.linspace(-16.0, 16.0, N).tolist()
+    rows = [(p, [add(layer, 7, s)]) for p in prompts for s in strengths]
+    engine_wall, engine_tokens = timed(lambda: torch.stack([r.token_ids for r in engine.generate(
+        [p for p, _ in rows], [e for _, e in rows], max_new_tokens=new, stop_tokens=[]).rows]))
+    loop_wall, loop_tokens = timed(lambda: torch.cat([run_hf(model, saes, [p], new, e, patched=False)
+                                                      for p, e in rows[:N]]))
+    agree = int((loop_tokens.cpu() == engine_tokens[:N].cpu()).sum())
+    return {"strengths": N, "prompts": M, "new": new, "engine_s": engine_wall, "loop_s_measured": loop_wall,
+            "loop_rows_measured": N, "loop_s": loop_wall * M, "speedup": loop_wall * M / engine_wall,
+            "agree": f"{agree}/{loop_tokens.numel()}"}
+
+
 def timed(fn) -> tuple[float, torch.Tensor]:
     fn()  # warm-up: kernels compiled, the engine's buffers allocated and its graph captured
     ct.sync()
@@ -117,6 +140,12 @@ def write(out: Path, result: dict) -> None:
                          f"{r.get('agree', '-')} | |")
         else:
             lines.append(f"| {r['arm']} | {r['batch']} | {r['steering']} | - | - | - | - | - | {r['error']} |")
+    sw = result.get("sweep")
+    if sw:
+        lines += ["", f"Sweep: {sw['strengths']} strengths x {sw['prompts']} prompts, {sw['new']} new tokens: the engine "
+                  f"batch {sw['engine_s']:.2f} s; the generate loop {sw['loop_s']:.1f} s ({sw['loop_s_measured']:.2f} s "
+                  f"measured over {sw['loop_rows_measured']} rows, x {sw['prompts']} prompts): {sw['speedup']:.1f}x; "
+                  f"tokens equal to the loop's on the measured rows: {sw['agree']}."]
     (out / "steer_generate.md").write_text("\n".join(lines) + "\n")
 
 
@@ -128,6 +157,9 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512; tiny 8)")
     parser.add_argument("--new", type=int, default=None, help="new tokens (default 128; tiny 4)")
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting arms after this many seconds")
+    parser.add_argument("--sweep-strengths", type=int, default=None, help="sweep strengths (default 16; tiny 2)")
+    parser.add_argument("--sweep-prompts", type=int, default=None, help="sweep prompts (default 8; tiny 2)")
+    parser.add_argument("--sweep-new", type=int, default=None, help="sweep new tokens (default 32; tiny 4)")
     args = parser.parse_args(argv)
     batches = args.batches or ([1, 2] if args.tiny else [1, 8, 32, 128])
     P, new = args.prompt or (8 if args.tiny else 512), args.new or (4 if args.tiny else 128)
@@ -171,6 +203,11 @@ def main(argv=None) -> None:
                 if hf_rate and "tokens_per_s" in row:
                     row["vs_hf"] = row["tokens_per_s"] / hf_rate
             write(args.out, result)
+    if time.perf_counter() - began <= args.budget_s:
+        N, M = args.sweep_strengths or (2 if args.tiny else 16), args.sweep_prompts or (2 if args.tiny else 8)
+        result["sweep"] = run_sweep(model, engine, saes, layer, cfg.vocab_size, P, N, M,
+                                    args.sweep_new or (4 if args.tiny else 32))
+        write(args.out, result)
     print((args.out / "steer_generate.md").read_text())
 
 
