@@ -28,6 +28,8 @@
 #   glue         benchmarks/glue_kernels.py: each glue kernel alone against the copy floor
 #   steer        benchmarks/steer_generate.py (generate as installed, with our patches, the decode engine; STEER_ARGS=
 #                "--batches 1 --new 32" narrows it)
+#   decode-tests the fused recurrent kernel and the GDN decode step (tests/flashqla_kernels/test_recurrent_gpu.py)
+#   decode       benchmarks/decode_kernels.py (the public recurrent op vs FLA's fused recurrent; the layer step)
 #   engine-tests the decode engine's GPU tests (graph replay = eager step, fp32 = generate, sampling, no sync)
 #   eval         benchmarks/eval_throughput.py (evaluate_saes beside the bare forward)
 #   swiglu       the fused gate/up GEMM with the SwiGLU epilogue: its GPU tests, then benchmarks/swiglu_gemm.py
@@ -109,6 +111,9 @@ for p in "$@"; do
         glue) phase glue "${GLUE_S:-120}" python3 benchmarks/glue_kernels.py --out "$OUT" ;;
         swiglu) phase swiglu "${SWIGLU_S:-240}" bash -c "python3 -m pytest -q -rA --timeout 120 -p no:cacheprovider -m gpu \
                     tests/flashqla_kernels/test_decoder_hopper_swiglu_gemm.py; python3 benchmarks/swiglu_gemm.py --out $OUT" ;;
+        decode-tests) phase decode-tests "${DECODE_TESTS_S:-150}" python3 -m pytest -q -rfE --timeout 120 -p no:cacheprovider \
+                          tests/flashqla_kernels/test_recurrent_gpu.py ;;
+        decode) phase decode "${DECODE_S:-120}" python3 benchmarks/decode_kernels.py --out "$OUT" ;;
         engine-tests) phase engine-tests "${ENGINE_TESTS_S:-150}" python3 -m pytest -q -rfE --timeout 120 -p no:cacheprovider \
                           tests/qwen_scope/test_engine_gpu.py ;;
         eval) phase eval "${EVAL_S:-240}" python3 benchmarks/eval_throughput.py --out "$OUT" ;;

@@ -34,6 +34,7 @@ $py benchmarks/collect_throughput.py --precompile 2>&1 | quiet
 $py benchmarks/gdn_layer.py --precompile --jobs "$jobs" 2>&1 | quiet
 $py benchmarks/glue_kernels.py --precompile 2>&1 | quiet
 $py benchmarks/swiglu_gemm.py --precompile 2>&1 | quiet
+$py benchmarks/decode_kernels.py --precompile 2>&1 | quiet
 rm -rf "$TILELANG_CACHE_DIR"/*/*/.staging
 # only the built kernels travel: cuda-binaries/ is nvcc's output cache for compiles (a loaded kernel never reads it;
 # checked: a kernel loads in 0.13 s from kernels/ alone), and it is 40% of the archive

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+
 from flashqla_kernels import dispatch
 from flashqla_kernels.gated_delta_rule.checks import check_inputs, resolve_scale
 from flashqla_kernels.gated_delta_rule.torch_path import (
@@ -23,13 +25,17 @@ from flashqla_kernels.gated_delta_rule.torch_path import (
 __all__ = ["chunk_gated_delta_rule", "recurrent_gated_delta_rule", "explain_backend"]
 
 OPS = {"chunk": "chunk_gated_delta_rule", "recurrent": "recurrent_gated_delta_rule"}
+RECURRENT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _warned_grad = False
 
 
 def _verifiers(op: str, q, k, v, g, beta, initial_state, cu_seqlens) -> tuple:
     """The kernels' verifiers for ``op`` ("chunk" or "recurrent"), in the order the dispatcher runs them."""
     if op == "recurrent":
-        return (lambda: "there is no TileLang decode kernel; the decode step runs on the torch path",)
+        return (lambda: dispatch.hopper_reason(q, k, v, g, beta, initial_state),
+                lambda: _recurrent_dtype_reason(q, k, v),
+                lambda: "T = 0: there is nothing to compute" if q.shape[1] == 0 else None,
+                lambda: _recurrent_shape_reason(k.shape[-1], v.shape[-1]))
 
     def kernel_reason():
         from flashqla_kernels.gated_delta_rule.hopper import forward
@@ -39,6 +45,19 @@ def _verifiers(op: str, q, k, v, g, beta, initial_state, cu_seqlens) -> tuple:
     return (lambda: dispatch.hopper_reason(q, k, v, g, beta, initial_state),
             lambda: "T = 0: there is nothing to compute" if q.shape[1] == 0 else None,
             kernel_reason)
+
+
+def _recurrent_dtype_reason(q, k, v) -> str | None:
+    if any(x.dtype not in RECURRENT_DTYPES for x in (q, k, v)):
+        return (f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype}: the recurrent kernel takes bfloat16, float16 or "
+                "float32 (float64 runs the torch path)")
+    return None
+
+
+def _recurrent_shape_reason(K: int, V: int) -> str | None:
+    from flashqla_kernels.gated_delta_rule.hopper import recurrent
+
+    return recurrent.shape_reason(K, V)
 
 
 def _decide(op: str, backend, q, k, v, g, beta, initial_state, cu_seqlens) -> dispatch.Decision:
@@ -124,14 +143,26 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, backend=None):
     """Token-by-token gated delta rule: the decode step of generation (T = 1), fine for short T.
 
-    Same conventions, Args and Returns as ``chunk_gated_delta_rule``; runs the torch path on every device
-    (``backend="tilelang"`` raises: there is no TileLang decode kernel).
+    Same conventions, Args and Returns as ``chunk_gated_delta_rule``. On an sm_90 GPU it runs the fused TileLang
+    recurrent kernel (``hopper.recurrent``: the state in registers, read once and written once per sequence, the
+    l2norm folded in; bf16 / fp16 / fp32 inputs), else the torch path.
 
     Example:
         >>> o, state = recurrent_gated_delta_rule(q_t, k_t, v_t, g_t, beta_t, initial_state=state,
         ...                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
     """
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    _decide("recurrent", backend, q, k, v, g, beta, initial_state, cu_seqlens)
+    decision = _decide("recurrent", backend, q, k, v, g, beta, initial_state, cu_seqlens)
+    if decision.kernel:
+        from flashqla_kernels.gated_delta_rule.hopper import recurrent
+
+        dt = q.dtype
+        return recurrent.fused_recurrent(
+            q.to(dt).contiguous(), k.to(dt).contiguous(), v.to(dt).contiguous(), g.float().contiguous(),
+            beta.float().contiguous(), resolve_scale(scale, k.shape[-1]),
+            None if initial_state is None else initial_state.float().contiguous(), output_final_state,
+            use_qk_l2norm_in_kernel, None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous())
+    if decision.grad_fallback:
+        _warn_grad_once()
     return recurrent_gated_delta_rule_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
                                             use_qk_l2norm_in_kernel, cu_seqlens)

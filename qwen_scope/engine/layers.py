@@ -3,8 +3,10 @@
 Each function reads the weights of one transformers module and reproduces that module's math for one new token per
 row, but against preallocated buffers: the attention layer writes its key and value at the row's own position of a
 static KV cache and attends over the valid prefix through a mask built from device-side positions; the Gated DeltaNet
-layer updates its conv state and recurrent state in place. Norms, rotary tables, the dense MLP and the GDN gated
-norm are the HF modules' own calls (pure tensor ops), so their numerics are the model's by construction. Nothing here
+layer updates its conv state and recurrent state in place (on an sm_90 GPU in bf16 / fp16 through
+``flashqla_kernels.decoder.gdn_decode_step``'s two fused kernels; elsewhere in torch). Norms, rotary tables, the dense
+MLP and, on the torch path, the GDN gated norm are the HF modules' own calls (pure tensor ops), so their numerics are
+the model's by construction. Nothing here
 reads a tensor value on the host, branches on data or changes a shape between steps, so the whole step can be
 captured as one CUDA graph.
 """
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashqla_kernels import recurrent_gated_delta_rule
+from flashqla_kernels.decoder import decode_step_reason, gdn_decode_step
 
 __all__ = ["rotate_half", "apply_rotary", "attention_decode", "gdn_decode", "mlp_decode", "is_moe_block",
            "unsupported_mlp_reason"]
@@ -98,11 +101,14 @@ def _gdn_projections(gdn: nn.Module, x: torch.Tensor):
 
 def _conv_update(mixed: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
-    """transformers' ``causal_conv1d_update`` + SiLU for one token: shift the state in place, convolve, activate."""
-    C, K = conv_state.shape[1], conv_state.shape[-1]
-    new = torch.cat([conv_state, mixed], dim=-1).to(weight.dtype)  # [B, C, K + 1]
-    conv_state.copy_(new[:, :, -K:])
-    out = F.conv1d(new, weight.unsqueeze(1), bias, padding=0, groups=C)[:, :, -1:]
+    """transformers' ``causal_conv1d_update`` + SiLU for one token: shift the state in place, convolve, activate.
+
+    mixed: [B, C, 1]; conv_state: [B, Kc-1, C] token-major (the fused kernel's layout). Returns [B, C, 1].
+    """
+    C = mixed.shape[1]
+    window = torch.cat([conv_state.transpose(1, 2), mixed.to(conv_state.dtype)], dim=-1)  # [B, C, Kc]
+    conv_state.copy_(window[:, :, 1:].transpose(1, 2))
+    out = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), bias, padding=0, groups=C)
     return F.silu(out).to(mixed.dtype)
 
 
@@ -113,12 +119,14 @@ def gdn_decode(gdn: nn.Module, x: torch.Tensor, conv_state: torch.Tensor,
     Args:
         gdn: the HF ``Qwen3_5GatedDeltaNet`` / ``Qwen3NextGatedDeltaNet`` module.
         x: [B, 1, d_model] normed input.
-        conv_state: [B, C, K] (C = 2 Hk Dk + Hv Dv), the last K conv inputs.
+        conv_state: [B, Kc-1, C] (C = 2 Hk Dk + Hv Dv), the last Kc - 1 conv inputs, token-major.
         recurrent_state: [B, Hv, Dk, Dv] float32.
 
     Returns:
         [B, 1, d_model] the mixer's output (after ``out_proj``).
     """
+    if decode_step_reason(gdn, x) is None:
+        return gdn_decode_step(gdn, x, conv_state, recurrent_state)
     B = x.shape[0]
     mixed, z, b, a = _gdn_projections(gdn, x)
     mixed = _conv_update(mixed, conv_state, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias).transpose(1, 2)

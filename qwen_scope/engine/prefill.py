@@ -41,7 +41,9 @@ def _copy_caches(adapter: QwenAdapter, cache, state: DecodeState, rows: torch.Te
     for n, kind in enumerate(adapter.layer_types):
         if kind == "linear_attention":
             conv, recurrent = cache.get_conv_state(n, state_idx=0), cache.get_recurrent_state(n, state_idx=0)
-            state.conv[n].index_copy_(0, rows, conv.to(state.conv[n].dtype))
+            # transformers keeps [b, C, >= Kc] channel-major; the engine the last Kc - 1 inputs token-major
+            taps = state.conv[n].shape[1]
+            state.conv[n].index_copy_(0, rows, conv[..., conv.shape[-1] - taps:].transpose(1, 2).to(state.conv[n].dtype))
             state.recurrent[n].index_copy_(0, rows, recurrent.float())
         else:
             layer = cache.layers[n]

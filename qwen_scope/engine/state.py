@@ -63,7 +63,7 @@ class StateLayout:
         """Bytes of state one row adds (everything here scales with B)."""
         item = torch.empty((), dtype=self.dtype).element_size()
         kv = sum(2 * h * self.S * d * item for h, d in self.attention.values())
-        gdn = sum(C * K * item + Hv * Dk * Dv * 4 for C, K, Hv, Dk, Dv in self.gdn.values())
+        gdn = sum(C * (K - 1) * item + Hv * Dk * Dv * 4 for C, K, Hv, Dk, Dv in self.gdn.values())
         cols = self.G + 1
         outputs = cols * (8 + 4 + self.top_n * (8 + 4))
         readout = sum(self.G * k * (4 + 8) for k in self.readout_k.values())
@@ -102,7 +102,7 @@ class DecodeState:
     """The static buffers of one batch (allocated by ``__init__``, never reallocated).
 
     Attributes:
-        k_cache / v_cache: {layer: [B, Hkv, S, D]}. conv: {layer: [B, C, K]}. recurrent: {layer: [B, Hv, Dk, Dv]} fp32.
+        k_cache / v_cache: {layer: [B, Hkv, S, D]}. conv: {layer: [B, K-1, C]} token-major. recurrent: {layer: [B, Hv, Dk, Dv]} fp32.
         prompt_lengths: [B] int64. gen_index: [1] int64, tokens sampled so far (the column the next one goes to).
         last_tokens: [B] the token each row feeds next. finished: [B] bool. lengths: [B] tokens generated per row.
         max_new: [B] per-row token budget. stop_ids: [n_stop] (empty: never stop).
@@ -116,7 +116,7 @@ class DecodeState:
         z = dict(device=device)
         self.k_cache = {n: torch.zeros(B, h, S, d, dtype=dt, **z) for n, (h, d) in layout.attention.items()}
         self.v_cache = {n: torch.zeros(B, h, S, d, dtype=dt, **z) for n, (h, d) in layout.attention.items()}
-        self.conv = {n: torch.zeros(B, C, K, dtype=dt, **z) for n, (C, K, _, _, _) in layout.gdn.items()}
+        self.conv = {n: torch.zeros(B, K - 1, C, dtype=dt, **z) for n, (C, K, _, _, _) in layout.gdn.items()}
         self.recurrent = {n: torch.zeros(B, Hv, Dk, Dv, dtype=torch.float32, **z)
                           for n, (_, _, Hv, Dk, Dv) in layout.gdn.items()}
         self.prompt_lengths = torch.zeros(B, dtype=torch.long, **z)

@@ -174,14 +174,14 @@ def test_explain_backend_on_cpu_names_the_reason():
     assert text.splitlines()[0] == "chunk_gated_delta_rule: backend torch" and "tensors are on cpu" in text
     assert explain_backend(q, k, v, g, beta, backend="torch").startswith("chunk_gated_delta_rule: backend torch")
     recurrent = explain_backend(q, k, v, g, beta, backend="tilelang", op="recurrent")
-    assert recurrent.startswith("recurrent_gated_delta_rule: error:") and "no TileLang decode kernel" in recurrent
+    assert recurrent.startswith("recurrent_gated_delta_rule: error:") and "tensors are on cpu" in recurrent
 
 
 def test_forced_tilelang_on_cpu_and_unknown_backend_raise_clear_errors():
     q, k, v, g, beta, _ = make_inputs(1, 8, 1, 2)
     with pytest.raises(ValueError, match=r"backend='tilelang' cannot run chunk_gated_delta_rule.*on cpu"):
         chunk_gated_delta_rule(q, k, v, g, beta, backend="tilelang")
-    with pytest.raises(ValueError, match="no TileLang decode kernel"):
+    with pytest.raises(ValueError, match=r"backend='tilelang' cannot run recurrent_gated_delta_rule.*on cpu"):
         recurrent_gated_delta_rule(q, k, v, g, beta, backend="tilelang")
     with pytest.raises(ValueError, match=r"backend must be None \(automatic\), 'tilelang' or 'torch'; got 'triton'"):
         chunk_gated_delta_rule(q, k, v, g, beta, backend="triton")
@@ -241,6 +241,25 @@ def test_kernel_requirements_are_reasons_once_the_device_passes(monkeypatch, cha
     assert text.startswith("chunk_gated_delta_rule: backend torch") and reason in text
     with pytest.raises(ValueError, match=re.escape(reason)):
         chunk_gated_delta_rule(q, k, v, g, beta, backend="tilelang")
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({}, "the recurrent kernel takes bfloat16, float16 or float32"),
+    ({"dtype": torch.bfloat16, "V": 48}, "value head dim V=48 unsupported by the recurrent kernel"),
+    ({"dtype": torch.bfloat16, "K": 6}, "key head dim K=6 unsupported by the recurrent kernel with V=8"),
+    ({"dtype": torch.float32, "T": 0}, "T = 0: there is nothing to compute"),
+])
+def test_recurrent_kernel_requirements_are_reasons_once_the_device_passes(monkeypatch, change, reason):
+    from flashqla_kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "hopper_reason", lambda *tensors: None)
+    kw = {"dtype": torch.float64, "T": 1, "K": 8, "V": 8} | change
+    q, k, v, g, beta, _ = make_inputs(2, kw["T"], 1, 2, K=kw["K"], V=kw["V"])
+    q, k, v = (x.to(kw["dtype"]) for x in (q, k, v))
+    text = explain_backend(q, k, v, g, beta, op="recurrent")
+    assert text.startswith("recurrent_gated_delta_rule: backend torch") and reason in text
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        recurrent_gated_delta_rule(q, k, v, g, beta, backend="tilelang")
 
 
 def test_input_errors_name_the_argument_and_the_fix():

@@ -100,7 +100,8 @@ def _halo_and_taps(T, D: int, Kc: int, BT: int, dtype: str, has_prefix: bool, ha
 
 
 def build_conv_qkv_gates(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_prefix: bool, has_bias: bool,
-                         BT: int = 0, threads: int = THREADS, tiles: int = 0, stages: int = 2):
+                         BT: int = 0, threads: int = THREADS, tiles: int = 0, stages: int = 2,
+                         update_prefix: bool = False):
     """The conv + gates kernel for head dim D (= K = V) and conv width Kc >= 2.
 
     ``tiles = 0``: one CTA a tile of BT tokens, its rows and halo loaded, then computed and stored. ``tiles = N``:
@@ -110,6 +111,10 @@ def build_conv_qkv_gates(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_pref
     previous tile's last rows, kept in a shared window in front of the tile's rows; only a CTA's first tile reads its
     halo from x, the conv state or zeros (BT >= Kc - 1). Same contract and result either way, bit for bit (the GPU
     tests); ``conv_qkv_gates`` runs the pipelined kernel by default (``PIPELINED``, ``pipelined_shape``).
+
+    ``update_prefix`` (the decode step: T = 1, the plain kernel, ``prefix`` given): the CTA also shifts its channels
+    of ``prefix`` in place to the last Kc - 1 tokens including the new one, after its halo is in shared memory; each
+    CTA owns its channels of its row, so no CTA reads what another writes.
     """
     # tokens per CTA: 16 for D <= 128 (77 registers, 6 CTAs an SM: 0.374 ms for the 2B layer on the H200, against
     # 0.408 ms for 64 tokens at 186 registers; benchmarks/glue_kernels.py); D = 256 keeps 32 to bound the halo re-read
@@ -118,6 +123,7 @@ def build_conv_qkv_gates(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_pref
     C = NB * D
     P = Kc - 1
     assert not tiles or BT >= P, f"tiles of {BT} tokens cannot hold the {P}-token halo"
+    assert not update_prefix or (has_prefix and not tiles), "update_prefix needs the plain kernel and a prefix"
     span = BT * max(tiles, 1)
     batch = T.dynamic("batch")
     seqlen = T.dynamic("seqlen")
@@ -163,6 +169,10 @@ def build_conv_qkv_gates(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_pref
                 w_sh[j, d] = T.cast(w[c0 + d, j], "float32")
             if not tiles:
                 T.sync_threads()
+                if update_prefix:
+                    # window rows 1 .. P are the tokens -P+1 .. 0: the conv state after this token
+                    for i, d in T.Parallel(P, D):
+                        prefix[bb, i, c0 + d] = x_sh[i + 1, d]
                 taps(y, x_sh, w_sh, bias, c0)
                 epilogue(y, sq, ss, t0, hb, bb, seqlen, q, k, v)
                 gates(t0, hb, bb, seqlen, a, b, A_log, dt_bias, g, beta)
@@ -197,7 +207,8 @@ def pipelined_shape(D: int) -> tuple[int, int]:
 
 def conv_qkv_gates(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
                    b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, Hk: int, Hv: int, D: int,
-                   prefix: torch.Tensor | None = None, tiles: int | None = None, BT: int | None = None):
+                   prefix: torch.Tensor | None = None, tiles: int | None = None, BT: int | None = None,
+                   update_prefix: bool = False):
     """Run the conv + gates stage.
 
     Args:
@@ -206,6 +217,8 @@ def conv_qkv_gates(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         tiles: token tiles a CTA walks with the pipelined kernel (``build_conv_qkv_gates(tiles=N)``); 0 runs the
             plain kernel; None: ``pipelined_shape(D)`` when ``PIPELINED``, else the plain kernel.
         BT: tokens a tile of the pipelined kernel; None: ``pipelined_shape(D)``'s.
+        update_prefix: the decode step (T = 1): ``prefix`` (contiguous, qkv's dtype) becomes the conv state after
+            this token, in place; runs the plain kernel.
 
     Returns:
         (q [B, T, Hk, D], k [B, T, Hk, D], v [B, T, Hv, D] in qkv's dtype, g [B, T, Hv] fp32, beta [B, T, Hv] fp32).
@@ -214,15 +227,21 @@ def conv_qkv_gates(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     Kc = weight.shape[-1]
     dtype = qkv.dtype
     default_bt, default_tiles = pipelined_shape(D)
-    if tiles is None:
+    if update_prefix:
+        if Tn != 1 or prefix is None or not prefix.is_contiguous() or prefix.dtype != dtype:
+            raise ValueError(f"update_prefix is the decode step: T must be 1 (got {Tn}) and prefix a contiguous "
+                             f"{dtype} tensor (got {None if prefix is None else (prefix.dtype, prefix.stride())})")
+        tiles = 0
+    elif tiles is None:
         tiles = default_tiles if PIPELINED else 0
-    extra = (BT or default_bt, THREADS, tiles) if tiles else ()
+    extra = (BT or default_bt, THREADS, tiles) if tiles else ((0, THREADS, 0, 2, True) if update_prefix else ())
     kernel = compile_kernel(build_conv_qkv_gates, Hk, Hv, D, Kc, tl_dtype(dtype), prefix is not None, bias is not None,
                             *extra)
     x = qkv.contiguous()
     w = weight.to(dtype).contiguous()
     bias_t = bias.to(dtype).contiguous() if bias is not None else w.new_empty(C)
-    pre = prefix.to(dtype).contiguous() if prefix is not None else x.new_empty((1, Kc - 1, C))
+    pre = (prefix if update_prefix else prefix.to(dtype).contiguous()) if prefix is not None else \
+        x.new_empty((1, Kc - 1, C))
     a_, b_ = a.to(dtype).contiguous(), b.to(dtype).contiguous()
     A32, dt32 = A_log.to(torch.float32).contiguous(), dt_bias.to(torch.float32).contiguous()
     q = empty((B, Tn, Hk, D), dtype, x.device)
