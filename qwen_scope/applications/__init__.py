@@ -1,8 +1,10 @@
 """Applications built on the toolkit's verbs (the Qwen-Scope report's uses): few-seed feature classification at
 corpus scale (batched scores, held-out tuning, a linear-probe baseline), feature footprints and benchmark redundancy,
-long-tail data synthesis, and SAE-guided training signals (SASFT's loss, RL rewards)."""
+long-tail data synthesis, and SAE-guided training signals (SASFT's loss, RL rewards) with a fine-tuning loop that
+measures them on held-out text."""
 from qwen_scope.applications.classify import FeatureClassifier, RuleFeature, binary_metrics
 from qwen_scope.applications.coverage import CoverPick, FeatureFootprint, greedy_cover, redundancy_matrix
+from qwen_scope.applications.finetune import FinetuneConfig, FinetuneResult, finetune
 from qwen_scope.applications.guided import FeaturePenalty
 from qwen_scope.applications.redundancy import (Benchmark, RankingCheck, coverage_subsample, load_benchmark_texts,
                                                 overlap_figure, ranking_check, spearman)
@@ -28,5 +30,5 @@ __all__ = [
     "Efficiency", "efficiency", "coverage_figure",
     # training
     "FeaturePenalty", "ContrastFeature", "contrast_features", "class_targets", "response_mask", "token_rewards",
-    "reward_function", "repetition_rate", "split_by_repetition",
+    "reward_function", "repetition_rate", "split_by_repetition", "finetune", "FinetuneConfig", "FinetuneResult",
 ]

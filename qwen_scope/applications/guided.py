@@ -55,7 +55,9 @@ class FeaturePenalty:
             raise ValueError("no features to penalise: pass feature ids, e.g. the top of scope.compare(...)")
         bad = ids[(ids < 0) | (ids >= sae.d_sae)]
         if bad.numel():
-            raise ValueError(f"feature ids {bad.tolist()} are outside the SAE's 0..{sae.d_sae - 1}")
+            raise ValueError(f"feature ids {bad.tolist()} are outside the SAE's 0..{sae.d_sae - 1} (layer {layer}, "
+                             f"d_sae {sae.d_sae}); pick ids below {sae.d_sae}, e.g. from "
+                             f"scope.features(text).top({layer})")
         targets = torch.as_tensor(target, dtype=torch.float32).flatten()
         if targets.numel() not in (1, ids.numel()):
             raise ValueError(f"target must be one level or one per feature ({ids.numel()}), got {targets.numel()}")
