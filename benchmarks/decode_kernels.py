@@ -72,19 +72,22 @@ def _inputs(B: int):
     return q, k, v, g, beta, h0
 
 
-def _layer(B: int):
+def _gdn_layer():
+    """The 2B model's GDN layer (random bf16 weights)."""
     import transformers as tf
 
     cfg = ct.model_config(False)
     cfg.num_hidden_layers, cfg.layer_types = 1, ["linear_attention"]
     torch.manual_seed(0)
-    model = tf.Qwen3_5ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
-    gdn = model.model.layers[0].linear_attn
+    return tf.Qwen3_5ForCausalLM(cfg).to("cuda", torch.bfloat16).eval().model.layers[0].linear_attn
+
+
+def _layer_inputs(gdn, B: int):
     C = gdn.key_dim * 2 + gdn.value_dim
     conv = torch.zeros(B, gdn.conv_kernel_size - 1, C, device="cuda", dtype=torch.bfloat16)
     rec = torch.zeros(B, gdn.num_v_heads, D, D, device="cuda")
-    x = torch.randn(B, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-    return gdn, x, conv, rec
+    x = torch.randn(B, 1, gdn.hidden_size, device="cuda", dtype=torch.bfloat16)
+    return x, conv, rec
 
 
 def main(argv=None) -> None:
@@ -105,6 +108,7 @@ def main(argv=None) -> None:
     except ImportError:
         fla_recurrent = None
     rows = []
+    gdn = _gdn_layer()
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
     for B in BATCHES:
         q, k, v, g, beta, h0 = _inputs(B)
@@ -115,7 +119,7 @@ def main(argv=None) -> None:
                                                                            **kw))}
         if fla_recurrent is not None:
             row["fla_ms"] = _bench(lambda: fla_recurrent(q, k, v, g, beta, initial_state=h0, **kw))
-        gdn, x, conv, rec = _layer(B)
+        x, conv, rec = _layer_inputs(gdn, B)
         with torch.no_grad():
             row["layer_step_ms_internal"] = _bench(lambda: gdn_decode_step(gdn, x, conv, rec))
             reason = layers.decode_step_reason
@@ -128,8 +132,6 @@ def main(argv=None) -> None:
         row["layer_floor_ms"] = 1e3 * (weights + 2 * rec.numel() * 4) / HBM
         rows.append(row)
         print(row, flush=True)
-        del gdn
-        torch.cuda.empty_cache()
     result = {"env": ct.versions(), "shape": f"Hk = Hv = {H}, K = V = {D}, bf16, T = 1", "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_kernels.json").write_text(json.dumps(result, indent=1))

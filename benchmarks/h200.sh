@@ -124,5 +124,11 @@ for p in "$@"; do
         *) echo "unknown phase $p" | tee -a "$OUT/phases.log" ;;
     esac
 done
-[ -n "${NO_SAVE_CACHES:-}" ] || save_caches
+if [ -z "${NO_SAVE_CACHES:-}" ]; then
+    kill $smi_pid 2>/dev/null
+    # the device tool returns a limited number of files: the results and logs travel as one archive
+    (cd "$OUT" && tar czf results.tgz --exclude='*cache.tar.xz' --exclude=results.tgz --exclude=phases.log . \
+        && find . -maxdepth 1 -type f ! -name '*cache.tar.xz' ! -name results.tgz ! -name phases.log -delete)
+    save_caches
+fi
 echo "total $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.log"

@@ -13,7 +13,7 @@ Example:
 """
 from flashqla_kernels.decoder.decode import decode_step_reason, gdn_decode_step
 from flashqla_kernels.decoder.gdn_layer import (
-    explain_gdn_layer, gdn_layer_forward, hooked, layer_unsupported_reason, plain_linear_reason,
+    cached_states, explain_gdn_layer, gdn_layer_forward, hooked, layer_unsupported_reason, plain_linear_reason,
 )
 from flashqla_kernels.decoder.ops import (
     add_rms_norm, conv_qkv_gates, gate_mul, gate_mul_head_major, gated_norm, glue_kernel_reason, qk_norm_rope,
@@ -23,5 +23,5 @@ from flashqla_kernels.decoder.ops import (
 __all__ = [
     "gdn_layer_forward", "layer_unsupported_reason", "explain_gdn_layer", "hooked", "plain_linear_reason",
     "conv_qkv_gates", "gated_norm", "rms_norm", "add_rms_norm", "silu_mul", "swiglu", "qk_norm_rope", "gate_mul",
-    "gate_mul_head_major", "glue_kernel_reason", "gdn_decode_step", "decode_step_reason",
+    "gate_mul_head_major", "glue_kernel_reason", "gdn_decode_step", "decode_step_reason", "cached_states",
 ]

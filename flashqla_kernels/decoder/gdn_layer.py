@@ -25,7 +25,7 @@ from flashqla_kernels.decoder import ops
 from flashqla_kernels.gated_delta_rule import chunk_gated_delta_rule, explain_backend, recurrent_gated_delta_rule
 
 __all__ = ["gdn_layer_forward", "layer_unsupported_reason", "project", "explain_gdn_layer", "hooked",
-           "plain_linear_reason"]
+           "plain_linear_reason", "cached_states"]
 
 _CACHE_API = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state")
 # transformers 5.17-5.22: the same DynamicCache / StaticCache layers without the getters; their GDN forward reads
@@ -41,7 +41,7 @@ def _cache_missing(cache: Any) -> list[str]:
     return missing
 
 
-def _cached_states(cache: Any, idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def cached_states(cache: Any, idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Layer ``idx``'s (conv state [B, C, >=Kc], recurrent state [B, Hv, K, V]), or (None, None) before its first
     update, through either cache API."""
     if hasattr(cache, "get_conv_state"):
@@ -161,7 +161,7 @@ def gdn_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, cache
         cache: the model's hybrid cache (``DynamicCache`` / ``StaticCache``) or None (no state kept).
         attention_mask: 2-D [B, T] padding mask (1 = token) or None.
         backend: None (kernels where they run, else torch), "torch" or "tilelang" (raise where they cannot run);
-            for the glue stages and the chunk op (the T = 1 decode step always runs the recurrent op's torch path).
+            for the glue stages and the chunk op (the recurrent op for the T = 1 decode step).
 
     Returns:
         [B, T, d_model] in hidden_states' dtype. With a cache, its conv and recurrent states are updated.
@@ -185,7 +185,7 @@ def gdn_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, cache
                 f"DynamicCache / StaticCache (5.17+), and this {type(cache).__name__} (transformers "
                 f"{transformers.__version__}) lacks {', '.join(missing)}. Call the layer module itself "
                 f"(patch_gdn_layers() hands such calls to transformers' forward) or pass cache=None.")
-        conv_state, recurrent_state = _cached_states(cache, idx)
+        conv_state, recurrent_state = cached_states(cache, idx)
 
     qkv, z, b, a = project(layer, hidden_states)
     q, k, v, g, beta = ops.conv_qkv_gates(qkv, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, a, b,
@@ -195,12 +195,9 @@ def gdn_layer_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, cache
         # The cache appends the newest tokens to its state (or left-pads a fresh one) and keeps the last Kc.
         _write_conv_state(cache, qkv[:, -Kc:].transpose(1, 2), idx, Kc)
 
-    op, op_backend = chunk_gated_delta_rule, backend
-    if recurrent_state is not None and T == 1:
-        # The decode step has no TileLang kernel: "tilelang" forces the prefill kernels only.
-        op, op_backend = recurrent_gated_delta_rule, (None if backend == "tilelang" else backend)
+    op = recurrent_gated_delta_rule if recurrent_state is not None and T == 1 else chunk_gated_delta_rule
     o, final_state = op(q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,
-                        use_qk_l2norm_in_kernel=False, backend=op_backend)
+                        use_qk_l2norm_in_kernel=False, backend=backend)
     if cache is not None:
         cache.update_recurrent_state(final_state, idx)
 
@@ -252,11 +249,11 @@ def explain_gdn_layer(layer: torch.nn.Module, hidden_states: torch.Tensor, cache
         return torch.empty((), dtype=dtype, device=dev, requires_grad=grad).expand(*shape)
 
     acts = like(B, T, 1)
-    decode = cache is not None and T == 1 and _cached_states(cache, layer.layer_idx)[1] is not None
+    decode = cache is not None and T == 1 and cached_states(cache, layer.layer_idx)[1] is not None
     op = "recurrent" if decode else "chunk"
     g = like(B, T, Hv, dtype=torch.float32)
     op_text = explain_backend(like(B, T, Hk, K), like(B, T, Hk, K), like(B, T, Hv, V), g, g, op=op,
-                              backend=None if (decode and backend == "tilelang") else backend)
+                              backend=backend)
     return "\n".join([
         "layer: fused",
         _stage_line("conv_qkv_gates", lambda: ops.conv_qkv_gates_decision(

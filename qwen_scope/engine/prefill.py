@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from flashqla_kernels.decoder import cached_states
 from hooks import QwenAdapter, intervene, resid_post
 from qwen_scope.engine.sampling import SamplingBuffers, choose_tokens, record_step
 from qwen_scope.engine.state import DecodeState
@@ -40,7 +41,7 @@ def _steer_hooks(steer: Mapping[int, LayerSteerBuffers], rows: torch.Tensor) -> 
 def _copy_caches(adapter: QwenAdapter, cache, state: DecodeState, rows: torch.Tensor, P: int) -> None:
     for n, kind in enumerate(adapter.layer_types):
         if kind == "linear_attention":
-            conv, recurrent = cache.get_conv_state(n, state_idx=0), cache.get_recurrent_state(n, state_idx=0)
+            conv, recurrent = cached_states(cache, n)  # through the cache API of 5.17-5.22 or 5.23+
             # transformers keeps [b, C, >= Kc] channel-major; the engine the last Kc - 1 inputs token-major
             taps = state.conv[n].shape[1]
             state.conv[n].index_copy_(0, rows, conv[..., conv.shape[-1] - taps:].transpose(1, 2).to(state.conv[n].dtype))

@@ -47,7 +47,7 @@ def call_with_cache(layer, h, cache):
 
 def states(cache, idx):
     """(conv state, recurrent state) of layer idx through whichever cache API this transformers has."""
-    return gdn_layer_mod._cached_states(cache, idx)
+    return gdn_layer_mod.cached_states(cache, idx)
 
 
 def mlp_of(model):

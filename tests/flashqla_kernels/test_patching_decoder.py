@@ -259,7 +259,7 @@ def test_cached_prefill_through_the_patched_decoder_keeps_states_equal():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for idx, layer in enumerate(_layers(model)):
         if hasattr(layer, "linear_attn"):
-            theirs, ours = gdn_layer_mod._cached_states(caches[0], idx), gdn_layer_mod._cached_states(caches[1], idx)
+            theirs, ours = gdn_layer_mod.cached_states(caches[0], idx), gdn_layer_mod.cached_states(caches[1], idx)
             assert ours[0] is not None and ours[1] is not None, f"layer {idx}: no state written"
             torch.testing.assert_close(ours[0], theirs[0], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(ours[1], theirs[1], atol=1e-5, rtol=1e-5)
