@@ -8,6 +8,7 @@ applies the same buffers the decode step reads, so prompt and generated position
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -19,6 +20,12 @@ from qwen_scope.engine.state import DecodeState
 from qwen_scope.engine.steer_buffers import LayerSteerBuffers
 
 __all__ = ["prefill", "length_groups"]
+
+
+def _cache_kwarg(model) -> str:
+    """The forward's cache keyword: ``cache`` from transformers 5.24, ``past_key_values`` before (an unknown keyword
+    would be swallowed by ``**kwargs`` and the model would fill a cache of its own)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def length_groups(prompts: Sequence[torch.Tensor]) -> list[list[int]]:
@@ -75,7 +82,7 @@ def prefill(adapter: QwenAdapter, prompts: Sequence[torch.Tensor], state: Decode
         P = ids.shape[1]
         cache = DynamicCache(config=config)
         with intervene(adapter.model, _steer_hooks(steer, rows)):
-            out = adapter.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            out = adapter.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{_cache_kwarg(adapter.model): cache})
         _copy_caches(adapter, cache, state, rows, P)
         state.prompt_lengths.index_fill_(0, rows, P)
         logits.index_copy_(0, rows, out.logits[:, -1].float())

@@ -130,7 +130,9 @@ def test_decode_step_equals_the_torch_formulation_over_many_steps(family, monkey
             out = gdn_decode_step(gdn, x, conv, rec)
             ref = layers.gdn_decode(gdn, x, conv_t, rec_t)
         assert torch.equal(conv, conv_t), step  # the shift is a copy of the same values
-        assert _rel(rec, rec_t.double()) <= 1e-3, step
+        # the kernels l2-normalise q / k in fp32 and store them in bf16; the torch formulation normalises the bf16
+        # conv outputs in fp32 inside the op: a bf16 rounding apart
+        assert _rel(rec, rec_t.double()) <= RTOL_L2, step
         assert _rel(out, ref.double()) <= 2e-2, step  # bf16 rounding inside transformers' gated norm
         conv_t.copy_(conv)
         rec_t.copy_(rec)
