@@ -63,6 +63,9 @@ class DecodeStep:
         self.layers = list(adapter.layers)
         self.kinds = list(adapter.layer_types)
         self.rotary = adapter.text_model.rotary_emb
+        # Qwen3.5's multimodal rotary reads position ids [3, B, T] (one row per section; text repeats them) and
+        # transformers before 5.24 takes only that form, so give it that form on every version
+        self.mrope = hasattr(self.rotary, "mrope_section")
 
     @torch.no_grad()
     def __call__(self) -> None:
@@ -70,7 +73,8 @@ class DecodeStep:
         pos = st.decode_positions()  # [B]
         read_col = st.gen_index - 1  # [1], the generated token fed now
         x = self.adapter.embed(st.last_tokens[:, None])  # [B, 1, d_model]
-        cos, sin = self.rotary(x, pos[:, None])
+        ids = pos[:, None]
+        cos, sin = self.rotary(x, ids[None].expand(3, -1, -1) if self.mrope else ids)
         valid = (st.slots[None, :] <= pos[:, None])[:, None, None, :]  # [B, 1, 1, S]
         for n, layer in enumerate(self.layers):
             x = self._layer(n, layer, x, cos, sin, pos, valid)

@@ -103,3 +103,33 @@ def test_models_and_requests_the_engine_cannot_take_are_refused_with_the_reason(
         engine.generate([torch.tensor([1, 2])], readout=[1])
     with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
         engine.generate([torch.tensor([1, 2])], max_new_tokens=0)
+
+
+def test_the_engine_speaks_the_older_transformers_forms_of_the_rotary_and_the_cache_keyword(monkeypatch):
+    """transformers before 5.24 takes Qwen3.5's multimodal position ids only as [3, B, T] and names the forward's
+    cache ``past_key_values``; the engine must give both forms, or it decodes from an empty cache."""
+    model = tiny_model("qwen3_5")
+    prompts = [torch.tensor([5, 17, 99, 3]), torch.tensor([8, 1])]
+    expected = DecodeEngine(model).generate(prompts, max_new_tokens=5, keep_logits=True)
+    rotary = model.model.rotary_emb
+    original_rotary = rotary.forward
+
+    def rotary_3d_only(x, position_ids):
+        if position_ids.dim() != 3:
+            raise IndexError("too many indices for tensor of dimension 2")
+        return original_rotary(x, position_ids)
+
+    original_forward = type(model).forward
+
+    def forward_past_key_values(self, input_ids=None, attention_mask=None, position_ids=None,
+                                past_key_values=None, use_cache=None, logits_to_keep=0, **kwargs):
+        assert "cache" not in kwargs, "the engine passed cache= to a forward that names it past_key_values"
+        return original_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                cache=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+
+    monkeypatch.setattr(rotary, "forward", rotary_3d_only)
+    monkeypatch.setattr(type(model), "forward", forward_past_key_values)
+    result = DecodeEngine(model).generate(prompts, max_new_tokens=5, keep_logits=True)
+    for old, new in zip(expected.rows, result.rows):
+        assert torch.equal(old.token_ids, new.token_ids)
+        torch.testing.assert_close(old.logits, new.logits, atol=1e-6, rtol=1e-6)
