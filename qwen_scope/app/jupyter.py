@@ -56,7 +56,11 @@ def static_view(session: AppSession, text: str) -> HtmlView:
 
 def widget_view(session: AppSession, text: str):
     """The live widget: token buttons → their features → the card; steering sliders → the bench."""
-    import ipywidgets as w
+    try:
+        import ipywidgets as w
+    except ImportError:
+        raise ImportError("the explore widget needs ipywidgets: pip install 'qwen-scope[app]' (or ipywidgets), "
+                          "or pass widget=False for the static HTML view") from None
 
     view = session.analyze(text)
     d_sae = session.scope.sae(session.layer).d_sae

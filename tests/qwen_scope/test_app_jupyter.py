@@ -43,6 +43,8 @@ def test_explore_without_ipywidgets_falls_back_to_the_static_view(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_widgets)
     assert _scope().explore(TEXT) == _scope().explore(TEXT, widget=False)
+    with pytest.raises(ImportError, match=r"needs ipywidgets: pip install 'qwen-scope\[app\]'.*widget=False"):
+        _scope().explore(TEXT, widget=True)
 
 
 def test_widget_clicks_show_features_and_cards_and_generate_equals_scope_steer():
