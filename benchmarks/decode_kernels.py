@@ -10,7 +10,7 @@ move (the fp32 state read and written, q / k / v / o once) over 4.2 TB/s.
 Usage: ``python benchmarks/decode_kernels.py --out benchmarks/results`` on the GPU writes ``decode_kernels.json`` and
 ``.md``; ``--precompile`` compiles (CPU with nvcc is enough) every kernel this script and the GPU tests
 ``tests/flashqla_kernels/test_recurrent_gpu.py`` / ``tests/qwen_scope/test_engine_gpu.py`` run, and the decode
-engine's for the 2B shape (``steer_generate.py``), into ``TILELANG_CACHE_DIR``.
+engine's for the 2B shape (``steer_generate.py``: the GDN step and the fused norms), into ``TILELANG_CACHE_DIR``.
 """
 from __future__ import annotations
 
@@ -51,7 +51,13 @@ def precompile() -> None:
     for Hk, Hv in ((16, 16), (2, 4)):
         toolkit.compile_kernel(conv_gates.build_conv_qkv_gates, Hk, Hv, 128, 4, "bfloat16", True, False, 0,
                                conv_gates.THREADS, 0, 2, True)
-    print(f"precompiled {len(specs) + 2} decode kernels")
+    # the engine step's fused norms (bf16 weights) at the tests' tiny (64) and small (256) widths and the 2B's 2048
+    from flashqla_kernels.decoder.hopper import rms_norm
+
+    for D in (64, 256, 2048):
+        toolkit.compile_kernel(rms_norm.build_rms_norm, D, "bfloat16", 1e-6, "bfloat16")
+        toolkit.compile_kernel(rms_norm.build_add_rms_norm, D, "bfloat16", 1e-6, "bfloat16")
+    print(f"precompiled {len(specs) + 8} decode kernels")
 
 
 def _bench(fn) -> float:
