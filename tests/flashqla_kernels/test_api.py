@@ -224,7 +224,7 @@ def test_dispatch_uses_kernels_when_verifiers_pass_and_warns_once_on_grad(monkey
 
 @pytest.mark.parametrize("change, reason", [
     ({}, "one dtype of (bfloat16, float16)"),
-    ({"dtype": torch.bfloat16, "K": 32}, "head dims K=32, V=8 unsupported"),
+    ({"dtype": torch.bfloat16, "K": 320}, "head dims K=320, V=8 unsupported"),
     ({"dtype": torch.bfloat16, "T": 0}, "T = 0: there is nothing to compute"),
     ({"dtype": torch.bfloat16, "Hv": 3, "K": 64, "V": 64}, "Hv / Hk = 3 would need slices of 3"),
 ])

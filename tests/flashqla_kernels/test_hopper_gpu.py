@@ -69,6 +69,9 @@ CASES = {
     "dim64_l2norm_fp16_gates_padded": (2, 4, 64, 64, [100, 47], torch.float16,
                                        {"normalized": False, "l2norm": True, "gate_dtype": torch.float16, "pad": 20}),
     "mild_gates_65": (2, 2, 128, 128, [65, 64, 63], torch.bfloat16, {"gates": "mild"}),
+    # other head dims run zero-padded to the next kernel dim (96 -> 128; 48, 40 -> 64)
+    "dim96_padded_gva2_bf16": (2, 4, 96, 96, [1, 47, 300], torch.bfloat16, {}),
+    "dim48x40_padded_l2norm_fp16": (2, 4, 48, 40, [100, 47], torch.float16, {"normalized": False, "l2norm": True}),
 }
 
 

@@ -14,6 +14,16 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def padded_head_dim(d: int) -> int | None:
+    """The kernel head dim a head dim ``d`` runs at: the smallest of ``SUPPORTED_HEAD_DIMS`` >= d, or None past 256.
+
+    Zero channels change nothing: a zero key or query channel adds nothing to a dot product or a norm, a zero value
+    channel only produces a zero output column and a zero state column, so the launcher pads other head dims with
+    zeros and slices the outputs back.
+    """
+    return next((s for s in SUPPORTED_HEAD_DIMS if s >= d), None) if d >= 1 else None
+
+
 def unsupported_reason(q, k, v, g, beta, initial_state=None, cu_seqlens=None) -> str | None:
     """Why the Hopper kernels cannot take these inputs (dtypes, head dims, shapes), or None when they can.
 
@@ -34,8 +44,9 @@ def unsupported_reason(q, k, v, g, beta, initial_state=None, cu_seqlens=None) ->
         return (f"q, k must be [B, T, Hk, K] and v [B, T, Hv, V]; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                 f"v {tuple(v.shape)}")
     K, V, Hk, Hv = k.shape[3], v.shape[3], k.shape[2], v.shape[2]
-    if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
-        return f"head dims K={K}, V={V} unsupported by the Hopper kernels (supported: {SUPPORTED_HEAD_DIMS})"
+    if padded_head_dim(K) is None or padded_head_dim(V) is None:
+        return (f"head dims K={K}, V={V} unsupported by the Hopper kernels (1 to {SUPPORTED_HEAD_DIMS[-1]}; "
+                f"{SUPPORTED_HEAD_DIMS} run as they are, others zero-padded to the next)")
     if Hv % Hk:
         return f"Hv={Hv} must be a multiple of Hk={Hk}"
     if plan.heads_per_cta(Hv // Hk) == 3:
@@ -58,7 +69,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
     """Gated delta rule forward on the TileLang Hopper kernels (chunk size 64, exact).
 
     Args:
-        q, k: [B, T, Hk, K] bf16/fp16; v: [B, T, Hv, V] same dtype; g (log decay), beta: [B, T, Hv] (any float
+        q, k: [B, T, Hk, K] bf16/fp16; v: [B, T, Hv, V] same dtype (K, V up to 256: 64 / 128 / 256 as they are,
+            others zero-padded to the next); g (log decay), beta: [B, T, Hv] (any float
             dtype, computed in fp32). scale: default K^-0.5. initial_state: [N, Hv, K, V] or None.
         output_final_state: return the [N, Hv, K, V] fp32 final state. use_qk_l2norm_in_kernel: l2-normalise q and k
             inside the kernels (no separate pass). cu_seqlens: [N+1] offsets of packed sequences (B = 1); a tail
@@ -86,8 +98,17 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
             ht = (initial_state.to(torch.float32).clone() if initial_state is not None
                   else torch.zeros((N, Hv, K, V), dtype=torch.float32, device=q.device))
         return v.new_empty(v.shape), ht
-    return _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                   segment_chunks, block_v)
+    Kp, Vp = padded_head_dim(K), padded_head_dim(V)
+    if (Kp, Vp) == (K, V):
+        return _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                       cu_seqlens, segment_chunks, block_v)
+    # other head dims run zero-padded (see padded_head_dim); the scale stays the true K's
+    pad = torch.nn.functional.pad
+    scale = K ** -0.5 if scale is None else float(scale)
+    h0 = None if initial_state is None else pad(initial_state.to(torch.float32), (0, Vp - V, 0, Kp - K))
+    o, ht = _launch(pad(q, (0, Kp - K)), pad(k, (0, Kp - K)), pad(v, (0, Vp - V)), g, beta, scale, h0,
+                    output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, segment_chunks, block_v)
+    return o[..., :V].contiguous(), (None if ht is None else ht[:, :, :K, :V].contiguous())
 
 
 def _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
