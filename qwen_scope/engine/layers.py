@@ -18,9 +18,19 @@ from torch import nn
 
 from flashqla_kernels import recurrent_gated_delta_rule
 from flashqla_kernels.decoder import decode_step_reason, gdn_decode_step
+from flashqla_kernels.decoder import ops as fused
+from flashqla_kernels.patching.norms import is_zero_centred_norm, norm_eps
 
-__all__ = ["rotate_half", "apply_rotary", "attention_decode", "gdn_decode", "mlp_decode", "is_moe_block",
+__all__ = ["rotate_half", "apply_rotary", "norm", "attention_decode", "gdn_decode", "mlp_decode", "is_moe_block",
            "unsupported_mlp_reason"]
+
+
+def norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for an RMSNorm module; Qwen3.5 / Qwen3-Next's zero-centred ones on the fused norm op (one kernel
+    on sm_90 where transformers' module launches about eight; elsewhere its torch form, bit for bit the module's)."""
+    if is_zero_centred_norm(module):
+        return fused.rms_norm(x, module.weight, norm_eps(module))
+    return module(x)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -70,8 +80,8 @@ def attention_decode(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: t
         gate = gate.reshape(B, 1, -1)
     else:
         q, gate = attn.q_proj(x), None
-    q = attn.q_norm(q.view(B, 1, -1, D)).transpose(1, 2)
-    k = attn.k_norm(attn.k_proj(x).view(B, 1, -1, D)).transpose(1, 2)
+    q = norm(attn.q_norm, q.view(B, 1, -1, D)).transpose(1, 2)
+    k = norm(attn.k_norm, attn.k_proj(x).view(B, 1, -1, D)).transpose(1, 2)
     v = attn.v_proj(x).view(B, 1, -1, D).transpose(1, 2)
     q, k = apply_rotary(q, k, cos, sin)
     # One slot per row at its own position: a scatter with a device index, no host-side slicing.

@@ -15,7 +15,7 @@ import torch
 from flashqla_kernels.decoder import ops as fused
 from flashqla_kernels.patching.norms import is_zero_centred_norm, norm_eps
 from hooks import QwenAdapter
-from qwen_scope.engine.layers import attention_decode, gdn_decode, mlp_decode
+from qwen_scope.engine.layers import attention_decode, gdn_decode, mlp_decode, norm
 from qwen_scope.engine.sampling import SamplingBuffers, choose_tokens, record_step
 from qwen_scope.engine.state import DecodeState
 from qwen_scope.engine.steer_buffers import LayerSteerBuffers
@@ -68,12 +68,9 @@ class DecodeStep:
         # Qwen3.5's multimodal rotary reads position ids [3, B, T] (one row per section; text repeats them) and
         # transformers before 5.24 takes only that form, so give it that form on every version
         self.mrope = hasattr(self.rotary, "mrope_section")
-        # Qwen3.5 / Qwen3-Next's zero-centred RMSNorms run on the fused norm ops: one kernel on sm_90 (and the
-        # residual add folded into the post-attention norm) where transformers' module launches about eight, and
-        # elsewhere their torch form, bit for bit transformers'. Qwen3's plain RMSNorm stays the module's call.
+        # zero-centred norms (layers.norm) also fold the residual add into the post-attention norm: one kernel
         self.fused_norms = [is_zero_centred_norm(layer.input_layernorm)
                             and is_zero_centred_norm(layer.post_attention_layernorm) for layer in self.layers]
-        self.fused_final = is_zero_centred_norm(adapter.final_norm)
 
     @torch.no_grad()
     def __call__(self) -> None:
@@ -90,16 +87,14 @@ class DecodeStep:
                 x = self.steer[n].apply(x, pos[:, None])
             if n in self.readout:
                 self._read(n, x, read_col)
-        final = self.adapter.final_norm
-        x = fused.rms_norm(x, final.weight, norm_eps(final)) if self.fused_final else final(x)
-        logits = self.adapter.unembed(x)[:, 0].float()  # [B, V]
+        logits = self.adapter.unembed(norm(self.adapter.final_norm, x))[:, 0].float()  # [B, V]
         record_step(st, logits, choose_tokens(logits, self.sampling), st.gen_index)
         st.gen_index.add_(1)
 
     def _layer(self, n: int, layer, x, cos, sin, pos, valid):
         st = self.state
         pre, post = layer.input_layernorm, layer.post_attention_layernorm
-        h = fused.rms_norm(x, pre.weight, norm_eps(pre)) if self.fused_norms[n] else pre(x)
+        h = norm(pre, x)
         if self.kinds[n] == "linear_attention":
             h = gdn_decode(layer.linear_attn, h, st.conv[n], st.recurrent[n])
         else:
