@@ -106,15 +106,17 @@ def run_sweep(model, engine, saes, layer: int, vocab: int, P: int, N: int, M: in
     engine_wall, engine_tokens = timed(lambda: torch.stack([r.token_ids for r in engine.generate(
         [p for p, _ in rows], [e for _, e in rows], max_new_tokens=new, stop_tokens=[]).rows]))
     loop_wall, loop_tokens = timed(lambda: torch.cat([run_hf(model, saes, [p], new, e, patched=False)
-                                                      for p, e in rows[:N]]))
+                                                      for p, e in rows[:N]]),
+                                   warm=lambda: run_hf(model, saes, [rows[0][0]], 4, rows[0][1], patched=False))
     agree = int((loop_tokens.cpu() == engine_tokens[:N].cpu()).sum())
     return {"strengths": N, "prompts": M, "new": new, "engine_s": engine_wall, "loop_s_measured": loop_wall,
             "loop_rows_measured": N, "loop_s": loop_wall * M, "speedup": loop_wall * M / engine_wall,
             "agree": f"{agree}/{loop_tokens.numel()}"}
 
 
-def timed(fn) -> tuple[float, torch.Tensor]:
-    fn()  # warm-up: kernels compiled, the engine's buffers allocated and its graph captured
+def timed(fn, warm=None) -> tuple[float, torch.Tensor]:
+    """Wall time of ``fn()`` after a warm-up (``warm()``, default ``fn()`` itself)."""
+    (warm or fn)()  # warm-up: kernels compiled, the engine's buffers allocated and its graph captured
     ct.sync()
     start = time.perf_counter()
     out = fn()
@@ -157,6 +159,8 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512; tiny 8)")
     parser.add_argument("--new", type=int, default=None, help="new tokens (default 128; tiny 4)")
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting arms after this many seconds")
+    parser.add_argument("--arms", default="engine,hf,hf+patches", type=lambda a: a.split(","),
+                        help="comma-separated arms to run (default all three, side by side)")
     parser.add_argument("--sweep-strengths", type=int, default=None, help="sweep strengths (default 16; tiny 2)")
     parser.add_argument("--sweep-prompts", type=int, default=None, help="sweep prompts (default 8; tiny 2)")
     parser.add_argument("--sweep-new", type=int, default=None, help="sweep new tokens (default 32; tiny 4)")
@@ -181,25 +185,31 @@ def main(argv=None) -> None:
         prompts = [torch.randint(1, cfg.vocab_size, (P,), generator=g).to(DEVICE) for _ in range(B)]
         for kind in ("none", "add", "clamp"):
             edits = edits_for(kind, layer)
-            arms = {"engine": lambda: run_engine(engine, prompts, new, edits),
-                    "hf": lambda: run_hf(model, saes, prompts, new, edits, patched=False),
-                    "hf+patches": lambda: run_hf(model, saes, prompts, new, edits, patched=True)}
+            # generate's warm-up is a short call (its kernels compile on any length); the engine's is the same
+            # request (its buffers and graph are sized by it)
+            arms = {"engine": (lambda: run_engine(engine, prompts, new, edits), None),
+                    "hf": (lambda: run_hf(model, saes, prompts, new, edits, patched=False),
+                           lambda: run_hf(model, saes, prompts, 4, edits, patched=False)),
+                    "hf+patches": (lambda: run_hf(model, saes, prompts, new, edits, patched=True),
+                                   lambda: run_hf(model, saes, prompts, 4, edits, patched=True))}
+            arms = {name: arm for name, arm in arms.items() if name in args.arms}
             reference, hf_rate = None, None
-            for name, fn in arms.items():
+            for name, (fn, warm) in arms.items():
                 row = {"arm": name, "batch": B, "steering": kind}
                 if time.perf_counter() - began > args.budget_s:
                     row["error"] = f"skipped: past the {args.budget_s:.0f} s budget"
                 else:
                     try:
-                        wall, tokens = timed(fn)
+                        wall, tokens = timed(fn, warm)
                         row.update(tokens_per_s=B * new / wall, ms_per_token=1e3 * wall / new)
                         reference = tokens.cpu() if name == "engine" else reference
-                        row["agree"] = f"{int((tokens.cpu() == reference).sum())}/{reference.numel()}"
+                        if reference is not None:
+                            row["agree"] = f"{int((tokens.cpu() == reference).sum())}/{reference.numel()}"
                         hf_rate = row["tokens_per_s"] if name == "hf" else hf_rate
                     except Exception as err:  # an arm that fails is reported in the table, the others still run
                         row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
                 result["arms"].append(row)
-            for row in result["arms"][-3:]:
+            for row in result["arms"][-len(arms):]:
                 if hf_rate and "tokens_per_s" in row:
                     row["vs_hf"] = row["tokens_per_s"] / hf_rate
             write(args.out, result)
