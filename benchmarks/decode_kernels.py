@@ -10,7 +10,7 @@ move (the fp32 state read and written, q / k / v / o once) over 4.2 TB/s.
 Usage: ``python benchmarks/decode_kernels.py --out benchmarks/results`` on the GPU writes ``decode_kernels.json`` and
 ``.md``; ``--precompile`` compiles (CPU with nvcc is enough) every kernel this script and the GPU tests
 ``tests/flashqla_kernels/test_recurrent_gpu.py`` / ``tests/qwen_scope/test_engine_gpu.py`` run, and the decode
-engine's for the 2B shape (``steer_generate.py``: the GDN step and the fused norms), into ``TILELANG_CACHE_DIR``.
+engine's for the 2B shape (``steer_generate.py``: the GDN step, the fused norms and silu_mul), into ``TILELANG_CACHE_DIR``.
 """
 from __future__ import annotations
 
@@ -57,7 +57,12 @@ def precompile() -> None:
     for D in (64, 256, 2048):
         toolkit.compile_kernel(rms_norm.build_rms_norm, D, "bfloat16", 1e-6, "bfloat16")
         toolkit.compile_kernel(rms_norm.build_add_rms_norm, D, "bfloat16", 1e-6, "bfloat16")
-    print(f"precompiled {len(specs) + 8} decode kernels")
+    # and the dense MLPs' silu(gate) * up (the tests' intermediate sizes, the 2B's 6144)
+    from flashqla_kernels.decoder.hopper import silu_mul
+
+    for D in (64, 128, 512, 6144):
+        toolkit.compile_kernel(silu_mul.build_silu_mul, D, "bfloat16")
+    print(f"precompiled {len(specs) + 12} decode kernels")
 
 
 def _bench(fn) -> float:

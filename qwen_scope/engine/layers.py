@@ -19,6 +19,7 @@ from torch import nn
 from flashqla_kernels import recurrent_gated_delta_rule
 from flashqla_kernels.decoder import decode_step_reason, gdn_decode_step
 from flashqla_kernels.decoder import ops as fused
+from flashqla_kernels.patching import mlp as fused_mlp
 from flashqla_kernels.patching.norms import is_zero_centred_norm, norm_eps
 
 __all__ = ["rotate_half", "apply_rotary", "norm", "attention_decode", "gdn_decode", "mlp_decode", "is_moe_block",
@@ -171,6 +172,14 @@ def unsupported_mlp_reason(mlp: nn.Module) -> str | None:
     return None
 
 
+def _dense_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A SwiGLU MLP: ``silu(gate) * up`` in one kernel on sm_90 (transformers launches two) between the module's own
+    projections; the module's call where the kernel cannot take it (CPU, fp32, another activation)."""
+    if fused_mlp.kernel_reason(mlp, x) is None:
+        return mlp.down_proj(fused.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+    return mlp(x)
+
+
 def mlp_decode(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The MLP for [B, 1, d_model]: the dense module itself, or a sparse MoE block with its experts gathered.
 
@@ -179,7 +188,7 @@ def mlp_decode(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     math in a fixed shape, so the step uses that.
     """
     if not is_moe_block(mlp):
-        return mlp(x)
+        return _dense_mlp(mlp, x)
     from transformers.integrations.moe import batched_mm_experts_forward
 
     B, T, d = x.shape
@@ -188,5 +197,5 @@ def mlp_decode(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     out = batched_mm_experts_forward(mlp.experts, flat, chosen, weights)
     shared = getattr(mlp, "shared_expert", None)
     if shared is not None:
-        out = out + F.sigmoid(mlp.shared_expert_gate(flat)) * shared(flat)
+        out = out + F.sigmoid(mlp.shared_expert_gate(flat)) * _dense_mlp(shared, flat)
     return out.reshape(B, T, d)
