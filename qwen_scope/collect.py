@@ -40,7 +40,7 @@ from qwen_scope.collect_loop import collect_rank, repair_shards
 from qwen_scope.store_files import MANIFEST, StoreBusyError, StoreLock, sweep_temp
 from qwen_scope.store_writer import ShardWriter, code_bytes, index_layout, merge_manifest
 
-__all__ = ["collect", "load_corpus", "pack_rows", "Row", "CollectSummary"]
+__all__ = ["collect", "load_corpus", "pack_rows", "Row", "CollectSummary", "gdn_context"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "float32": torch.float32, "fp32": torch.float32}
@@ -263,8 +263,8 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
             _remove_extra_ranks(Path(out_dir), world)
         if not writer.shards:
             check_yields_tokens(corpus, rank, world, text_column, tokenizer, config["corpus"])
-        gdn_context, gdn = _gdn_layers(adapter, device, gdn_kernels)
-        with gdn_context:
+        patch, gdn = gdn_context(adapter, device, gdn_kernels)
+        with patch:
             repaired = repair_shards(writer, adapter, _rows_from(corpus, tokenizer, config, rank, world), device,
                                      dense, sae_map, config, pad_id, _DTYPES[config["store_dtype"]])
             run = _collect_rank(writer, adapter, corpus, tokenizer, device, dense, sae_map, config, pad_id,
@@ -319,7 +319,7 @@ def _lock_store(root: Path, rank: int, world: int, device: torch.device) -> Stor
     return lock
 
 
-def _gdn_layers(adapter, device: torch.device, wanted: bool | None) -> tuple[contextlib.AbstractContextManager, str]:
+def gdn_context(adapter, device: torch.device, wanted: bool | None) -> tuple[contextlib.AbstractContextManager, str]:
     """The transformers patch the collection runs under, and how the GDN layers run, in words."""
     if wanted is False:
         return contextlib.nullcontext(), "as loaded (gdn_kernels=False)" if adapter.hybrid else ""

@@ -169,6 +169,14 @@ class Scope:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    @property
+    def pad_id(self) -> int:
+        """The token id batches are padded with: the tokenizer's pad token, else its eos token, else 0."""
+        tok = self.tokenizer
+        pad = getattr(tok, "pad_token_id", None)
+        pad = pad if pad is not None else getattr(tok, "eos_token_id", None)
+        return int(pad) if pad is not None else 0
+
     def sae(self, layer: int) -> TopKSAE:
         """The SAE at ``layer``; ``KeyError`` names the loaded layers."""
         if layer not in self.saes:

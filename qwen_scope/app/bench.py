@@ -124,13 +124,13 @@ class SteeringBench:
         yield from self._stream_engine(prompt, edits, **kwargs)
 
     def _stream_engine(self, prompt, edits, *, max_new_tokens, top_n, seed, template) -> Iterator[SteerView]:
-        from qwen_scope.engine.batches import _pad_id, engine_for, sampling_config, to_generation
+        from qwen_scope.engine.batches import engine_for, sampling_config, to_generation
 
         scope = self.scope
         ids = scope.tokenize(prompt, template)[0]
         engine = engine_for(scope)
         run = engine.stream([ids, ids], [[], list(edits)], max_new_tokens=max_new_tokens,
-                            sampling=sampling_config(scope, False, seed, {}), pad_id=_pad_id(scope), top_n=top_n)
+                            sampling=sampling_config(scope, False, seed, {}), pad_id=scope.pad_id, top_n=top_n)
         eos = getattr(getattr(scope.model, "generation_config", None), "eos_token_id", None)
         stops = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
         rows: list[list[int]] = [[], []]

@@ -43,18 +43,10 @@ def _token_ids(scope, text: str, template: str | None, max_tokens: int | None) -
     return ids[:max_tokens] if max_tokens else ids
 
 
-def _pad_id(scope) -> int:
-    tok = scope.tokenizer
-    pad = getattr(tok, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(tok, "eos_token_id", None)
-    return 0 if pad is None else int(pad)
-
-
 def _score_batch(scope, ids: list[list[int]], layers: list[int], reduce: str) -> dict[int, torch.Tensor]:
     """Scores of already-tokenised texts, one right-padded forward: ``{layer: [B, d_sae]}``."""
     length = max(len(i) for i in ids)
-    pad = _pad_id(scope)
+    pad = scope.pad_id
     batch = torch.tensor([i + [pad] * (length - len(i)) for i in ids], device=scope.device)  # [B, T]
     lengths = torch.tensor([len(i) for i in ids])
     positions = torch.arange(length)

@@ -178,7 +178,7 @@ class TextGenerator:
     @torch.no_grad()
     def __call__(self, prompts: list[str]) -> list[str]:
         from hooks import get_adapter
-        from qwen_scope.collect import _gdn_layers
+        from qwen_scope.collect import gdn_context
 
         device = next(self.model.parameters()).device
         ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] or [self._pad_id()] for p in prompts]
@@ -190,7 +190,7 @@ class TextGenerator:
         self.calls += 1
         sampling = dict(do_sample=True, temperature=self.temperature, top_k=self.top_k or 0) if self.temperature \
             else dict(do_sample=False)
-        context, _ = _gdn_layers(get_adapter(self.model), device, None)
+        context, _ = gdn_context(get_adapter(self.model), device, None)
         with context:
             out = self.model.generate(input_ids=batch, attention_mask=mask, max_new_tokens=self.max_new_tokens,
                                       pad_token_id=pad, **sampling)

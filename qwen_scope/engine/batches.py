@@ -69,13 +69,6 @@ def sampling_config(scope, do_sample: bool, seed: int | None, kwargs: Mapping[st
                           seed)
 
 
-def _pad_id(scope) -> int:
-    tok = scope.tokenizer
-    pad = getattr(tok, "pad_token_id", None)
-    pad = pad if pad is not None else getattr(tok, "eos_token_id", None)
-    return int(pad) if pad is not None else 0
-
-
 def to_generation(scope, row: EngineRow) -> Generation:
     """An ``EngineRow`` as the ``Generation`` that ``Scope.steer`` returns (token strings, text, probabilities)."""
     new = row.token_ids
@@ -94,7 +87,7 @@ def generate_rows(scope, prompts: Sequence[torch.Tensor], edits: Sequence[Sequen
     engine = engine_for(scope)
     result = engine.generate([p.reshape(-1) for p in prompts], [list(e) for e in edits],
                              max_new_tokens=max_new_tokens, sampling=sampling_config(scope, do_sample, seed, kwargs),
-                             pad_id=_pad_id(scope), top_n=top_n)
+                             pad_id=scope.pad_id, top_n=top_n)
     return [to_generation(scope, row) for row in result.rows], result
 
 
