@@ -51,8 +51,29 @@ def _release_from_path(path: Path) -> Release | None:
     return None
 
 
+# One short request tells a hub that answers from one that does not; the hub client's own retries would make a user
+# without network wait about half a minute for the same error.
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def _hub_unreachable(repo_id: str, filename: str, revision: str | None) -> str | None:
+    """Why the hub does not answer for ``repo_id`` (one request), or None when it answered (an answer such as "no
+    such file" is left to the download, which names it)."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision), timeout=HUB_PROBE_TIMEOUT_S)
+    except HfHubHTTPError:
+        return None
+    except Exception as e:  # noqa: BLE001 - connection refused, DNS, timeout, proxy, TLS: no hub either way
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    return None
+
+
 def _hub_file(release: Release, layer: int, revision: str | None, cache_dir: str | Path | None) -> Path:
-    """Path of ``layer{n}.sae.pt`` in the HF cache, downloading unless offline mode is on."""
+    """Path of ``layer{n}.sae.pt`` in the HF cache: the cached file as it is, else a download unless offline mode is
+    on or the hub does not answer one short request."""
     import huggingface_hub
     from huggingface_hub import constants
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
@@ -60,16 +81,26 @@ def _hub_file(release: Release, layer: int, revision: str | None, cache_dir: str
     filename = release.filename(layer)
     cache_dir = cache_dir or os.environ.get("HF_HUB_CACHE") or None
     offline = _env_true("HF_HUB_OFFLINE") or constants.is_offline_mode()
+    where = cache_dir or constants.HF_HUB_CACHE
+    fix = (f"Fix: download it once online (`hf download {release.repo_id} {filename}`), pass cache_dir= pointing at "
+           f"the cache that holds it, or pass a local directory/file to load().")
+    cached = huggingface_hub.try_to_load_from_cache(release.repo_id, filename, cache_dir=cache_dir, revision=revision)
+    if isinstance(cached, str):
+        return Path(cached)
+    if not offline:
+        down = _hub_unreachable(release.repo_id, filename, revision)
+        if down:
+            raise FileNotFoundError(
+                f"could not get {filename} of {release.repo_id} (revision {revision or 'main'}): it is not in cache "
+                f"{where} and the hub did not answer ({down}). {fix}")
     try:
         path = huggingface_hub.hf_hub_download(release.repo_id, filename, revision=revision, cache_dir=cache_dir,
                                                local_files_only=offline)
     except (LocalEntryNotFoundError, EntryNotFoundError, RepositoryNotFoundError) as e:
-        where = cache_dir or constants.HF_HUB_CACHE
         mode = "offline mode (HF_HUB_OFFLINE=1) is on and it is not cached" if offline else f"{type(e).__name__}"
         raise FileNotFoundError(
             f"could not get {filename} of {release.repo_id} (revision {revision or 'main'}): {mode}; looked in "
-            f"cache {where}. Fix: download it once online (`hf download {release.repo_id} {filename}`), pass "
-            f"cache_dir= pointing at the cache that holds it, or pass a local directory/file to load().") from e
+            f"cache {where}. {fix}") from e
     return Path(path)
 
 

@@ -60,6 +60,45 @@ def test_uncached_file_in_offline_mode_names_repo_file_and_fix(tmp_path, monkeyp
         load("qwen-scope-3.5-2b-base-w32k-l100", 12, cache_dir=tmp_path)
 
 
+def test_online_without_a_hub_an_uncached_file_fails_after_one_short_request(tmp_path, monkeypatch):
+    import time
+
+    import huggingface_hub
+
+    import saes.loading
+
+    calls = []
+
+    def no_network(url, timeout=None, **kw):
+        calls.append(timeout)
+        raise ConnectionError("Failed to establish a new connection: [Errno 101] Network is unreachable")
+
+    def no_download(*a, **kw):
+        raise AssertionError("the download must not start (its retries are what makes users wait)")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", no_network)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_download)
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError, match=r"layer12\.sae\.pt of Qwen/SAE-Res-Qwen3\.5-2B-Base-W32K-L0_100.*not in "
+                                                r"cache.*hub did not answer \(ConnectionError: .*Network is unreachable\)"
+                                                r".*hf download"):
+        load("qwen-scope-3.5-2b-base-w32k-l100", 12, cache_dir=tmp_path)
+    assert calls == [saes.loading.HUB_PROBE_TIMEOUT_S] and time.perf_counter() - start < 1.0
+
+
+def test_a_cached_file_loads_without_touching_the_network(tmp_path, monkeypatch, nano_registered):
+    import huggingface_hub
+
+    write_hub_cache_release(tmp_path / "hub")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    for name in ("get_hf_file_metadata", "hf_hub_download"):
+        monkeypatch.setattr(huggingface_hub, name, lambda *a, **kw: pytest.fail("the network was asked"))
+    _assert_is_state(load("qwen-scope-3.5-nano-base-w0k-l8", 2, cache_dir=tmp_path / "hub"), seed=2)
+
+
 def test_registered_release_rejects_a_file_of_other_sizes(tmp_path, monkeypatch):
     write_hub_cache_release(tmp_path, repo_id="Qwen/SAE-Res-Qwen3.5-2B-Base-W32K-L0_100", layers=[12])
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
