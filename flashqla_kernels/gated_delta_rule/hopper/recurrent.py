@@ -6,12 +6,13 @@ Per value head h, token t (q/k head h // (Hv/Hk)), with the optional l2norm fold
 
 where ``x^ = x * rsqrt(sum(x^2) + 1e-6)`` under ``l2norm`` (else ``x^ = x``). Grid (V / BV, Hv, N): one CTA owns a
 K x BV slice of one sequence's state for the whole sequence, so the state is read from HBM once and written once
-however long the sequence is; q, k and the slice of v of each token go through shared memory. The sums over K
-(``S^T k``, ``S^T q`` and the squared norms) are reductions of K x BV register tiles along K. ``final`` may be the
-same tensor as ``h0``: each CTA reads its slice before it writes it, and no other CTA touches it, so the decode
-step updates the state in place. The math is SIMT-style (each thread a column strip of the state in registers),
-not tile GEMMs: one token's work is a matrix-vector product per head, and the tile reductions' cross-warp passes
-cost more than the arithmetic.
+however long the sequence is; q, k and the slice of v of each token go through shared memory. Each thread holds a
+column strip of the slice in registers: the sums over K (``S^T k``, ``S^T q`` and the squared norms) are fused
+multiply-adds in the thread plus one exchange of partials through shared memory, and the rank-1 update needs none.
+SIMT-style rather than tile GEMMs: one token's work is a matrix-vector product per head, and the tile reductions'
+cross-warp passes cost more than the arithmetic (the first form of this kernel spent four barriers a reduction).
+``final`` may be the same tensor as ``h0``: each CTA reads its slice before it writes it, and no other CTA touches it,
+so the decode step updates the state in place.
 
 With ``gated_norm`` (BV = V: a CTA holds the whole value row), the output is the Qwen3.5 / Qwen3-Next gated RMSNorm
 of it instead, ``y = o * rsqrt(mean(o^2) + eps) * weight * silu(z)``, so the decoder's decode step needs no second
