@@ -10,7 +10,7 @@ however long the sequence is; q, k and the slice of v of each token go through s
 column strip of the slice in registers: the sums over K (``S^T k``, ``S^T q`` and the squared norms) are fused
 multiply-adds in the thread plus one exchange of partials through shared memory, and the rank-1 update needs none.
 SIMT-style rather than tile GEMMs: one token's work is a matrix-vector product per head, and the tile reductions'
-cross-warp passes cost more than the arithmetic (the first form of this kernel spent four barriers a reduction).
+cross-warp passes (four barriers each over 256 threads) cost more than the arithmetic.
 ``final`` may be the same tensor as ``h0``: each CTA reads its slice before it writes it, and no other CTA touches it,
 so the decode step updates the state in place.
 
