@@ -8,7 +8,8 @@
 #   on nvidia-h200-x2: "bash benchmarks/h200.sh --split 'gdn-bench collect' 'encode layer-tests layer'" (one list a GPU)
 #
 # Carried, all git-ignored: .gpudeps/site.tar.xz (tilelang, FLA, FlashQLA: ../shared/gpu/pack-deps .gpudeps), .whl/
-# (pytest and its needs for CPython 3.12: /work/.library/device/README.md), .tlc_dev/cache.tar.xz (TileLang's disk
+# (wheels the device lacks: plotly and narwhals, which `import qwen_scope` needs; plotly's wheel repacked without
+# its labextension/, package_data/plotly.min.js, widgetbundle.js and datasets/ (5 MB instead of 10) to fit the carry), .tlc_dev/cache.tar.xz (TileLang's disk
 # cache filled on a CPU box by `benchmarks/precompile_h200.sh`; the kernels then load instead of compiling, 10-15 s
 # each) and, when an earlier call brought it back, .tlc_dev/triton_cache.tar.xz. Every call returns both caches as
 # $OUT/cache.tar.xz (now with FlashQLA's JIT kernels too) and $OUT/triton_cache.tar.xz (FLA's compiled Triton
