@@ -18,6 +18,8 @@
 #   gdn-bench    benchmarks/gdn_forward.py: the public op beside FLA and FlashQLA (GDN_CONFIGS=0,7,8,9 narrows it;
 #                GDN_BENCH_ARGS="--skip-fla --skip-torch" times ours and FlashQLA only; gdn-bench:0,1,2 runs those
 #                configs, e.g. half the suite per GPU of a --split, joined afterwards by gdn_forward.py --merge)
+#   gdn-bwd      benchmarks/gdn_backward.py: forward + backward of the public op beside FLA and FlashQLA (GDN_BWD_ARGS=
+#                "--rows anchors" narrows it)
 #   encode-tests the fused TopK SAE encode's GPU tests (tests/saes, marker gpu)
 #   encode       benchmarks/topk_encode.py (fused TopK SAE encode vs torch)
 #   collect      benchmarks/collect_throughput.py (bare forward / capture / SAE codes; ours vs FLA vs torch GDN)
@@ -100,6 +102,8 @@ for p in "$@"; do
                    cfg=${p#gdn-bench}; cfg=${cfg#:}
                    phase gdn-bench "${GDN_BENCH_S:-420}" python3 benchmarks/gdn_forward.py \
                        --configs "${cfg:-${GDN_CONFIGS:-}}" --stages --precompile 14 --out "$OUT" ${GDN_BENCH_ARGS:-} ;;
+        gdn-bwd) phase gdn-bwd "${GDN_BWD_S:-420}" python3 benchmarks/gdn_backward.py --out "$OUT" \
+                     --budget-s "$(( ${GDN_BWD_S:-420} - 60 ))" ${GDN_BWD_ARGS:-} ;;
         encode-tests) phase encode-tests "${ENCODE_TESTS_S:-240}" python3 -m pytest -q -rfE --timeout 200 -p no:cacheprovider \
                           -m gpu tests/saes ;;
         encode) phase encode "${ENCODE_S:-240}" python3 benchmarks/topk_encode.py --precompile 14 --out "$OUT" ;;
