@@ -20,6 +20,7 @@
 #                configs, e.g. half the suite per GPU of a --split, joined afterwards by gdn_forward.py --merge)
 #   gdn-bwd      benchmarks/gdn_backward.py: forward + backward of the public op beside FLA and FlashQLA (GDN_BWD_ARGS=
 #                "--rows anchors" narrows it)
+#   train        benchmarks/train_step.py: finetune's step on the 2B shape, transformers (FLA) / FlashQLA's op / ours
 #   encode-tests the fused TopK SAE encode's GPU tests (tests/saes, marker gpu)
 #   encode       benchmarks/topk_encode.py (fused TopK SAE encode vs torch)
 #   collect      benchmarks/collect_throughput.py (bare forward / capture / SAE codes; ours vs FLA vs torch GDN)
@@ -104,6 +105,7 @@ for p in "$@"; do
                        --configs "${cfg:-${GDN_CONFIGS:-}}" --stages --precompile 14 --out "$OUT" ${GDN_BENCH_ARGS:-} ;;
         gdn-bwd) phase gdn-bwd "${GDN_BWD_S:-420}" python3 benchmarks/gdn_backward.py --out "$OUT" \
                      --budget-s "$(( ${GDN_BWD_S:-420} - 60 ))" ${GDN_BWD_ARGS:-} ;;
+        train) phase train "${TRAIN_S:-300}" python3 benchmarks/train_step.py --out "$OUT" ${TRAIN_ARGS:-} ;;
         encode-tests) phase encode-tests "${ENCODE_TESTS_S:-240}" python3 -m pytest -q -rfE --timeout 200 -p no:cacheprovider \
                           -m gpu tests/saes ;;
         encode) phase encode "${ENCODE_S:-240}" python3 benchmarks/topk_encode.py --precompile 14 --out "$OUT" ;;

@@ -1,0 +1,162 @@
+"""SAE-guided fine-tuning throughput: ``qwen_scope.applications.finetune`` (LM loss + a feature penalty at one layer,
+AdamW) on the Qwen3.5-2B-shaped model, with transformers' GDN op as installed (FLA), FlashQLA's op patched in, and
+ours (``flashqla_kernels.patched_transformers``), in one run.
+
+Model: the random 2B-shaped config of ``collect_throughput.py`` in fp32 weights under bf16 autocast (``precision=
+"bf16"``: the weights and AdamW's state stay fp32), one random 32K-wide TopK SAE (k = 100) at layer 12, rows of
+``--seq-len`` tokens (4096), ``--batch`` rows a step (8) in micro-batches of ``--micro`` rows (2: the 248K-wide fp32
+logits of 8 x 4096 tokens alone would be 32 GB), the bundled nano model's byte-level tokenizer over the
+nano corpus (token ids are bytes: any vocabulary takes them). Timing: ``finetune`` is called with ``--steps`` and
+with 1 step; the difference over ``steps - 1`` is one training step without the fixed costs (the held-out
+evaluations before and after, the first step's compiles), reported as training tokens/s.
+
+Usage (GPU): ``python benchmarks/train_step.py --out benchmarks/results`` writes ``train_step.json`` and ``.md``;
+``--tiny`` runs every arm on a tiny model (CPU is fine) as a dry run.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import collect_throughput as ct  # noqa: E402 - the 2B-shaped config, sync and the environment report
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ct.DEVICE = DEVICE
+LAYER = 12
+
+
+def build_scope(tiny: bool):
+    import transformers as tf
+    from transformers import AutoTokenizer
+
+    from qwen_scope import Scope
+    from qwen_scope.nano import NANO_DIR
+    from saes import TopKSAE
+
+    torch.manual_seed(0)
+    config = ct.model_config(tiny)
+    config._attn_implementation = "sdpa"
+    with torch.device(DEVICE):
+        model = tf.Qwen3_5ForCausalLM(config)
+    layer = min(LAYER, config.num_hidden_layers - 1)
+    d, width, k = config.hidden_size, (256 if tiny else 32768), (8 if tiny else 100)
+    g = torch.Generator().manual_seed(0)
+    w_dec = torch.randn(d, width, generator=g)
+    w_dec = w_dec / w_dec.norm(dim=0, keepdim=True)
+    sae = TopKSAE(w_dec.T.contiguous(), w_dec, torch.zeros(width), torch.zeros(d), k=k).to(DEVICE)
+    return Scope(model.float(), AutoTokenizer.from_pretrained(str(NANO_DIR)), {layer: sae.requires_grad_(False)}), \
+        layer
+
+
+def qla_op_patch():
+    """transformers' chunk-op global of the Qwen3.5 modeling file pointed at FlashQLA's op (its FLA-style API)."""
+    from flash_qla import chunk_gated_delta_rule as qla
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    def op(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+           use_qk_l2norm_in_kernel=False, cu_seqlens=None, scale=None, **kwargs):
+        return qla(query, key, value, g, beta, scale=scale, initial_state=initial_state,
+                   output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                   cu_seqlens=cu_seqlens)
+
+    @contextlib.contextmanager
+    def patched():
+        original = modeling.torch_chunk_gated_delta_rule
+        modeling.torch_chunk_gated_delta_rule = op
+        try:
+            yield
+        finally:
+            modeling.torch_chunk_gated_delta_rule = original
+
+    return patched()
+
+
+def arm_context(name: str):
+    if name == "ours":
+        from flashqla_kernels import patched_transformers
+
+        return patched_transformers(fused_layer=True)
+    if name == "flashqla":
+        return qla_op_patch()
+    return contextlib.nullcontext()  # "transformers": the op as installed (FLA's kernels when importable)
+
+
+def main(argv=None) -> None:
+    from qwen_scope.applications import FinetuneConfig, finetune
+    from qwen_scope.nano import nano_corpus
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--tiny", action="store_true", help="dry run of every arm on a tiny model (CPU ok)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 4; tiny 2)")
+    parser.add_argument("--batch", type=int, default=None, help="rows a step (default 8; tiny 2)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens a row (default 4096; tiny 64)")
+    parser.add_argument("--micro", type=int, default=None, help="rows a micro-batch (default 2; tiny 1)")
+    parser.add_argument("--arms", default="transformers,flashqla,ours", type=lambda a: a.split(","))
+    args = parser.parse_args(argv)
+    steps, batch = args.steps or (2 if args.tiny else 4), args.batch or (2 if args.tiny else 8)
+    seq = args.seq_len or (64 if args.tiny else 4096)
+    micro = args.micro or (1 if args.tiny else 2)
+    if batch % micro:
+        raise SystemExit(f"--batch {batch} is not a multiple of --micro {micro}")
+    texts = nano_corpus()
+    held, train = texts[:4], texts[4:]
+    scope, layer = build_scope(args.tiny)
+    precision = "bf16" if DEVICE == "cuda" else "fp32"
+    result = {"env": ct.versions(), "model": "tiny Qwen3.5 (dry run)" if args.tiny else
+              "Qwen3.5-2B-shaped random, fp32 weights, bf16 autocast", "batch": batch, "seq_len": seq,
+              "micro": micro, "steps": steps, "layer": layer, "arms": []}
+
+    def run(n: int) -> float:
+        cfg = FinetuneConfig(steps=n, lr=1e-5, batch_size=micro, grad_accum=batch // micro, seq_len=seq,
+                             precision=precision, eval_batch_size=micro, max_eval_rows=micro)
+        ct.sync()
+        start = time.perf_counter()
+        finetune(scope, train, held, {layer: [7]}, cfg, progress=False)
+        ct.sync()
+        return time.perf_counter() - start
+
+    for name in args.arms:
+        row = {"arm": name}
+        try:
+            with arm_context(name):
+                run(1)  # warm-up: kernels compiled, the optimizer's first allocations
+                one, many = run(1), run(steps)
+            step_s = (many - one) / max(steps - 1, 1)
+            row.update(step_s=step_s, tokens_per_s=batch * seq / step_s, call_s=many)
+        except Exception as err:  # an arm that fails is reported in the table, the others still run
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        result["arms"].append(row)
+        print(row, flush=True)
+    base = next((r["tokens_per_s"] for r in result["arms"] if r["arm"] == "flashqla" and "tokens_per_s" in r), None)
+    for r in result["arms"]:
+        if base and "tokens_per_s" in r:
+            r["vs_flashqla"] = r["tokens_per_s"] / base
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "train_step.json").write_text(json.dumps(result, indent=1))
+    e = result["env"]
+    lines = [f"# SAE-guided fine-tuning step ({e['gpu']}, {e['date']})", "",
+             f"torch {e['torch']}, transformers {e['transformers']}, tilelang {e['tilelang']}, commit {e['commit']}. "
+             f"{result['model']}; {batch} x {seq} tokens a step, LM loss + a feature penalty at layer {layer}, "
+             "AdamW, through `qwen_scope.applications.finetune`.", "",
+             "| arm | s a step | training tokens/s | x FlashQLA's op | note |", "|---|---|---|---|---|"]
+    for r in result["arms"]:
+        if "tokens_per_s" in r:
+            lines.append(f"| {r['arm']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+                         f"{r.get('vs_flashqla', float('nan')):.2f} | |")
+        else:
+            lines.append(f"| {r['arm']} | - | - | - | {r['error']} |")
+    (args.out / "train_step.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
