@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["TARGET", "LOG2E", "tl_dtype", "pass_configs", "compile_kernel", "poisoned_outputs", "empty", "empty_like"]
+__all__ = ["TARGET", "LOG2E", "tl_dtype", "pass_configs", "compile_kernel", "poisoned_outputs", "empty", "empty_like",
+           "unread"]
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 LOG2E = 1.4426950408889634
@@ -90,3 +91,10 @@ def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
 def empty_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A contiguous output with ``x``'s shape and device (and ``dtype`` or x's), poisoned as :func:`empty`."""
     return empty(x.shape, dtype or x.dtype, x.device)
+
+
+@functools.lru_cache(maxsize=128)
+def unread(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A kernel argument its specialisation never reads or writes (an absent h0, l2norm factors without l2norm, a
+    final state not asked for): one tensor per (shape, dtype, device), kept, so a call allocates nothing for it."""
+    return torch.empty(shape, dtype=dtype, device=device)

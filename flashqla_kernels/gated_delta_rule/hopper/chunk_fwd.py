@@ -323,7 +323,7 @@ def chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale: float, bD
                                     store_final, rn is not None)
     if ht is None:
         # the kernel's ht argument, not written without store_final
-        ht = torch.empty((1, Hv, K, V), dtype=torch.float32, device=q.device)
+        ht = toolkit.unread((1, Hv, K, V), torch.float32, q.device)
     if rn is None:
-        rn = torch.empty((1, Hk, 2), dtype=torch.float32, device=q.device)  # not read without l2norm
+        rn = toolkit.unread((1, Hk, 2), torch.float32, q.device)  # not read without l2norm
     kernel(q, k, v, ag, gamma, beta, h_init, segs, o, ht, rn)

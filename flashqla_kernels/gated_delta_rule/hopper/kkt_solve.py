@@ -276,4 +276,4 @@ def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: torc
 def placeholders(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The one-row q / rn arguments of stages built without l2norm (never read)."""
     Hk = k.shape[1]
-    return k[:1], torch.empty((1, Hk, 2), dtype=torch.float32, device=k.device)
+    return k[:1], toolkit.unread((1, Hk, 2), torch.float32, k.device)

@@ -18,8 +18,6 @@ With ``gated_norm`` (BV = V: a CTA holds the whole value row), the output is the
 of it instead, ``y = o * rsqrt(mean(o^2) + eps) * weight * silu(z)``, so the decoder's decode step needs no second
 kernel for the norm.
 """
-import functools
-
 import tilelang.language as T
 import torch
 
@@ -188,13 +186,6 @@ def build_fused_recurrent(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: f
     return gdn_fused_recurrent
 
 
-@functools.lru_cache(maxsize=64)
-def _unread(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A kernel argument this specialisation never reads (no h0, no gated norm, dense batch): one per shape, kept,
-    so the decode step allocates nothing for it."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def fused_recurrent(q, k, v, g, beta, scale: float, initial_state=None, output_final_state: bool = False,
                     use_qk_l2norm_in_kernel: bool = False, cu_seqlens=None, *, final_state=None, z=None,
                     norm_weight=None, norm_eps: float = 1e-6):
@@ -224,10 +215,10 @@ def fused_recurrent(q, k, v, g, beta, scale: float, initial_state=None, output_f
     # a padded tail after cu_seqlens[-1] belongs to no sequence: its outputs are zeros, as the chunk op's
     o = toolkit.empty((B, Tn, Hv, V), v.dtype, dev) if cu_seqlens is None else torch.zeros(
         (B, Tn, Hv, V), dtype=v.dtype, device=dev)
-    placeholder = _unread((1, Hv, K, V), torch.float32, dev) if initial_state is None or not store else None
-    cu = cu_seqlens if cu_seqlens is not None else _unread((1,), torch.int32, dev)
-    zz = z.reshape(B * Tn, Hv, V) if gated else _unread((1, Hv, V), v.dtype, dev)
-    w = norm_weight.to(v.dtype).contiguous() if gated else _unread((V,), v.dtype, dev)
+    placeholder = toolkit.unread((1, Hv, K, V), torch.float32, dev) if initial_state is None or not store else None
+    cu = cu_seqlens if cu_seqlens is not None else toolkit.unread((1,), torch.int32, dev)
+    zz = z.reshape(B * Tn, Hv, V) if gated else toolkit.unread((1, Hv, V), v.dtype, dev)
+    w = norm_weight.to(v.dtype).contiguous() if gated else toolkit.unread((V,), v.dtype, dev)
     if B * Tn > 0:
         kernel(q, k, v, g, beta, cu, initial_state if initial_state is not None else placeholder, zz, w,
                final_state if store else placeholder, o)

@@ -253,6 +253,6 @@ def segment_states(k, v, ag, gamma, beta, pl, *, bDV: int, rn=None):
         # the starts itself)
         start = torch.empty((R, Hv), dtype=torch.int32, device=k.device)
         if rn is None:
-            rn = torch.empty((1, Hk, 2), dtype=torch.float32, device=k.device)  # not read without l2norm
+            rn = toolkit.unread((1, Hk, 2), torch.float32, k.device)  # not read without l2norm
         kernel(k, v, ag, gamma, beta, pl.maps, start, hs, ms, rn)
     return hs, ms

@@ -71,6 +71,6 @@ def state_scan(h0, hs, ms, seqs, num_segs: int):
     h_init = toolkit.empty((num_segs, Hv, K, V), torch.float32, hs.device)
     if h0 is None:
         # the kernel's h0 argument, not read without has_h0
-        h0 = torch.empty((1, Hv, K, V), dtype=torch.float32, device=hs.device)
+        h0 = toolkit.unread((1, Hv, K, V), torch.float32, hs.device)
     kernel(h0, hs, ms, seqs, h_init)
     return h_init
