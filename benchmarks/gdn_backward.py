@@ -53,24 +53,8 @@ def force_qla_buffer_init_fix() -> None:
 
 
 def arms(q, k, v, g, beta, h0, cu) -> dict:
-    import flashqla_kernels
-
-    out = {"ours": lambda: flashqla_kernels.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
-                                                                   output_final_state=True, cu_seqlens=cu)}
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
-
-        cu64 = cu.long()  # one int64 copy: FLA caches its chunk indices on the tensor object
-        out["fla"] = lambda: fla_fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu64)
-    except Exception as e:  # noqa: BLE001 - report and go on
-        print(f"FLA unavailable: {e!r}")
-    try:
-        from flash_qla import chunk_gated_delta_rule as qla_fn
-
-        out["flashqla"] = lambda: qla_fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
-    except Exception as e:  # noqa: BLE001
-        print(f"FlashQLA unavailable: {e!r}")
-    return out
+    """The public op as users call it, then FLA's and FlashQLA's (``gdn_forward.peer_runners``)."""
+    return {"ours": fwd.ours_fn(q, k, v, g, beta, h0, cu), **fwd.peer_runners(q, k, v, g, beta, h0, cu)}
 
 
 def fwd_bwd(fn, do, dht):

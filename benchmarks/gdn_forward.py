@@ -83,8 +83,9 @@ def internal_fn(q, k, v, g, beta, h0, cu):
                                                       cu_seqlens=cu)
 
 
-def runners(q, k, v, g, beta, h0, cu, Hk, Hv, nseq):
-    out = {"ours": ours_fn(q, k, v, g, beta, h0, cu), "internal": internal_fn(q, k, v, g, beta, h0, cu)}
+def peer_runners(q, k, v, g, beta, h0, cu) -> dict:
+    """FLA's and FlashQLA's ops on the same inputs, each where importable."""
+    out = {}
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_fn
         # one int64 copy made here: FLA caches its chunk indices on the cu_seqlens object, and a fresh tensor per
@@ -98,6 +99,12 @@ def runners(q, k, v, g, beta, h0, cu, Hk, Hv, nseq):
         out["flashqla"] = lambda: qla_fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     except Exception as e:  # noqa: BLE001
         print(f"FlashQLA unavailable: {e!r}")
+    return out
+
+
+def runners(q, k, v, g, beta, h0, cu, Hk, Hv, nseq):
+    out = {"ours": ours_fn(q, k, v, g, beta, h0, cu), "internal": internal_fn(q, k, v, g, beta, h0, cu),
+           **peer_runners(q, k, v, g, beta, h0, cu)}
     try:
         import inspect
 

@@ -26,34 +26,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import collect_throughput as ct  # noqa: E402 - the 2B-shaped config, sync and the environment report
+import collect_throughput as ct  # noqa: E402 - sync and the environment report
+import steer_generate  # noqa: E402 - the 2B-shaped random model and random SAE
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ct.DEVICE = DEVICE
+DEVICE = steer_generate.DEVICE
 LAYER = 12
 
 
 def build_scope(tiny: bool):
-    import transformers as tf
+    """The 2B-shaped (or tiny) random model in fp32 weights, the nano tokenizer and a random SAE at ``LAYER``."""
     from transformers import AutoTokenizer
 
     from qwen_scope import Scope
     from qwen_scope.nano import NANO_DIR
-    from saes import TopKSAE
 
-    torch.manual_seed(0)
-    config = ct.model_config(tiny)
-    config._attn_implementation = "sdpa"
-    with torch.device(DEVICE):
-        model = tf.Qwen3_5ForCausalLM(config)
+    model = steer_generate.build_model(tiny).float().requires_grad_(True).train()
+    config = model.config
     layer = min(LAYER, config.num_hidden_layers - 1)
-    d, width, k = config.hidden_size, (256 if tiny else 32768), (8 if tiny else 100)
-    g = torch.Generator().manual_seed(0)
-    w_dec = torch.randn(d, width, generator=g)
-    w_dec = w_dec / w_dec.norm(dim=0, keepdim=True)
-    sae = TopKSAE(w_dec.T.contiguous(), w_dec, torch.zeros(width), torch.zeros(d), k=k).to(DEVICE)
-    return Scope(model.float(), AutoTokenizer.from_pretrained(str(NANO_DIR)), {layer: sae.requires_grad_(False)}), \
-        layer
+    sae = steer_generate.random_sae(config.hidden_size, 256 if tiny else 32768, 8 if tiny else 100, torch.float32)
+    return Scope(model, AutoTokenizer.from_pretrained(str(NANO_DIR)), {layer: sae}), layer
 
 
 def qla_op_patch():
