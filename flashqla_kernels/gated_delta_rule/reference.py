@@ -36,7 +36,8 @@ CHUNK_SIZE = 64
 __all__ = [
     "CHUNK_SIZE", "l2norm", "recurrent_gated_delta_rule_ref", "chunk_gated_delta_rule_ref",
     "chunk_local_cumsum_ref", "kkt_inverse_ref", "recompute_w_u_ref", "chunk_states_ref", "chunk_output_ref",
-    "chunk_transition_ref", "chunk_step_gate_factored_ref", "chunk_spans",
+    "chunk_transition_ref", "chunk_step_gate_factored_ref", "chunk_spans", "compute_dtype", "expand_heads",
+    "num_chunks", "decay_matrix",
 ]
 
 
@@ -45,7 +46,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def _compute_dtype(*xs: torch.Tensor | None) -> torch.dtype:
+def compute_dtype(*xs: torch.Tensor | None) -> torch.dtype:
     dtype = torch.float32
     for x in xs:
         if x is not None:
@@ -53,7 +54,7 @@ def _compute_dtype(*xs: torch.Tensor | None) -> torch.dtype:
     return dtype
 
 
-def _expand_heads(x: torch.Tensor, Hv: int) -> torch.Tensor:
+def expand_heads(x: torch.Tensor, Hv: int) -> torch.Tensor:
     """[B, T, Hk, D] -> [B, T, Hv, D]: value head h reads key head h // (Hv / Hk) (repeat_interleave, not tile)."""
     return x if x.shape[2] == Hv else x.repeat_interleave(Hv // x.shape[2], dim=2)
 
@@ -69,15 +70,15 @@ def chunk_spans(B: int, T: int, cu_seqlens: torch.Tensor | None = None,
     return spans
 
 
-def _num_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: int) -> int:
+def num_chunks(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: int) -> int:
     spans = chunk_spans(B, T, cu_seqlens, chunk_size)
     return max((i + 1 for _, _, i, _, _ in spans), default=0)
 
 
 def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel):
-    dtype = _compute_dtype(q, k, v, g, beta, initial_state)
+    dtype = compute_dtype(q, k, v, g, beta, initial_state)
     Hv = v.shape[2]
-    q, k = (_expand_heads(x.to(dtype), Hv) for x in (q, k))
+    q, k = (expand_heads(x.to(dtype), Hv) for x in (q, k))
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     return q, k, v.to(dtype), g.to(dtype), beta.to(dtype), resolve_scale(scale, k.shape[-1]), dtype
@@ -144,7 +145,7 @@ def chunk_local_cumsum_ref(g: torch.Tensor, cu_seqlens: torch.Tensor | None = No
     return gamma
 
 
-def _decay_matrix(gc: torch.Tensor, strict: bool) -> torch.Tensor:
+def decay_matrix(gc: torch.Tensor, strict: bool) -> torch.Tensor:
     """Gamma [Hv, L, L] with Gamma_ij = exp(gamma_i - gamma_j) for i >= j (i > j if strict), else 0. gc: [L, Hv]."""
     L = gc.shape[0]
     diff = gc.T[:, :, None] - gc.T[:, None, :]
@@ -166,12 +167,12 @@ def kkt_inverse_ref(k, beta, g_cumsum=None, cu_seqlens=None, chunk_size: int = C
         chunk's length are 0. Identity: gated A = Gamma * A0 (Gamma including the diagonal).
     """
     B, T, Hv = beta.shape
-    k = _expand_heads(k, Hv)
+    k = expand_heads(k, Hv)
     A = k.new_zeros(B, T, Hv, chunk_size)
     for b, _, _, s, e in chunk_spans(B, T, cu_seqlens, chunk_size):
         kc, L = k[b, s:e], e - s
         M = torch.einsum("ihk,jhk->hij", kc, kc) * beta[b, s:e].T[:, :, None]
-        M = M * (_decay_matrix(g_cumsum[b, s:e], strict=True) if g_cumsum is not None else 1.0)
+        M = M * (decay_matrix(g_cumsum[b, s:e], strict=True) if g_cumsum is not None else 1.0)
         eye = torch.eye(L, dtype=k.dtype, device=k.device).expand(Hv, L, L)
         inv = torch.linalg.solve_triangular(eye + M.tril(-1), eye, upper=False, unitriangular=True)
         A[b, s:e, :, :L] = inv.transpose(0, 1)
@@ -185,7 +186,7 @@ def recompute_w_u_ref(k, v, beta, A, g_cumsum, cu_seqlens=None, chunk_size: int 
         (w [B, T, Hv, K], u [B, T, Hv, V]).
     """
     B, T, Hv = beta.shape
-    k = _expand_heads(k, Hv)
+    k = expand_heads(k, Hv)
     w, u = torch.zeros_like(k), torch.zeros_like(v)
     for b, _, _, s, e in chunk_spans(B, T, cu_seqlens, chunk_size):
         Ac = A[b, s:e, :, : e - s].transpose(0, 1)  # [Hv, L, L]
@@ -204,9 +205,9 @@ def chunk_states_ref(k, w, u, g_cumsum, initial_state=None, cu_seqlens=None, chu
         (h [B, NT, Hv, K, V] the state *entering* each chunk, v_new [B, T, Hv, V], final_state [N, Hv, K, V]).
     """
     B, T, Hv, V = u.shape
-    k = _expand_heads(k, Hv)
+    k = expand_heads(k, Hv)
     K = k.shape[-1]
-    h = k.new_zeros(B, _num_chunks(B, T, cu_seqlens, chunk_size), Hv, K, V)
+    h = k.new_zeros(B, num_chunks(B, T, cu_seqlens, chunk_size), Hv, K, V)
     v_new = torch.zeros_like(u)
     seqs = sequence_spans(B, T, cu_seqlens)
     states = [initial_state[n] if initial_state is not None else k.new_zeros(Hv, K, V) for n in range(len(seqs))]
@@ -231,12 +232,12 @@ def chunk_output_ref(q, k, v_new, h, g_cumsum, scale, cu_seqlens=None, chunk_siz
         o [B, T, Hv, V].
     """
     B, T, Hv, V = v_new.shape
-    q, k = _expand_heads(q, Hv), _expand_heads(k, Hv)
+    q, k = expand_heads(q, Hv), expand_heads(k, Hv)
     o = torch.zeros_like(v_new)
     for b, _, i, s, e in chunk_spans(B, T, cu_seqlens, chunk_size):
         gc = g_cumsum[b, s:e]
         inter = gc.exp()[:, :, None] * torch.einsum("ihk,hkv->ihv", q[b, s:e], h[b, i])
-        P = torch.einsum("ihk,jhk->hij", q[b, s:e], k[b, s:e]) * _decay_matrix(gc, strict=False)
+        P = torch.einsum("ihk,jhk->hij", q[b, s:e], k[b, s:e]) * decay_matrix(gc, strict=False)
         o[b, s:e] = scale * (inter + torch.einsum("hij,jhv->ihv", P, v_new[b, s:e]))
     return o
 
@@ -251,11 +252,11 @@ def chunk_transition_ref(k, beta, g_cumsum, v, cu_seqlens=None, chunk_size: int 
         (M [B, NT, Hv, K, K], b [B, NT, Hv, K, V]).
     """
     B, T, Hv = beta.shape
-    k = _expand_heads(k, Hv)
+    k = expand_heads(k, Hv)
     K, V = k.shape[-1], v.shape[-1]
     A = kkt_inverse_ref(k, beta, g_cumsum, cu_seqlens, chunk_size)
     w, u = recompute_w_u_ref(k, v, beta, A, g_cumsum, cu_seqlens, chunk_size)
-    NT = _num_chunks(B, T, cu_seqlens, chunk_size)
+    NT = num_chunks(B, T, cu_seqlens, chunk_size)
     M, bias = k.new_zeros(B, NT, Hv, K, K), k.new_zeros(B, NT, Hv, K, V)
     eye = torch.eye(K, dtype=k.dtype, device=k.device)
     for b, _, i, s, e in chunk_spans(B, T, cu_seqlens, chunk_size):
@@ -284,7 +285,7 @@ def chunk_step_gate_factored_ref(q, k, v, beta, gamma, S, scale):
     KKt = torch.einsum("ihk,jhk->hij", k, k)
     A0 = torch.linalg.solve_triangular(eye + (KKt * beta.T[:, :, None]).tril(-1), eye, upper=False,
                                        unitriangular=True)
-    Gamma = _decay_matrix(gamma, strict=False)
+    Gamma = decay_matrix(gamma, strict=False)
     Ag = Gamma * A0 * beta.T[:, None, :]
     W = v - gamma.exp()[:, :, None] * torch.einsum("ihk,hkv->ihv", k, S)
     v_new = torch.einsum("hij,jhv->ihv", Ag, W)

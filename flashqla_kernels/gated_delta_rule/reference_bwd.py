@@ -32,7 +32,7 @@ import torch
 
 from flashqla_kernels.gated_delta_rule.checks import check_inputs, resolve_scale, sequence_spans
 from flashqla_kernels.gated_delta_rule.reference import (
-    CHUNK_SIZE, _compute_dtype, _decay_matrix, _expand_heads, _num_chunks, chunk_local_cumsum_ref, chunk_spans,
+    CHUNK_SIZE, compute_dtype, decay_matrix, expand_heads, num_chunks, chunk_local_cumsum_ref, chunk_spans,
     chunk_states_ref, kkt_inverse_ref, l2norm, recompute_w_u_ref,
 )
 
@@ -74,11 +74,11 @@ def chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do, dht=None, scale=None, i
     """
     N = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     _check_grads(k, v, do, dht, N)
-    dtype = _compute_dtype(q, k, v, g, beta, initial_state, do, dht)
+    dtype = compute_dtype(q, k, v, g, beta, initial_state, do, dht)
     Hk, Hv = k.shape[2], v.shape[2]
     q_raw, k_raw = q.to(dtype), k.to(dtype)
     qn, kn = (l2norm(q_raw), l2norm(k_raw)) if use_qk_l2norm_in_kernel else (q_raw, k_raw)
-    qn, kn = _expand_heads(qn, Hv), _expand_heads(kn, Hv)
+    qn, kn = expand_heads(qn, Hv), expand_heads(kn, Hv)
     v, g, beta, do = v.to(dtype), g.to(dtype), beta.to(dtype), do.to(dtype)
     scale = resolve_scale(scale, k.shape[-1])
     h0 = initial_state.to(dtype) if initial_state is not None else None
@@ -137,10 +137,10 @@ def chunk_bwd_dv_local_ref(q, k, do, g_cumsum, scale, cu_seqlens=None, chunk_siz
         dv_local [B, T, Hv, V] (upper triangle of each chunk: token j gathers dO of tokens i >= j).
     """
     B, T, Hv, _ = do.shape
-    q, k = _expand_heads(q, Hv), _expand_heads(k, Hv)
+    q, k = expand_heads(q, Hv), expand_heads(k, Hv)
     dv = torch.zeros_like(do)
     for b, _, _, s, e in chunk_spans(B, T, cu_seqlens, chunk_size):
-        P = torch.einsum("ihk,jhk->hij", q[b, s:e], k[b, s:e]) * _decay_matrix(g_cumsum[b, s:e], strict=False)
+        P = torch.einsum("ihk,jhk->hij", q[b, s:e], k[b, s:e]) * decay_matrix(g_cumsum[b, s:e], strict=False)
         dv[b, s:e] = scale * torch.einsum("hij,ihv->jhv", P, do[b, s:e])
     return dv
 
@@ -162,9 +162,9 @@ def chunk_bwd_dh_ref(q, k, w, do, dv_local, g_cumsum, scale, dht=None, cu_seqlen
         entering it), dv [B, T, Hv, V] the full gradient of v_new (and of u), dh0 [N, Hv, K, V]).
     """
     B, T, Hv, V = do.shape
-    q, k = _expand_heads(q, Hv), _expand_heads(k, Hv)
+    q, k = expand_heads(q, Hv), expand_heads(k, Hv)
     K = k.shape[-1]
-    dh = k.new_zeros(B, _num_chunks(B, T, cu_seqlens, chunk_size), Hv, K, V)
+    dh = k.new_zeros(B, num_chunks(B, T, cu_seqlens, chunk_size), Hv, K, V)
     dv = torch.zeros_like(dv_local)
     N = len(sequence_spans(B, T, cu_seqlens))
     grads = [dht[n] if dht is not None else k.new_zeros(Hv, K, V) for n in range(N)]
@@ -200,12 +200,12 @@ def chunk_bwd_dqkwg_ref(q, k, v_new, w, h, dh, do, dv, g_cumsum, scale, cu_seqle
         reduction; dk and dgamma lack the UT/WY parts (``chunk_bwd_wy_ref``).
     """
     B, T, Hv, _ = do.shape
-    q, k = _expand_heads(q, Hv), _expand_heads(k, Hv)
+    q, k = expand_heads(q, Hv), expand_heads(k, Hv)
     dq, dk, dw = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(w)
     dgamma = torch.zeros_like(g_cumsum)
     for b, _, i, s, e in chunk_spans(B, T, cu_seqlens, chunk_size):
         qc, kc, vn, gc, S, dS = q[b, s:e], k[b, s:e], v_new[b, s:e], g_cumsum[b, s:e], h[b, i], dh[b, i]
-        dP = scale * torch.einsum("ihv,jhv->hij", do[b, s:e], vn) * _decay_matrix(gc, strict=False)
+        dP = scale * torch.einsum("ihv,jhv->hij", do[b, s:e], vn) * decay_matrix(gc, strict=False)
         dk_state = (gc[-1:] - gc).exp()[:, :, None] * torch.einsum("jhv,hkv->jhk", vn, dS)
         dqc = (scale * gc.exp()[:, :, None] * torch.einsum("ihv,hkv->ihk", do[b, s:e], S)
                + torch.einsum("hij,jhk->ihk", dP, kc))
@@ -235,7 +235,7 @@ def chunk_bwd_wy_ref(k, v, beta, A, g_cumsum, dw, du, cu_seqlens=None, chunk_siz
         (dk [B, T, Hv, K], dv [B, T, Hv, V], dbeta [B, T, Hv], dgamma [B, T, Hv]).
     """
     B, T, Hv = beta.shape
-    k = _expand_heads(k, Hv)
+    k = expand_heads(k, Hv)
     dk, dv, dbeta, dgamma = torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(beta), torch.zeros_like(beta)
     for b, _, _, s, e in chunk_spans(B, T, cu_seqlens, chunk_size):
         Ac = A[b, s:e, :, : e - s].transpose(0, 1)  # [Hv, L, L]
@@ -246,7 +246,7 @@ def chunk_bwd_wy_ref(k, v, beta, A, g_cumsum, dw, du, cu_seqlens=None, chunk_siz
         dvb = torch.einsum("hij,ihv->jhv", Ac, duc)
         # the inverse: A = X^-1 gives dX = -A^T dA A^T; only X's strict lower triangle depends on the inputs
         dM = -(Ac.mT @ dA @ Ac.mT).tril(-1)
-        Gamma = _decay_matrix(gc, strict=True)
+        Gamma = decay_matrix(gc, strict=True)
         KKg = torch.einsum("ihk,jhk->hij", kc, kc) * Gamma
         dKK = dM * bc.T[:, :, None] * Gamma
         E = dM * bc.T[:, :, None] * KKg  # dM * M
