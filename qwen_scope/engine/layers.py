@@ -6,9 +6,8 @@ static KV cache and attends over the valid prefix through a mask built from devi
 layer updates its conv state and recurrent state in place (on an sm_90 GPU in bf16 / fp16 through
 ``flashqla_kernels.decoder.gdn_decode_step``'s two fused kernels; elsewhere in torch). Norms, rotary tables, the dense
 MLP and, on the torch path, the GDN gated norm are the HF modules' own calls (pure tensor ops), so their numerics are
-the model's by construction. Nothing here
-reads a tensor value on the host, branches on data or changes a shape between steps, so the whole step can be
-captured as one CUDA graph.
+the model's by construction. Nothing here reads a tensor value on the host, branches on data or changes a shape
+between steps, so the whole step can be captured as one CUDA graph.
 """
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ def _copy_caches(adapter: QwenAdapter, cache, state: DecodeState, rows: torch.Te
             conv, recurrent = cached_states(cache, n)  # through the cache API of 5.17-5.22 or 5.23+
             # transformers keeps [b, C, >= Kc] channel-major; the engine the last Kc - 1 inputs token-major
             taps = state.conv[n].shape[1]
-            state.conv[n].index_copy_(0, rows, conv[..., conv.shape[-1] - taps:].transpose(1, 2).to(state.conv[n].dtype))
+            tail = conv[..., conv.shape[-1] - taps:].transpose(1, 2)
+            state.conv[n].index_copy_(0, rows, tail.to(state.conv[n].dtype))
             state.recurrent[n].index_copy_(0, rows, recurrent.float())
         else:
             layer = cache.layers[n]

@@ -68,9 +68,8 @@ class DecodeStep:
         # Qwen3.5's multimodal rotary reads position ids [3, B, T] (one row per section; text repeats them) and
         # transformers before 5.24 takes only that form, so give it that form on every version
         self.mrope = hasattr(self.rotary, "mrope_section")
-        # zero-centred norms (layers.norm) also fold the residual add into the post-attention norm: one kernel
-        self.fused_norms = [is_zero_centred_norm(layer.input_layernorm)
-                            and is_zero_centred_norm(layer.post_attention_layernorm) for layer in self.layers]
+        # a zero-centred post-attention norm also takes the residual add before it: one kernel (layers.norm's op)
+        self.fused_post = [is_zero_centred_norm(layer.post_attention_layernorm) for layer in self.layers]
 
     @torch.no_grad()
     def __call__(self) -> None:
@@ -99,7 +98,7 @@ class DecodeStep:
             h = gdn_decode(layer.linear_attn, h, st.conv[n], st.recurrent[n])
         else:
             h = attention_decode(layer.self_attn, h, cos, sin, st.k_cache[n], st.v_cache[n], pos, valid)
-        if self.fused_norms[n]:
+        if self.fused_post[n]:
             x, h = fused.add_rms_norm(x, h, post.weight, norm_eps(post))
         else:
             x = x + h

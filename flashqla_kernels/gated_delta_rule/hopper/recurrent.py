@@ -36,7 +36,8 @@ def shape_reason(K: int, V: int, gated_norm: bool = False, threads: int = THREAD
                 f"of 64{'; the gated norm needs V in 64, 128, 256' if gated_norm else ''})")
     P = threads // BV
     if K % P or K // P > 128:
-        return f"key head dim K={K} unsupported by the recurrent kernel with V={V} (a multiple of {P}, at most {128 * P})"
+        return (f"key head dim K={K} unsupported by the recurrent kernel with V={V} (a multiple of {P}, at most "
+                f"{128 * P})")
     return None
 
 
