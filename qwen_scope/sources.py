@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from saes.loading import hub_unreachable
+
 __all__ = ["check_device", "model_config", "progress_bar", "quiet_notebook_progress", "quiet_reference_kernel_advice"]
 
 logger = logging.getLogger(__name__)
@@ -75,22 +77,6 @@ def _nano_hint(model_id: str) -> str | None:
             f"(features, steer and demo use it when --model is left out; pass that path where a model is asked)")
 
 
-def _hub_unreachable(name: str, revision: str | None) -> str | None:
-    """Why the hub cannot be reached for ``name`` (one request, ``HUB_PROBE_TIMEOUT_S``), or None when it answered
-    (an answer such as "no such repo" is left to the load, which names it)."""
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.errors import HfHubHTTPError
-
-    try:
-        get_hf_file_metadata(hf_hub_url(name, "config.json", revision=revision), timeout=HUB_PROBE_TIMEOUT_S)
-    except HfHubHTTPError:
-        return None
-    # Whatever the transport raises (connection refused, DNS, timeout, proxy, TLS) means the same: no hub.
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-    return None
-
-
 def _cached(name: str, revision: str | None, cache_dir: str | Path | None) -> bool:
     from huggingface_hub import try_to_load_from_cache
 
@@ -133,7 +119,7 @@ def model_config(model_id: str | Path, *, revision: str | None = None, cache_dir
     offline = _offline()
     where = cache_dir or os.environ.get("HF_HUB_CACHE") or "the default hub cache"
     if not offline and not path.exists():
-        reason = _hub_unreachable(name, revision)
+        reason = hub_unreachable(name, "config.json", revision, timeout=HUB_PROBE_TIMEOUT_S)
         if reason and not _cached(name, revision, cache_dir):
             raise FileNotFoundError(
                 f"model {name} is not in {where} and the hub does not answer ({reason}). Fix: download it where "

@@ -56,14 +56,15 @@ def _release_from_path(path: Path) -> Release | None:
 HUB_PROBE_TIMEOUT_S = 3.0
 
 
-def _hub_unreachable(repo_id: str, filename: str, revision: str | None) -> str | None:
-    """Why the hub does not answer for ``repo_id`` (one request), or None when it answered (an answer such as "no
-    such file" is left to the download, which names it)."""
+def hub_unreachable(repo_id: str, filename: str, revision: str | None,
+                    timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """Why the hub does not answer for ``filename`` of ``repo_id`` (one request of at most ``timeout`` seconds), or
+    None when it answered (an answer such as "no such file" is left to the download, which names it)."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
-        get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision), timeout=HUB_PROBE_TIMEOUT_S)
+        get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision), timeout=timeout)
     except HfHubHTTPError:
         return None
     except Exception as e:  # noqa: BLE001 - connection refused, DNS, timeout, proxy, TLS: no hub either way
@@ -88,7 +89,7 @@ def _hub_file(release: Release, layer: int, revision: str | None, cache_dir: str
     if isinstance(cached, str):
         return Path(cached)
     if not offline:
-        down = _hub_unreachable(release.repo_id, filename, revision)
+        down = hub_unreachable(release.repo_id, filename, revision)
         if down:
             raise FileNotFoundError(
                 f"could not get {filename} of {release.repo_id} (revision {revision or 'main'}): it is not in cache "
@@ -412,4 +413,4 @@ def check_d_model(sae: TopKSAE, model_d_model: int, source: str | None = None) -
                      f"{model_d_model}; use an SAE set for this model ({', '.join(fits) or 'none of the 14 fits'})")
 
 
-__all__ = ["RELEASE_CONFIG", "SAEFileError", "check_d_model", "load", "read_release_file", "resolve"]
+__all__ = ["RELEASE_CONFIG", "SAEFileError", "check_d_model", "hub_unreachable", "load", "read_release_file", "resolve"]
