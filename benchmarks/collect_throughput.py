@@ -379,6 +379,8 @@ def main() -> None:
                         help="n: the code arms' steady state from one more call of n + 2 steps, timed step by step; "
                              "0: skip")
     parser.add_argument("--budget-s", type=float, default=170.0)
+    parser.add_argument("--arms", default="",
+                        help="comma-separated backend:arm pairs to run (e.g. ours:a,ours:c24,fla:c24); default: all")
     parser.add_argument("--tiny", action="store_true", help="dry run of every code path on a tiny model (CPU ok)")
     parser.add_argument("--precompile", action="store_true", help="only fill the TileLang cache (CPU is enough)")
     args = parser.parse_args()
@@ -406,7 +408,11 @@ def main() -> None:
     docs = corpus((max(args.steps, args.steady_steps + 2) + 1) * B * T + 10_000, model.config.vocab_size)
     sae_all = {n: random_sae(100 + n) for n in range(N_LAYERS)}
     bare = {}
-    for backend, arm in ARMS:
+    chosen = [tuple(a.split(":", 1)) for a in args.arms.split(",") if a]
+    unknown = sorted(set(chosen) - set(ARMS))
+    if unknown:
+        raise SystemExit(f"unknown --arms {unknown}; choose from {', '.join(f'{b}:{a}' for b, a in ARMS)}")
+    for backend, arm in [a for a in ARMS if not chosen or a in chosen]:
         row = {"backend": backend, "arm": arm}
         result["arms"].append(row)
         if backend not in names:

@@ -23,7 +23,8 @@
 #   train        benchmarks/train_step.py: finetune's step on the 2B shape, transformers (FLA) / FlashQLA's op / ours
 #   encode-tests the fused TopK SAE encode's GPU tests (tests/saes, marker gpu)
 #   encode       benchmarks/topk_encode.py (fused TopK SAE encode vs torch)
-#   collect      benchmarks/collect_throughput.py (bare forward / capture / SAE codes; ours vs FLA vs torch GDN)
+#   collect      benchmarks/collect_throughput.py (bare forward / capture / SAE codes; ours vs FLA vs torch GDN;
+#                COLLECT_ARGS="--arms ours:a,ours:c24" narrows it)
 #   layer-tests  benchmarks/gdn_layer.py --gpu-tests (the fused decoder against transformers' layers; LAYER_TESTS_ONLY=
 #                silu_mul,mlp runs only the cases whose ids contain one of those)
 #   layer        benchmarks/gdn_layer.py, every arm (ours, ours_op, qla_op, fla, torch, compile, ours+compile);
@@ -110,7 +111,7 @@ for p in "$@"; do
                           -m gpu tests/saes ;;
         encode) phase encode "${ENCODE_S:-240}" python3 benchmarks/topk_encode.py --precompile 14 --out "$OUT" ;;
         collect) phase collect "${COLLECT_S:-420}" python3 benchmarks/collect_throughput.py --out "$OUT" --steps 3 \
-                     --budget-s "$(( ${COLLECT_S:-420} - 60 ))" ;;
+                     --budget-s "$(( ${COLLECT_S:-420} - 60 ))" ${COLLECT_ARGS:-} ;;
         layer-tests) phase layer-tests "${LAYER_TESTS_S:-200}" python3 benchmarks/gdn_layer.py --gpu-tests --out "$OUT" \
                          --only "${LAYER_TESTS_ONLY:-}" ;;
         collect-profile) phase collect-profile "${PROFILE_S:-150}" python3 benchmarks/collect_profile.py --out "$OUT" \

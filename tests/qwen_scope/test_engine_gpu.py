@@ -92,6 +92,8 @@ def test_a_replayed_step_makes_no_host_sync():
     engine = DecodeEngine(model, _saes(torch.bfloat16))
     engine.generate(_prompts(), [[add(1, 11, 6.0)]] * 3, max_new_tokens=4, readout=[2])
     session = engine._session
+    # Rewind to just after prefill so the replays write columns inside the 4 the session allocated.
+    session.state.gen_index.fill_(1)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -100,3 +102,34 @@ def test_a_replayed_step_makes_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_steered_decisions_equal_transformers_where_they_are_not_near_ties(family):
+    """Two bf16 paths round differently, so their greedy sequences may part at a near-tie. With the engine's own
+    tokens fed to transformers under the same steering hooks (teacher forcing), every decision whose top-2 margin
+    exceeds twice the paths' largest logit distance at that step must pick the same token."""
+    from qwen_scope.steering import steering
+
+    model, saes = _cuda(family, torch.bfloat16), _saes(torch.bfloat16)
+    edits = [[add(1, 11, 6.0)], [clamp(2, 5, 3.0)], [add(1, 3, -4.0), clamp(2, 7, 0.0)]]
+    N = 16
+    result = DecodeEngine(model, saes).generate(_prompts(), edits, max_new_tokens=N, keep_logits=True, stop_tokens=[])
+    decisive_total = 0
+    for prompt, row_edits, row in zip(_prompts(), edits, result.rows):
+        P = prompt.shape[0]
+        seq = torch.cat([prompt, row.token_ids.to("cuda")])[None, :-1]
+        with torch.no_grad(), steering(model, row_edits, saes=saes, prompt_length=P):
+            ref = model(seq).logits[0, P - 1:].float().cpu()
+        ours = row.logits.float()
+        top2 = ref.topk(2, dim=-1).values
+        margins = top2[:, 0] - top2[:, 1]
+        gaps = (ours - ref).abs().amax(dim=-1)
+        decisive = margins > 2 * gaps
+        differ = ours.argmax(-1) != ref.argmax(-1)
+        assert not (differ & decisive).any(), (
+            f"{family}: the engine picks another token where transformers is decisive at steps "
+            f"{(differ & decisive).nonzero().flatten().tolist()} (margins {margins.tolist()}, gaps {gaps.tolist()})")
+        assert (gaps < 0.1 * ref.abs().amax(dim=-1)).all(), f"{family}: logits far apart: {gaps.tolist()}"
+        decisive_total += int(decisive.sum())
+    assert decisive_total > 0, "no decisive step at all: the comparison checked nothing"
