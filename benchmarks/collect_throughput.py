@@ -441,7 +441,6 @@ def main() -> None:
 
                 sec, info = collect_arm(model, docs, args.work, args.steps,
                                         points=[resid_post(n) for n in range(N_LAYERS)], check=backend == "ours")
-                row["note"] = f"{info['bytes'] / info['n_tokens'] / 1024:.0f} KiB/token written"
             else:
                 layers = [N_LAYERS - 1] if arm.startswith("c1") else list(range(N_LAYERS))
                 saes = {n: sae_all[n] for n in layers}
@@ -465,6 +464,13 @@ def main() -> None:
                 row.update(steady_ms_per_step=1e3 * st, steady_tokens_per_s=B * T / st,
                            steady_mfu=(flops + sae_flops) * B * T / st / (result["peak_tflops"] * 1e12),
                            steady_vs_a=bare[backend] / st if backend in bare else float("nan"))
+            if "bytes" in info:
+                # what the disk must absorb: the store's bytes per step, and that rate at the arm's steady pace
+                row["bytes_per_step"] = info["bytes"] / info["n_tokens"] * B * T
+                st = info.get("steady_s_per_step", sec)
+                row["note"] = (f"{row['bytes_per_step'] / 1e6:,.1f} MB/step written "
+                               f"({info['bytes'] / info['n_tokens']:,.0f} B/token), "
+                               f"{row['bytes_per_step'] / st / 1e9:.2f} GB/s")
             if "check" in info:
                 result["checks"].update({f"{backend} {arm}: {k}": v for k, v in info["check"].items()})
         except Exception as err:  # noqa: BLE001 - one failing arm must not lose the others

@@ -240,7 +240,7 @@ def stage_ms(q, k, v, g, beta, h0, cu):
     bdv = plan.block_dv(seq_chunks, Hv, Kd, Vd, plan.num_sms(q.device))
     pl = plan.make_plan(offsets, Hv, Vd // bdv, True, q.device)
     bench = (lambda fn: triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median"))
-    gamma, ag = kkt_solve.kkt_solve(k3, g3, b3, pl.chunks, Hv)
+    gamma, ag, _ = kkt_solve.kkt_solve(k3, g3, b3, pl.chunks, Hv)  # no l2norm: normalised inputs
     out = {"kkt_solve": bench(lambda: kkt_solve.kkt_solve(k3, g3, b3, pl.chunks, Hv)), "cp": 0.0}
 
     def cp():
