@@ -255,6 +255,27 @@ class TopKSAE(nn.Module):
         values, indices = self._topk(x)
         return SparseCodes(values.to(x.dtype), indices)
 
+    def feature_codes(self, x: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The codes of chosen features, ``encode(x).gather(-1, features)``, without a top-k selection.
+
+        A feature's code is its ReLU pre-activation when fewer than k features have a larger one, else 0: one
+        comparison pass over d_sae per token instead of sorting out the top k (what steering by clamping needs at
+        every decode step). The two agree except where a positive pre-activation ties the k-th largest exactly:
+        ``torch.topk`` keeps an arbitrary subset of the tied features, this keeps them all.
+
+        Args:
+            x: residual stream ``[..., d_model]``.
+            features: int64 ``[..., E]`` feature indices (leading dims broadcast against ``x``'s).
+        Returns:
+            ``[..., E]`` in the dtype of ``x``.
+        """
+        self._check_input(x)
+        pre = torch.relu(self._pre_acts(x))  # [..., d_sae]
+        chosen = pre.gather(-1, features.expand(*pre.shape[:-1], features.shape[-1]))  # [..., E]
+        # one feature at a time keeps the comparison at the size of ``pre`` (E is a handful of edits)
+        above = torch.stack([(pre > chosen[..., j, None]).sum(-1) for j in range(chosen.shape[-1])], dim=-1)
+        return torch.where(above < self.k, chosen, torch.zeros_like(chosen)).to(x.dtype)
+
     def decode(self, z: torch.Tensor | SparseCodes) -> torch.Tensor:
         """Reconstruction ``W_dec z + b_dec`` from dense codes or ``SparseCodes``.
 

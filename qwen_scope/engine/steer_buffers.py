@@ -109,9 +109,11 @@ class LayerSteerBuffers:
              for name in names}
         h = act.float()
         delta = torch.zeros_like(h)
-        codes = self.sae.encode(h).float() if self.has_clamp else None  # [B, T, d_sae]
-        norms = h.norm(dim=-1, keepdim=True) if self.has_scaled else None  # [B, T, 1]
         B, T = positions.shape
+        # the clamped features' current codes only: no top-k sort of all d_sae codes at every step
+        codes = (self.sae.feature_codes(h, t["features"][:, None, :].expand(B, T, -1)).float()
+                 if self.has_clamp else None)  # [B, T, E]
+        norms = h.norm(dim=-1, keepdim=True) if self.has_scaled else None  # [B, T, 1]
         for j in range(t["values"].shape[1]):
             mask = t["masks"][:, j].gather(1, positions)[..., None]  # [B, T, 1]
             v = t["values"][:, j, None, None]  # [B, 1, 1]
@@ -121,7 +123,7 @@ class LayerSteerBuffers:
                 size = torch.where(t["is_norm"][:, j, None, None] > 0, norms, torch.ones_like(norms))
                 step = step + t["sel_scaled"][:, j, None, None] * (v * size * t["units"][:, j, None, :])
             if codes is not None:
-                z = codes.gather(-1, t["features"][:, j, None, None].expand(B, T, 1))  # [B, T, 1]
+                z = codes[..., j, None]  # [B, T, 1]
                 step = step + t["sel_clamp"][:, j, None, None] * ((v - z) * d)
             delta = delta + mask * step
         return (h + delta).to(act.dtype)

@@ -125,6 +125,21 @@ def test_all_negative_pre_acts_give_zero_codes_and_b_dec_reconstruction():
     torch.testing.assert_close(sae(x), state["b_dec"].expand(2, -1))
 
 
+def test_feature_codes_equal_the_dense_codes_at_those_features():
+    sae = _sae()
+    x = torch.randn(3, 5, D_MODEL)
+    dense = sae.encode(x)
+    # features inside and outside each token's top k, and ones whose pre-activation is negative
+    features = torch.randint(0, D_SAE, (3, 5, 6))
+    features[..., 0] = sae.encode_sparse(x).indices[..., 0]
+    features[..., 1] = sae.encode_sparse(x).indices[..., K - 1]
+    torch.testing.assert_close(sae.feature_codes(x, features), dense.gather(-1, features), rtol=0, atol=0)
+    # one feature list for every token broadcasts
+    shared = torch.tensor([0, 5, 127])
+    torch.testing.assert_close(sae.feature_codes(x, shared), dense[..., shared], rtol=0, atol=0)
+    assert sae.feature_codes(x.double(), shared).dtype == torch.float64
+
+
 def test_ties_keep_exactly_k_of_the_largest_values():
     state = random_sae_state(D_MODEL, D_SAE, 0)
     state["W_enc"][:] = state["W_enc"][0]  # every feature gets the same pre-activation
