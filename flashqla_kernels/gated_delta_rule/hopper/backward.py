@@ -1,0 +1,159 @@
+"""The Hopper backward of the chunked gated delta rule: checks, recomputes what the forward did not keep, and runs
+the backward stages (``chunk_bwd``'s docstring has the math of each):
+
+    [l2norm fwd] -> kkt_solve -> states -> dh -> dqkwg -> wy (+ dg) -> gva [+ l2norm bwd]
+
+Saved versus recomputed: the backward takes only the forward's inputs (q, k, v, g, beta, h0) and recomputes gamma,
+X = Ag (the forward's ``kkt_solve``), the normalised q / k, the per-chunk states h and v_new (``bwd_states``), as
+FLA's backward does for everything but A. Not yet wired into the public op, the autograd Function or the dispatcher:
+``tests/flashqla_kernels/test_hopper_bwd_gpu.py`` verifies it on an sm_90 GPU first.
+
+Imports torch only; the stage modules (and tilelang) load on the first call. ``precompile()`` compiles every
+specialisation the GPU test runs (``TESTED_LAYOUTS``), so TileLang's disk cache can be filled on a CPU machine.
+"""
+from __future__ import annotations
+
+import torch
+
+from flashqla_kernels.gated_delta_rule.hopper import forward
+
+# (Hk, Hv, K, V, dtype, use_qk_l2norm_in_kernel, has initial_state, has dht) of every case of the GPU test, all with
+# the default scale K^-0.5
+TESTED_LAYOUTS = (
+    (16, 32, 128, 128, "bfloat16", True, True, True),
+    (2, 4, 128, 128, "bfloat16", True, True, True),
+    (1, 4, 128, 128, "bfloat16", False, True, False),
+    (4, 4, 128, 128, "float16", True, False, True),
+    (2, 4, 64, 64, "bfloat16", True, True, True),
+    (2, 2, 256, 256, "bfloat16", False, True, True),
+)
+
+
+def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None, cu_seqlens=None,
+                               use_qk_l2norm_in_kernel=False):
+    """Gradients of the chunked gated delta rule on the TileLang Hopper kernels (chunk size 64).
+
+    Args:
+        q, k: [B, T, Hk, K] bf16/fp16; v: [B, T, Hv, V] same dtype; g (raw log decay), beta: [B, T, Hv];
+            do: [B, T, Hv, V] the gradient of o (any float dtype, read in q's); dht: [N, Hv, K, V] the gradient of
+            the final state, or None (zeros). scale, initial_state [N, Hv, K, V] or None, cu_seqlens [N+1] or None,
+            use_qk_l2norm_in_kernel: as the forward (``forward.chunk_gated_delta_rule_fwd``).
+
+    Returns:
+        (dq [B, T, Hk, K] in q's dtype, dk [B, T, Hk, K] in k's, dv [B, T, Hv, V] in v's, dg [B, T, Hv] in g's,
+        dbeta [B, T, Hv] in beta's, dh0 [N, Hv, K, V] fp32 or None without initial_state). Tokens of a padded tail
+        (after ``cu_seqlens[-1]``) get exactly 0.
+
+    Raises:
+        ValueError: inputs the kernels cannot take (``forward.unsupported_reason``), or do / dht of the wrong shape.
+
+    Example:
+        >>> dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, None, initial_state=h0,
+        ...                                                         cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    """
+    reason = forward.unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens)
+    if reason is not None:
+        raise ValueError(reason)
+    B, Tn, Hk, K = k.shape
+    Hv, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if not isinstance(do, torch.Tensor) or do.shape != v.shape:
+        raise ValueError(f"do must be the gradient of o, [B, T, Hv, V] = {tuple(v.shape)}; got "
+                         f"{tuple(do.shape) if isinstance(do, torch.Tensor) else type(do).__name__}")
+    if dht is not None and tuple(dht.shape) != (N, Hv, K, V):
+        raise ValueError(f"dht must be [N, Hv, K, V] = {(N, Hv, K, V)}; got {tuple(dht.shape)} (None for zeros)")
+    scale = K ** -0.5 if scale is None else float(scale)
+    if Tn == 0:
+        dh0 = None
+        if initial_state is not None:
+            dh0 = (dht.to(torch.float32).clone() if dht is not None
+                   else torch.zeros((N, Hv, K, V), dtype=torch.float32, device=q.device))
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
+                torch.zeros_like(beta), dh0)
+    Kp, Vp = forward.padded_head_dim(K), forward.padded_head_dim(V)
+    if (Kp, Vp) == (K, V):
+        return _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel)
+    # other head dims run zero-padded, as in the forward: zero channels get and pass no gradient
+    pad = torch.nn.functional.pad
+    pad_state = (lambda x: None if x is None else pad(x.to(torch.float32), (0, Vp - V, 0, Kp - K)))
+    dq, dk, dv, dg, dbeta, dh0 = _launch(
+        pad(q, (0, Kp - K)), pad(k, (0, Kp - K)), pad(v, (0, Vp - V)), g, beta, pad(do, (0, Vp - V)),
+        pad_state(dht), scale, pad_state(initial_state), cu_seqlens, use_qk_l2norm_in_kernel)
+    return (dq[..., :K].contiguous(), dk[..., :K].contiguous(), dv[..., :V].contiguous(), dg, dbeta,
+            None if dh0 is None else dh0[:, :, :K, :V].contiguous())
+
+
+def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm):
+    # inputs checked, T > 0, head dims the kernels take
+    from flashqla_kernels.gated_delta_rule import checks
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve
+
+    B, Tn, Hk, K = k.shape
+    Hv, V = v.shape[2], v.shape[3]
+    cu = list(range(0, B * Tn + 1, Tn)) if cu_seqlens is None else checks.host_offsets(cu_seqlens)
+    chunks, seqs = chunk_bwd.seq_tables(tuple(cu), q.device)
+    NC = chunks.shape[0]
+    q3 = q.reshape(B * Tn, Hk, K).contiguous()
+    k3 = k.reshape(B * Tn, Hk, K).contiguous()
+    v3 = v.reshape(B * Tn, Hv, V).contiguous()
+    do3 = do.reshape(B * Tn, Hv, V).to(q.dtype).contiguous()
+    g3 = g.reshape(B * Tn, Hv).to(torch.float32).contiguous()
+    b3 = beta.reshape(B * Tn, Hv).to(torch.float32).contiguous()
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    dht = None if dht is None else dht.to(torch.float32).contiguous()
+
+    qn, kn = q3, k3
+    if l2norm:
+        # normalised once for all stages (in q's dtype, as FLA's l2norm writes them); the factors serve the l2norm
+        # backward at the end
+        (qn, rq), (kn, rk) = chunk_bwd.l2norm_fwd(q3, chunks), chunk_bwd.l2norm_fwd(k3, chunks)
+    gamma, ag, _ = kkt_solve.kkt_solve(kn, g3, b3, chunks, Hv)
+    h, v_new = bwd_states.bwd_states(kn, v3, ag, gamma, h0, seqs, NC)
+    dh, du, dh0 = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, dht, seqs, NC, scale=scale, store_dh0=h0 is not None)
+    dq_v, dk_v, dw, dgp = bwd_dqkwg.bwd_dqkwg(qn, kn, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
+    dk_wy, dv, dbeta, _, dg = bwd_wy.bwd_wy(kn, v3, b3, gamma, ag, dw, du, dgp, chunks)
+    dq = chunk_bwd.gva_bwd(dq_v, None, chunks, Hk, q.dtype, *((q3, rq) if l2norm else ()))
+    dk = chunk_bwd.gva_bwd(dk_v, dk_wy, chunks, Hk, k.dtype, *((k3, rk) if l2norm else ()))
+    if cu[-1] < B * Tn:
+        # a padded tail is in no chunk: no kernel wrote it
+        for x in (dq, dk, dv, dg, dbeta):
+            x[cu[-1]:].zero_()
+    return (dq.view(B, Tn, Hk, K), dk.view(B, Tn, Hk, K), dv.view(B, Tn, Hv, V),
+            dg.view(B, Tn, Hv).to(g.dtype), dbeta.view(B, Tn, Hv).to(beta.dtype), dh0)
+
+
+def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has_h0: bool, has_dht: bool,
+                 scale: float | None = None) -> list[tuple]:
+    """The (builder, args) of every kernel ``chunk_gated_delta_rule_bwd`` compiles for one layout (kernel head dims
+    K, V in 64 / 128 / 256; dtype "bfloat16" or "float16"; scale None = K^-0.5)."""
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve
+
+    scale = K ** -0.5 if scale is None else float(scale)
+    bDV = bwd_states.block_v(K, V)
+    specs = [(chunk_bwd.build_l2norm_fwd, (Hk, K, dtype))] if l2norm else []
+    specs += [
+        (kkt_solve.build_kkt_solve, (Hk, Hv, K, dtype, False)),
+        (bwd_states.build_bwd_states, (Hk, Hv, K, V, bDV, dtype, has_h0)),
+        (bwd_dh.build_bwd_dh, (Hk, Hv, K, V, bDV, dtype, scale, has_dht, has_h0)),
+        (bwd_dqkwg.build_bwd_dqkwg, (Hk, Hv, K, V, dtype, scale)),
+        (bwd_wy.build_bwd_wy, (Hk, Hv, K, V, dtype)),
+        (chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, False)),
+        (chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, True)),
+    ]
+    return specs
+
+
+def precompile(layouts=TESTED_LAYOUTS) -> int:
+    """Compile every backward kernel of ``layouts`` (default: the GPU test's) into TileLang's disk cache; needs
+    nvcc, no GPU. Returns the number of distinct kernels.
+
+    Example:
+        >>> # TILELANG_CACHE_DIR=/path/to/cache python -c "from flashqla_kernels.gated_delta_rule.hopper import
+        >>> #     backward; backward.precompile()"
+    """
+    from flashqla_kernels import toolkit
+
+    specs = {spec for layout in layouts for spec in kernel_specs(*layout)}
+    for builder, args in sorted(specs, key=lambda s: (s[0].__name__, str(s[1]))):
+        toolkit.compile_kernel(builder, *args)
+    return len(specs)

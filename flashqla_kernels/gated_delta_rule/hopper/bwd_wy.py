@@ -1,0 +1,209 @@
+"""Backward stage: through the WY representation and the gated UT inverse (FLA's ``prepare_wy_repr_bwd``), then the
+chunk-local reverse cumsum of the gamma gradient (FLA's ``chunk_local_cumsum(..., reverse=True)``).
+
+One CTA per (chunk, value head). ``kkt_solve`` wrote only X = A diag(beta) (fp16); the gated inverse A itself
+comes back with one 64 x 64 x 64 product: (I + L) A = I with L = diag(beta) StrictLower(K K^T * Gamma) gives
+A = I - A L = I - X StrictLower(K K^T * Gamma) (exact; no division by beta). With ``w = X diag(e) K``,
+``u = X V`` (e = exp(gamma)), du the gradient of u (= ``bwd_dh``'s dv) and dw ``bwd_dqkwg``'s:
+
+    dA  = dw (diag(beta e) K)^T + du (diag(beta) V)^T            over 64-wide blocks of K and V
+    dM  = StrictLower(-A^T dA A^T),   F = dM * KKg,  KKg = StrictLower(K K^T * Gamma),  E = diag(beta) F
+    dk  = diag(beta e) A^T dw + dKK K + dKK^T K,   dKK = diag(beta) dM * Gamma
+    dv  = diag(beta) A^T du
+    dbeta  = e rowsum((A^T dw) * K) + rowsum((A^T du) * V) + rowsum(F)
+    dgamma = beta e rowsum((A^T dw) * K) + rowsum(E) - colsum(E)
+
+then ``dg_t = sum_{s >= t in the chunk} (dgamma_s + sum_b dgp[b, s])`` with ``bwd_dqkwg``'s partial sums added in
+block order and the reverse cumsum one thread a token (fixed order: deterministic). GEMM operands are the input
+dtype (A and the gradients, as FLA's), X and KKg fp16 (X arrives so). Grid (chunks, Hv), 256 threads.
+"""
+import tilelang.language as T
+import torch
+
+from flashqla_kernels import toolkit
+from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import C, LOG2E, TILE, load_gates, load_rows, store_rows
+
+THREADS = 256
+
+
+def build_bwd_wy(Hk: int, Hv: int, K: int, V: int, dtype: str):
+    """The WY kernel: grid (chunks, Hv), 256 threads."""
+    group = Hv // Hk
+    nK = K // TILE
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+
+    @T.macro
+    def through_a(x, dx, hx, col0, cs, n, bh, x_sh, dx_sh, a_sh, r_f, t_f, red):
+        # one 64-wide block of K (x = k, dx = dw) or V (v, du): r = A^T dx, red = rowsum(r * x)
+        load_rows(x, x_sh, cs, n, hx, col0, TILE)
+        load_rows(dx, dx_sh, cs, n, bh, col0, TILE)
+        T.gemm(a_sh, dx_sh, r_f, transpose_A=True, clear_accum=True)
+        for i, j in T.Parallel(C, TILE):
+            t_f[i, j] = r_f[i, j] * x_sh[i, j]
+        T.reduce_sum(t_f, red, dim=1)
+
+    @T.prim_func
+    def gdn_bwd_wy(
+        k: T.Tensor((num_tokens, Hk, K), dtype),
+        v: T.Tensor((num_tokens, Hv, V), dtype),
+        beta: T.Tensor((num_tokens, Hv), "float32"),
+        gamma: T.Tensor((num_tokens, Hv), "float32"),
+        ag: T.Tensor((num_tokens, Hv, C), "float16"),
+        dw: T.Tensor((num_tokens, Hv, K), "float32"),
+        du: T.Tensor((num_tokens, Hv, V), "float32"),
+        dgp: T.Tensor((nK, num_tokens, Hv), "float32"),
+        chunks: T.Tensor((num_chunks, 2), "int32"),
+        dk: T.Tensor((num_tokens, Hv, K), "float32"),
+        dv: T.Tensor((num_tokens, Hv, V), dtype),
+        dbeta: T.Tensor((num_tokens, Hv), "float32"),
+        dgamma: T.Tensor((num_tokens, Hv), "float32"),
+        dg: T.Tensor((num_tokens, Hv), "float32"),
+    ):
+        with T.Kernel(num_chunks, Hv, threads=THREADS) as (bc, bh):
+            hk = bh // group
+            cs = chunks[bc, 0]
+            n = chunks[bc, 1] - cs
+            tx = T.get_thread_binding()
+            kb_sh = T.alloc_shared((C, TILE), dtype)  # a block of K or V
+            xb_sh = T.alloc_shared((C, TILE), dtype)  # that block scaled by beta e (K) or beta (V)
+            db_sh = T.alloc_shared((C, TILE), dtype)  # the same block of dw or du
+            x_sh = T.alloc_shared((C, C), "float16")
+            kkg_sh = T.alloc_shared((C, C), "float16")
+            a_sh = T.alloc_shared((C, C), dtype)
+            t_sh = T.alloc_shared((C, C), dtype)
+            g_sh = T.alloc_shared((C,), "float32")
+            eg_sh = T.alloc_shared((C,), "float32")
+            er_sh = T.alloc_shared((C,), "float32")
+            b_sh = T.alloc_shared((C,), "float32")
+            rowf_sh = T.alloc_shared((C,), "float32")
+            cole_sh = T.alloc_shared((C,), "float32")
+            db_out = T.alloc_shared((C,), "float32")
+            dgm_sh = T.alloc_shared((C,), "float32")
+            acc = T.alloc_local((1,), "float32")
+            kk_f = T.alloc_fragment((C, C), "float32")
+            da_f = T.alloc_fragment((C, C), "float32")
+            a_f = T.alloc_fragment((C, C), "float32")
+            r_f = T.alloc_fragment((C, TILE), "float32")
+            t_f = T.alloc_fragment((C, TILE), "float32")
+            red = T.alloc_fragment((C,), "float32")
+            red_cc = T.alloc_fragment((C,), "float32")
+            red_col = T.alloc_fragment((C,), "float32")
+            # per-row sums of the w / u parts, in the fragment layout of their row reductions (no shared RMW)
+            acc_b = T.alloc_fragment((C,), "float32")
+            acc_g = T.alloc_fragment((C,), "float32")
+
+            load_gates(gamma, g_sh, eg_sh, er_sh, cs, n, bh)
+            for i in T.Parallel(C):
+                b_sh[i] = T.if_then_else(i < n, beta[cs + T.min(i, n - 1), bh], 0.0)
+            load_rows(ag, x_sh, cs, n, bh, 0, C)
+            T.clear(kk_f)
+            T.clear(da_f)
+            for kb in T.serial(nK):
+                load_rows(k, kb_sh, cs, n, hk, kb * TILE, TILE)
+                load_rows(dw, db_sh, cs, n, bh, kb * TILE, TILE)
+                for i, j in T.Parallel(C, TILE):
+                    xb_sh[i, j] = kb_sh[i, j] * b_sh[i] * eg_sh[i]
+                T.gemm(kb_sh, kb_sh, kk_f, transpose_B=True)
+                T.gemm(db_sh, xb_sh, da_f, transpose_B=True)
+            for vb in T.serial(V // TILE):
+                load_rows(v, kb_sh, cs, n, bh, vb * TILE, TILE)
+                load_rows(du, db_sh, cs, n, bh, vb * TILE, TILE)
+                for i, j in T.Parallel(C, TILE):
+                    xb_sh[i, j] = kb_sh[i, j] * b_sh[i]
+                T.gemm(db_sh, xb_sh, da_f, transpose_B=True)
+
+            # KKg (fp32 in kk_f, fp16 for the product), then A = I - X KKg
+            for i, j in T.Parallel(C, C):
+                kk_f[i, j] = T.if_then_else(j < i, kk_f[i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
+                kkg_sh[i, j] = kk_f[i, j]
+            T.gemm(x_sh, kkg_sh, a_f, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                a_sh[i, j] = T.if_then_else(j <= i, T.if_then_else(i == j, 1.0, 0.0) - a_f[i, j], 0.0)
+            # dM = StrictLower(-A^T (dA A^T))
+            T.copy(da_f, t_sh)
+            T.gemm(t_sh, a_sh, a_f, transpose_B=True, clear_accum=True)
+            T.copy(a_f, t_sh)
+            T.gemm(a_sh, t_sh, da_f, transpose_A=True, clear_accum=True)
+            for i, j in T.Parallel(C, C):
+                da_f[i, j] = T.if_then_else(j < i, -da_f[i, j], 0.0)
+                kk_f[i, j] = da_f[i, j] * kk_f[i, j]
+            T.reduce_sum(kk_f, red_cc, dim=1)
+            for i in T.Parallel(C):
+                rowf_sh[i] = red_cc[i]
+            for i, j in T.Parallel(C, C):
+                kk_f[i, j] = kk_f[i, j] * b_sh[i]
+            T.reduce_sum(kk_f, red_col, dim=0)
+            for i in T.Parallel(C):
+                cole_sh[i] = red_col[i]
+            # dKK = diag(beta) dM * Gamma
+            for i, j in T.Parallel(C, C):
+                t_sh[i, j] = T.if_then_else(j < i, da_f[i, j] * b_sh[i] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
+
+            T.clear(acc_b)
+            T.clear(acc_g)
+            for kb in T.serial(nK):
+                through_a(k, dw, hk, kb * TILE, cs, n, bh, kb_sh, db_sh, a_sh, r_f, t_f, red)
+                for i in T.Parallel(C):
+                    acc_b[i] += red[i] * eg_sh[i]
+                    acc_g[i] += red[i] * eg_sh[i] * b_sh[i]
+                for i, j in T.Parallel(C, TILE):
+                    r_f[i, j] = r_f[i, j] * b_sh[i] * eg_sh[i]
+                T.gemm(t_sh, kb_sh, r_f)
+                T.gemm(t_sh, kb_sh, r_f, transpose_A=True)
+                store_rows(r_f, dk, cs, n, bh, kb * TILE, TILE)
+            for vb in T.serial(V // TILE):
+                through_a(v, du, bh, vb * TILE, cs, n, bh, kb_sh, db_sh, a_sh, r_f, t_f, red)
+                for i in T.Parallel(C):
+                    acc_b[i] += red[i]
+                for i, j in T.Parallel(C, TILE):
+                    r_f[i, j] = r_f[i, j] * b_sh[i]
+                store_rows(r_f, dv, cs, n, bh, vb * TILE, TILE)
+
+            for i in T.Parallel(C):
+                db_out[i] = acc_b[i] + rowf_sh[i]
+                dgm_sh[i] = acc_g[i] + b_sh[i] * rowf_sh[i] - cole_sh[i]
+            T.sync_threads()
+            if tx < C:
+                if tx < n:
+                    dbeta[cs + tx, bh] = db_out[tx]
+                    dgamma[cs + tx, bh] = dgm_sh[tx]
+                    # with dqkwg's partial sums, K blocks in order
+                    acc[0] = dgm_sh[tx]
+                    for b in T.serial(nK):
+                        acc[0] += dgp[b, cs + tx, bh]
+                    db_out[tx] = acc[0]
+                else:
+                    db_out[tx] = 0.0
+            T.sync_threads()
+            if tx < n:
+                acc[0] = 0.0
+                for j in T.serial(C):
+                    if j >= tx:
+                        acc[0] += db_out[j]
+                dg[cs + tx, bh] = acc[0]
+
+    return gdn_bwd_wy
+
+
+def bwd_wy(k, v, beta, gamma, ag, dw, du, dgp, chunks):
+    """The WY backward and dg.
+
+    Args:
+        k: [T, Hk, K] bf16/fp16 (normalised if the op normalises). v: [T, Hv, V] same dtype. beta, gamma: [T, Hv]
+        fp32. ag: [T, Hv, 64] fp16 (``kkt_solve``'s X). dw: [T, Hv, K] fp32 (``bwd_dqkwg``'s). du: [T, Hv, V] fp32
+        (``bwd_dh``'s dv). dgp: [K / 64, T, Hv] fp32 (``bwd_dqkwg``'s). chunks: [NC, 2] int32.
+
+    Returns:
+        (dk [T, Hv, K] fp32 the WY part, dv [T, Hv, V] in v's dtype, dbeta [T, Hv] fp32, dgamma [T, Hv] fp32 the WY
+        part of the gamma gradient, dg [T, Hv] fp32 the gradient of the raw g).
+    """
+    Tn, Hk, K = k.shape
+    Hv, V = v.shape[1], v.shape[2]
+    kernel = toolkit.compile_kernel(build_bwd_wy, Hk, Hv, K, V, toolkit.tl_dtype(k.dtype))
+    dk = toolkit.empty((Tn, Hv, K), torch.float32, k.device)
+    dv = toolkit.empty((Tn, Hv, V), v.dtype, k.device)
+    dbeta, dgamma, dg = (toolkit.empty((Tn, Hv), torch.float32, k.device) for _ in range(3))
+    if chunks.shape[0] > 0:
+        kernel(k, v, beta, gamma, ag, dw, du, dgp, chunks, dk, dv, dbeta, dgamma, dg)
+    return dk, dv, dbeta, dgamma, dg

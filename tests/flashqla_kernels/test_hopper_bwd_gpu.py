@@ -1,0 +1,211 @@
+"""The TileLang Hopper backward (``hopper/backward.py`` and its stages) against the float64 reference of the backward
+(``reference_bwd.py``), on an sm_90 GPU (skipped elsewhere).
+
+Each stage runs on its float64 stage reference's inputs and is compared with that reference's outputs; the whole
+launcher against ``chunk_gated_delta_rule_bwd_ref`` with FLA's RMSE-ratio tolerances (dq, dk, dv, dh0 <= 0.008; dg,
+dbeta <= 0.02). Every kernel output is poisoned with NaN before the run (an unwritten element fails), a padded tail
+gets exactly 0, and a second run is bit-identical. ``backward.precompile()`` builds every kernel these cases use.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashqla_kernels import toolkit
+from flashqla_kernels.gated_delta_rule.hopper import backward
+from flashqla_kernels.gated_delta_rule.reference import l2norm
+from flashqla_kernels.gated_delta_rule.reference_bwd import (
+    chunk_bwd_dh_ref, chunk_bwd_dqkwg_ref, chunk_bwd_dv_local_ref, chunk_bwd_recompute_ref, chunk_bwd_wy_ref,
+    chunk_gated_delta_rule_bwd_ref, chunk_local_cumsum_bwd_ref, gva_reduce_ref, l2norm_bwd_ref,
+)
+from tests.flashqla_kernels.test_hopper_gpu import _inputs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
+
+NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+# FLA's test tolerances for its chunk backward (ratio of RMSEs, bf16 inputs)
+RMSE_RATIO = {"dq": 0.008, "dk": 0.008, "dv": 0.008, "dh0": 0.008, "dg": 0.02, "dbeta": 0.02}
+STAGE_RATIO = 0.01
+
+CASES = {
+    # name: (Hk, Hv, K, V, lens, dtype, extra); gates: per-head A from 0 (g == 0) to 16 (strong decay)
+    "qwen_layout_l2norm_varlen": (16, 32, 128, 128, [1000, 1, 300], torch.bfloat16,
+                                  {"normalized": False, "l2norm": True}),
+    "ragged_gva2_l2norm_padded_tail": (2, 4, 128, 128, [1, 47, 300, 64, 130, 1], torch.bfloat16,
+                                       {"normalized": False, "l2norm": True, "pad": 37}),
+    "dense_gva4_T200_no_dht": (1, 4, 128, 128, [200], torch.bfloat16, {"dense_batch": 2, "dht": False}),
+    "gva1_fp16_l2norm_no_h0": (4, 4, 128, 128, [65, 1, 63], torch.float16,
+                               {"normalized": False, "l2norm": True, "h0": False}),
+    "dim64_l2norm": (2, 4, 64, 64, [100, 47, 190], torch.bfloat16, {"normalized": False, "l2norm": True}),
+    "dim256_gva1": (2, 2, 256, 256, [100, 47, 190], torch.bfloat16, {}),
+}
+
+
+def case_layout(name):
+    """The (Hk, Hv, K, V, dtype, l2norm, has_h0, has_dht) a case compiles for (``backward.TESTED_LAYOUTS``)."""
+    Hk, Hv, K, V, _, dtype, extra = CASES[name]
+    return (Hk, Hv, K, V, str(dtype).removeprefix("torch."), extra.get("l2norm", False), extra.get("h0", True),
+            extra.get("dht", True))
+
+
+def _case(name):
+    Hk, Hv, K, V, lens, dtype, extra = CASES[name]
+    extra = dict(extra)
+    l2, has_dht = extra.pop("l2norm", False), extra.pop("dht", True)
+    q, k, v, g, beta, h0, cu = _inputs(Hk, Hv, K, V, lens, dtype, **extra)
+    N = extra.get("dense_batch") or len(lens)
+    do = torch.randn_like(v)
+    dht = torch.randn(N, Hv, K, V, device=v.device) if has_dht else None
+    return q, k, v, g, beta, do, dht, h0, cu, l2
+
+
+def _ratio(x, ref):
+    """FLA's ``get_err_ratio``: RMSE(x - ref) / RMSE(ref)."""
+    x, ref = x.double(), ref.double()
+    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def _d(x):
+    return None if x is None else x.double()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_hopper_backward_matches_float64_reference(name):
+    q, k, v, g, beta, do, dht, h0, cu, l2 = _case(name)
+
+    def run():
+        return backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
+                                                   use_qk_l2norm_in_kernel=l2)
+
+    with toolkit.poisoned_outputs():
+        got, again = run(), run()
+    want = chunk_gated_delta_rule_bwd_ref(_d(q), _d(k), _d(v), _d(g), _d(beta), _d(do), _d(dht),
+                                          initial_state=_d(h0), use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
+    for label, x, ref, x2, like in zip(NAMES, got, want, again, (q, k, v, g, beta, h0)):
+        if ref is None:
+            assert x is None, f"{name}: {label} should be None without initial_state"
+            continue
+        assert x.shape == ref.shape and x.dtype == (like.dtype if label != "dh0" else torch.float32), label
+        assert not x.isnan().any(), f"{name}: {label} has an unwritten (NaN) element"
+        assert _ratio(x, ref) <= RMSE_RATIO[label], f"{name}: {label} RMSE ratio {_ratio(x, ref):.2e}"
+        assert torch.equal(x, x2), f"{name}: two runs differ in {label} (a race, or a non-deterministic sum)"
+    if cu is not None and int(cu[-1]) < q.shape[1]:
+        for label, x in zip(NAMES[:5], got[:5]):
+            assert not x[:, int(cu[-1]):].any(), f"{name}: {label} of the padded tail is not 0"
+
+
+class _Stages:
+    """The float64 stage references of one case, and the kernel-side tables and tensors of its inputs."""
+
+    def __init__(self, name):
+        from flashqla_kernels.gated_delta_rule import checks
+        from flashqla_kernels.gated_delta_rule.hopper import chunk_bwd, kkt_solve
+
+        q, k, v, g, beta, do, dht, h0, cu, l2 = _case(name)
+        self.raw_q, self.dtype, self.Hk = q, q.dtype, q.shape[2]
+        qd, kd = _d(q), _d(k)
+        qn, kn = (l2norm(qd), l2norm(kd)) if l2 else (qd, kd)
+        self.scale = q.shape[-1] ** -0.5
+        fwd = chunk_bwd_recompute_ref(kn, _d(v), _d(g), _d(beta), _d(h0), cu)
+        dv_local = chunk_bwd_dv_local_ref(qn, kn, _d(do), fwd.gamma, self.scale, cu)
+        dh, dv, dh0 = chunk_bwd_dh_ref(qn, kn, fwd.w, _d(do), dv_local, fwd.gamma, self.scale, _d(dht), cu)
+        dq, dk, dw, dgam = chunk_bwd_dqkwg_ref(qn, kn, fwd.v_new, fwd.w, fwd.h, dh, _d(do), dv, fwd.gamma,
+                                               self.scale, cu)
+        wy = chunk_bwd_wy_ref(kn, _d(v), _d(beta), fwd.A, fwd.gamma, dw, dv, cu)
+        self.ref = dict(fwd=fwd, dh=dh, dv=dv, dh0=dh0, dq=dq, dk=dk, dw=dw, dgam=dgam, wy=wy,
+                        dg=chunk_local_cumsum_bwd_ref(dgam + wy[3], cu), qn=qn)
+        self.n = int(cu[-1]) if cu is not None else q.shape[1]
+        self.chunks, self.seqs = chunk_bwd.seq_tables(tuple(checks.host_offsets(cu)), q.device)
+        flat = (lambda x, dt=None: x[0].to(dt or x.dtype).contiguous())
+        self.q, self.k = flat(qn, self.dtype), flat(kn, self.dtype)
+        self.v, self.do = flat(v), flat(do.to(self.dtype))
+        self.g, self.beta = flat(g, torch.float32), flat(beta, torch.float32)
+        self.h0 = None if h0 is None else h0.float().contiguous()
+        self.dht = None if dht is None else dht.float().contiguous()
+        self.gamma, self.ag, _ = kkt_solve.kkt_solve(self.k, self.g, self.beta, self.chunks, v.shape[2])
+        self.flat = flat
+
+    def check(self, label, x, ref, tol=STAGE_RATIO):
+        """Tokens (or chunks) of every sequence only: a padded tail is never written."""
+        x = x[:self.n] if x.shape[0] >= self.n and ref.shape[0] >= self.n else x
+        ref = ref[:self.n] if ref.shape[0] >= self.n else ref
+        assert not x.isnan().any(), f"{label}: an unwritten (NaN) element"
+        assert _ratio(x, ref) <= tol, f"{label}: RMSE ratio {_ratio(x, ref):.2e}"
+
+
+STAGE_CASES = ["ragged_gva2_l2norm_padded_tail", "dim64_l2norm", "dim256_gva1"]
+
+
+@pytest.mark.parametrize("name", STAGE_CASES)
+def test_states_stage_matches_its_reference(name):
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_states
+
+    s = _Stages(name)
+    with toolkit.poisoned_outputs():
+        h, v_new = bwd_states.bwd_states(s.k, s.v, s.ag, s.gamma, s.h0, s.seqs, s.chunks.shape[0])
+    s.check("h", h, s.ref["fwd"].h[0])
+    s.check("v_new", v_new, s.ref["fwd"].v_new[0])
+
+
+@pytest.mark.parametrize("name", STAGE_CASES)
+def test_dh_stage_matches_its_reference(name):
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh
+
+    s = _Stages(name)
+    with toolkit.poisoned_outputs():
+        dh, dv, dh0 = bwd_dh.bwd_dh(s.q, s.k, s.do, s.ag, s.gamma, s.dht, s.seqs, s.chunks.shape[0], scale=s.scale,
+                                    store_dh0=True)
+    s.check("dh", dh, s.ref["dh"][0])
+    s.check("dv", dv, s.ref["dv"][0])
+    s.check("dh0", dh0, s.ref["dh0"])
+
+
+@pytest.mark.parametrize("name", STAGE_CASES)
+def test_dqkwg_stage_matches_its_reference(name):
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg
+
+    s = _Stages(name)
+    r, f = s.ref, s.flat
+    with toolkit.poisoned_outputs():
+        dq, dk, dw, dgp = bwd_dqkwg.bwd_dqkwg(s.q, s.k, f(r["fwd"].v_new, s.dtype), s.do, f(r["dv"], torch.float32),
+                                              f(r["fwd"].h, s.dtype), f(r["dh"], s.dtype), s.gamma, s.chunks,
+                                              scale=s.scale)
+    for label, x, ref in (("dq", dq, r["dq"]), ("dk", dk, r["dk"]), ("dw", dw, r["dw"])):
+        s.check(label, x, ref[0])
+    s.check("dgamma", dgp[:, :s.n].sum(0), r["dgam"][0], tol=0.02)
+
+
+@pytest.mark.parametrize("name", STAGE_CASES)
+def test_wy_stage_and_the_reverse_cumsum_match_their_references(name):
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_wy
+
+    s = _Stages(name)
+    r, f = s.ref, s.flat
+    K = s.k.shape[-1]
+    # dqkwg's partial dgamma: the reference's, all in the first K block
+    dgp = torch.zeros(K // 64, *s.gamma.shape, device=s.k.device)
+    dgp[0] = f(r["dgam"], torch.float32)
+    with toolkit.poisoned_outputs():
+        dk, dv, dbeta, dgamma, dg = bwd_wy.bwd_wy(s.k, s.v, s.beta, s.gamma, s.ag, f(r["dw"], torch.float32),
+                                                  f(r["dv"], torch.float32), dgp, s.chunks)
+    dk_r, dv_r, dbeta_r, dgamma_r = r["wy"]
+    s.check("dk", dk, dk_r[0])
+    s.check("dv", dv, dv_r[0])
+    s.check("dbeta", dbeta, dbeta_r[0], tol=0.02)
+    s.check("dgamma", dgamma, dgamma_r[0], tol=0.02)
+    s.check("dg", dg, r["dg"][0], tol=0.02)
+
+
+@pytest.mark.parametrize("name", ["ragged_gva2_l2norm_padded_tail", "dim64_l2norm"])
+def test_gva_reduction_and_l2norm_backward_match_their_references(name):
+    from flashqla_kernels.gated_delta_rule.hopper import chunk_bwd
+
+    s = _Stages(name)
+    r, f = s.ref, s.flat
+    with toolkit.poisoned_outputs():
+        qn, rq = chunk_bwd.l2norm_fwd(f(s.raw_q), s.chunks)
+        dq = chunk_bwd.gva_bwd(f(r["dq"], torch.float32), None, s.chunks, s.Hk, s.dtype, f(s.raw_q), rq)
+        dk = chunk_bwd.gva_bwd(f(r["dq"], torch.float32), f(r["dk"], torch.float32), s.chunks, s.Hk, s.dtype)
+    s.check("qn", qn, r["qn"][0], tol=STAGE_RATIO)
+    s.check("dq", dq, l2norm_bwd_ref(_d(s.raw_q), gva_reduce_ref(r["dq"], s.Hk))[0])
+    s.check("dq + dk", dk, gva_reduce_ref(r["dq"] + r["dk"], s.Hk)[0])
