@@ -102,7 +102,7 @@ class _Stages:
         from flashqla_kernels.gated_delta_rule.hopper import chunk_bwd, kkt_solve
 
         q, k, v, g, beta, do, dht, h0, cu, l2 = _case(name)
-        self.raw_q, self.dtype, self.Hk = q, q.dtype, q.shape[2]
+        self.raw_q, self.raw_k, self.dtype, self.Hk = q, k, q.dtype, q.shape[2]
         qd, kd = _d(q), _d(k)
         qn, kn = (l2norm(qd), l2norm(kd)) if l2 else (qd, kd)
         self.scale = q.shape[-1] ** -0.5
@@ -204,8 +204,11 @@ def test_gva_reduction_and_l2norm_backward_match_their_references(name):
     r, f = s.ref, s.flat
     with toolkit.poisoned_outputs():
         qn, rq = chunk_bwd.l2norm_fwd(f(s.raw_q), s.chunks)
+        _, rk = chunk_bwd.l2norm_fwd(f(s.raw_k), s.chunks)
         dq = chunk_bwd.gva_bwd(f(r["dq"], torch.float32), None, s.chunks, s.Hk, s.dtype, f(s.raw_q), rq)
-        dk = chunk_bwd.gva_bwd(f(r["dq"], torch.float32), f(r["dk"], torch.float32), s.chunks, s.Hk, s.dtype)
+        # two sources (dk's dqkwg and WY parts): here dqkwg's dq and dk stand in for them
+        dk = chunk_bwd.gva_bwd(f(r["dq"], torch.float32), f(r["dk"], torch.float32), s.chunks, s.Hk, s.dtype,
+                               f(s.raw_k), rk)
     s.check("qn", qn, r["qn"][0], tol=STAGE_RATIO)
     s.check("dq", dq, l2norm_bwd_ref(_d(s.raw_q), gva_reduce_ref(r["dq"], s.Hk))[0])
-    s.check("dq + dk", dk, gva_reduce_ref(r["dq"] + r["dk"], s.Hk)[0])
+    s.check("dq + dk", dk, l2norm_bwd_ref(_d(s.raw_k), gva_reduce_ref(r["dq"] + r["dk"], s.Hk))[0])
