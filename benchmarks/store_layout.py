@@ -226,7 +226,8 @@ def environment() -> dict:
     except OSError:
         commit = None
     return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version(), "commit": commit,
+            "load_average_1min": os.getloadavg()[0], "torch": torch.__version__, "python": platform.python_version(),
+            "commit": commit,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -258,7 +259,8 @@ def write(out: Path, result: dict) -> None:
     e, s, rows = result["env"], result["settings"], result["layouts"]
     v2 = rows["v2"]
     lines = [f"# Activation-store layout, v2 (uint16 indices) against v1 (int32) ({e['date']})", "",
-             f"CPU {e['cpu']}, {e['cores']} cores ({e['torch_threads']} torch threads), torch {e['torch']}, "
+             f"CPU {e['cpu']}, {e['cores']} cores ({e['torch_threads']} torch threads; load average "
+             f"{e['load_average_1min']:.2f} before, {e['load_average_1min_after']:.2f} after), torch {e['torch']}, "
              f"Python {e['python']}, commit {e['commit']}. Store: `collect` of the nano model, SAE codes at "
              f"{len(result['points'])} points (k {result['k']}, d_sae {result['d_sae']}), {v2['n_tokens']:,} tokens "
              f"in {result['n_shards']} shards, {v2['n_codes']:,} codes. Median of {s['runs']} runs (index, lookups, "
@@ -305,6 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
         measured = measure(Path(work), settings)
         store = ActivationStore(Path(work) / "v2")
         sae = store.point_info(sae_points(store)[0])["sae"]
+        env["load_average_1min_after"] = os.getloadavg()[0]
         result = {"env": env, "settings": {**settings, "smoke": args.smoke}, "points": sae_points(store),
                   "k": sae["k"], "d_sae": sae["d_sae"], "n_shards": len(store.shards), **measured}
     write(args.out, result)
