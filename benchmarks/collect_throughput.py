@@ -124,10 +124,11 @@ class Backends:
         from transformers.models.qwen3_5 import modeling_qwen3_5
 
         self.module = modeling_qwen3_5
+        from flashqla_kernels.patching.op import transformers_op_parts
+
         self.original = self.module.torch_chunk_gated_delta_rule
-        cells = [c.cell_contents for c in (self.original.__closure__ or []) if callable(c.cell_contents)]
-        self.fla = any(getattr(f, "__module__", "").startswith("fla") for f in cells)
-        pure = getattr(self.original, "__wrapped__", self.original)
+        implementation, pure = transformers_op_parts(self.original)
+        self.fla = getattr(implementation, "__module__", "").startswith("fla")
         params = set(inspect.signature(pure).parameters)
         self.torch_path = lambda *a, **kw: pure(*a, **{k: v for k, v in kw.items() if k in params})
 

@@ -110,14 +110,14 @@ class Arms:
         from transformers.models.qwen3_5 import modeling_qwen3_5
 
         from flashqla_kernels.patching import mlp as mlp_patch  # fails early if the package is missing
+        from flashqla_kernels.patching import op as op_patch
 
         self.model, self.device = model, device
         self.module = modeling_qwen3_5
         self.originals = {n: getattr(self.module, n) for n in ("torch_chunk_gated_delta_rule",
                                                                 "torch_recurrent_gated_delta_rule")}
-        closure = self.originals["torch_chunk_gated_delta_rule"].__closure__ or []
-        self.has_fla = any(getattr(c.cell_contents, "__module__", "").startswith("fla") for c in closure
-                           if callable(c.cell_contents))
+        implementation, _ = op_patch.transformers_op_parts(self.originals["torch_chunk_gated_delta_rule"])
+        self.has_fla = getattr(implementation, "__module__", "").startswith("fla")
         self.backend = "tilelang" if device == "cuda" else None
         self.fused_mlp_gemm = mlp_patch.FUSED_MLP_GEMM
 

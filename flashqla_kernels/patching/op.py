@@ -1,9 +1,10 @@
 """The op patch: transformers' Gated DeltaNet kernel functions pointed at our ``chunk_gated_delta_rule`` /
 ``recurrent_gated_delta_rule``.
 
-transformers 5.15-5.24 look the kernel functions up as module globals of each modeling file on every call
+transformers 5.15+ look the kernel functions up as module globals of each modeling file on every call
 (``torch_chunk_gated_delta_rule`` for prefill, ``torch_recurrent_gated_delta_rule`` for the T = 1 decode step), so
-replacing those globals switches every model of the family at once, including models built later. Older versions
+replacing those globals switches every model of the family at once, including models built later (from 5.25 the
+global is a ``kernels`` function module; the forward still calls the global, so the swap is the same). Older versions
 (4.57-5.14) keep the functions as instance attributes of each GDN layer (``chunk_gated_delta_rule``,
 ``recurrent_gated_delta_rule``): :func:`patch_instances` replaces those on a given model.
 
@@ -20,7 +21,7 @@ from flashqla_kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_
 from flashqla_kernels.patching import families, registry
 
 __all__ = ["GROUP", "GLOBALS", "ATTRS", "chunk_replacement", "recurrent_replacement", "patch_globals",
-           "patch_instances"]
+           "patch_instances", "transformers_op_parts"]
 
 GROUP = "op"
 # module global (5.15+) / instance attribute (<5.15) -> which of our ops replaces it
@@ -88,3 +89,28 @@ def patch_instances(model: torch.nn.Module, backend: str | None) -> list[str]:
                 registry.swap(module, attr, _replacement(kind, backend), group=GROUP, target=target)
                 patched.append(target)
     return patched
+
+
+def transformers_op_parts(fn) -> tuple:
+    """What one of transformers' kernel-function globals runs: ``(implementation, torch_function)``.
+
+    The global is a wrapper closing over both (the implementation is FLA's function where FLA is importable, else
+    the torch function itself); from transformers 5.25 that wrapper sits inside a ``kernels`` ``Func`` module whose
+    forward closes over it. Anything else (one of our replacements, a plain function) is its own implementation.
+
+    Example:
+        >>> impl, pure = transformers_op_parts(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+        >>> impl.__module__.startswith("fla")  # transformers would run FLA's kernel
+    """
+    if isinstance(fn, torch.nn.Module):
+        # the kernels package names it ``func``; any callable the forward closes over is the wrapper
+        free = _free_vars(type(fn).forward)
+        fn = free.get("func") or next((v for v in free.values() if callable(v)), fn)
+    free = _free_vars(fn)
+    pure = free.get("torch_function", getattr(fn, "__wrapped__", fn))
+    return free.get("implementation", pure), pure
+
+
+def _free_vars(fn) -> dict:
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    return dict(zip(code.co_freevars, (c.cell_contents for c in cells))) if code is not None else {}

@@ -123,3 +123,33 @@ def test_patch_rejects_unknown_backend():
     with pytest.raises(ValueError, match="got 'cuda'"):
         patch_transformers(backend="cuda")
     assert not is_patched()
+
+
+def test_transformers_op_parts_finds_the_implementation_and_the_torch_function():
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    implementation, pure = patch_mod.transformers_op_parts(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    # no FLA on this machine: transformers' wrapper runs its own torch function
+    assert implementation is pure and pure.__module__ == modeling_qwen3_5.__name__
+    assert "chunk_size" in __import__("inspect").signature(pure).parameters
+
+    def torch_fn(x):
+        return x
+
+    def fla_fn(x):
+        return -x
+
+    def wrapper(implementation, torch_function):
+        def wrapped(*args):
+            return implementation(*args) if torch_function else None
+        return wrapped
+
+    wrapped = wrapper(fla_fn, torch_fn)
+
+    class Func(torch.nn.Module):  # the kernels package's function module: its forward closes over the wrapper
+        def forward(self, *args):
+            return wrapped(*args)
+
+    assert patch_mod.transformers_op_parts(wrapped) == (fla_fn, torch_fn)
+    assert patch_mod.transformers_op_parts(Func()) == (fla_fn, torch_fn)
+    assert patch_mod.transformers_op_parts(torch_fn) == (torch_fn, torch_fn)
