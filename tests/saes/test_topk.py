@@ -240,3 +240,20 @@ def test_cuda_matches_cpu():
     gpu = _sae().cuda()
     torch.testing.assert_close(gpu(x.cuda().bfloat16()).cpu(), sae(x.bfloat16()), rtol=0.02, atol=0.02)
     torch.testing.assert_close(gpu.encode(x.cuda()).cpu(), sae.encode(x), rtol=1e-4, atol=1e-4)
+
+
+def test_reconstruction_and_error_skip_the_host_side_index_check(monkeypatch):
+    """The range check of user-given SparseCodes reads indices on the host (a device sync on CUDA); codes from the
+    SAE's own top-k need none, so forward and error never run it."""
+    sae = _sae()
+    x = torch.randn(4, D_MODEL)
+    want_recon, want_err = sae(x), sae.error(x)
+
+    def no_host_read(*_):
+        raise AssertionError("the index range check ran")
+
+    monkeypatch.setattr(torch, "aminmax", no_host_read)
+    torch.testing.assert_close(sae(x), want_recon, rtol=0, atol=0)
+    torch.testing.assert_close(sae.error(x), want_err, rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="range check"):
+        sae.decode(sae.encode_sparse(x))
