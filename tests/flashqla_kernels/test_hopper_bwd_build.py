@@ -3,7 +3,7 @@ with the local nvcc (no GPU), the launcher asks for exactly the specialisations 
 ``backward.precompile()`` fills the cache the GPU test reads), and no kernel sums with atomics (determinism).
 
 The default run builds the Qwen3.5 layout (Hk = 16, Hv = 32, K = V = 128, bf16) with and without the in-kernel
-l2norm; ``-m slow`` adds head dims 64 / 256, fp16 and the GPU test's other layouts. Fill a cache for a GPU machine:
+l2norm; ``-m slow`` adds head dims 64 / 256 and fp16. Fill a cache for a GPU machine:
 ``TILELANG_CACHE_DIR=<dir> python -c "from flashqla_kernels.gated_delta_rule.hopper import backward;
 backward.precompile()"``.
 """
@@ -45,12 +45,12 @@ def _lazy_specs(*layouts):
 
 
 QWEN = [(16, 32, 128, 128, "bfloat16", l2, True, True) for l2 in (True, False)]
+# one layout per head dim and dtype: the GPU test's own layouts are compiled by ``precompile`` for the device, and
+# every one of them in CI would add minutes of nvcc for no new lowering path
 EXTRA_LAYOUTS = [
     (2, 4, 64, 64, "float16", True, False, False),
     (2, 2, 256, 256, "bfloat16", False, True, True),
-    (4, 16, 256, 256, "float16", True, True, False),
     (16, 32, 128, 128, "float16", False, False, False),
-    *backward.TESTED_LAYOUTS,
 ]
 CORE = _lazy_specs(*QWEN)
 CORE_KEYS = {(b.__name__, a) for b, a in CORE}
@@ -93,7 +93,7 @@ def _cpu_inputs(Hk, Hv, K, V, dtype, lens, pad, dense_batch=None):
     return q, k, v, g, beta, do, N, cu
 
 
-@pytest.mark.parametrize("layout", [QWEN[0], *EXTRA_LAYOUTS[:3], (2, 4, 96, 40, "bfloat16", True, True, False)])
+@pytest.mark.parametrize("layout", [QWEN[0], *EXTRA_LAYOUTS, (2, 4, 96, 40, "bfloat16", True, True, False)])
 def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatch):
     """The launcher run on CPU tensors with the compiler replaced by a recorder: what it asks for is
     ``kernel_specs`` of its (padded) layout, so ``precompile`` builds what a GPU run loads."""
