@@ -140,6 +140,9 @@ class _LayerSteer:
         self.directions = sae.decoder_directions([e.feature for e in self.edits]).float()  # [n, d_model]
         # Parsed once here, not on every forward pass of every decode step.
         self.positions = [parse_steer_positions(e.positions) for e in self.edits]
+        # the features a clamp / ablate reads, and each such edit's column among them
+        self.column = {j: c for c, j in enumerate(j for j, e in enumerate(self.edits) if e.mode != "add")}
+        self.clamped = torch.tensor([self.edits[j].feature for j in self.column], dtype=torch.long)
 
     def __call__(self, act: torch.Tensor, ctx: InterventionContext) -> torch.Tensor:
         # Without an explicit prompt length, the first prefill pass defines it.
@@ -149,8 +152,9 @@ class _LayerSteer:
         h = act.float()
         directions = self.directions.to(h.device)
         delta = torch.zeros_like(h)
-        needs_codes = any(e.mode != "add" for e in self.edits)
-        codes = self.sae.encode(h).float() if needs_codes else None  # [B, T, d_sae]
+        # the clamped features' codes only: no top-k sort over all d_sae (the engine computes them the same way)
+        codes = (self.sae.feature_codes(h, self.clamped.to(h.device)).float()
+                 if self.column else None)  # [B, T, clamped edits]
         for j, e in enumerate(self.edits):
             mask = _mask(self.positions[j], ctx.positions, prompt_length)[None, :, None].to(h.dtype)  # [1, T, 1]
             d = directions[j]
@@ -162,7 +166,7 @@ class _LayerSteer:
                     size = h.norm(dim=-1, keepdim=True) if e.scale == "norm" else 1.0
                     step = e.value * size * unit
             else:
-                z = codes[..., e.feature : e.feature + 1]  # [B, T, 1]
+                z = codes[..., self.column[j], None]  # [B, T, 1]
                 step = (e.value - z) * d
             delta = delta + mask * step
         return (h + delta).to(act.dtype)
