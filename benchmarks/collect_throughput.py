@@ -123,9 +123,9 @@ class Backends:
     def __init__(self):
         from transformers.models.qwen3_5 import modeling_qwen3_5
 
-        self.module = modeling_qwen3_5
         from flashqla_kernels.patching.op import transformers_op_parts
 
+        self.module = modeling_qwen3_5
         self.original = self.module.torch_chunk_gated_delta_rule
         implementation, pure = transformers_op_parts(self.original)
         self.fla = getattr(implementation, "__module__", "").startswith("fla")
