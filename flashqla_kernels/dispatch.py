@@ -6,8 +6,9 @@ returns a :class:`Decision`; ``explain`` renders the same decision as text for t
 
 ``backend``: ``None`` picks the kernel when every verifier passes and the torch formulation otherwise; ``"torch"``
 always runs torch; ``"tilelang"`` runs the kernel or raises one ``ValueError`` naming the reason. Inputs that require
-grad are a verifier of their own (``grad=``): the kernels are forward-only, so such a call takes the differentiable
-torch path, and the decision says so (``grad_fallback``).
+grad are a verifier of their own (``grad=``) for the ops whose kernels are forward-only (the decoder's glue stages,
+the recurrent GDN step): such a call takes the differentiable torch path, and the decision says so
+(``grad_fallback``). An op with a backward kernel (the GDN chunk op) passes no ``grad=`` tensors.
 
 Importing this module touches neither CUDA nor tilelang.
 
@@ -68,9 +69,9 @@ def hopper_reason(*tensors: torch.Tensor | None) -> str | None:
 
 
 def grad_reason(*tensors: torch.Tensor | None) -> str | None:
-    """Why the forward-only kernels must not run (an input requires grad under grad mode), or None."""
+    """Why a forward-only kernel must not run (an input requires grad under grad mode), or None."""
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
-        return "an input requires grad and the TileLang kernels are forward-only"
+        return "an input requires grad and this TileLang kernel is forward-only"
     return None
 
 

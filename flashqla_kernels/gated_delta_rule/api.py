@@ -2,10 +2,14 @@
 step, dispatched between the TileLang Hopper kernels and the torch path by ``flashqla_kernels.dispatch``.
 
 Dispatch (``backend=None``): the TileLang kernels when every verifier passes (CUDA tensors on an sm_90 GPU, the
-dtypes, head dims and shapes the kernels take, T > 0, no input requiring grad), else the torch path.
-``backend="torch"`` always runs the torch path; ``backend="tilelang"`` runs the kernels or raises one ``ValueError``
-naming the reason. Inputs that require grad fall back to the differentiable torch path with a one-time warning (the
-kernels are forward-only). ``explain_backend(...)`` returns the decision and every reason as text.
+dtypes, head dims and shapes the kernels take, T > 0), else the torch path. ``backend="torch"`` always runs the torch
+path; ``backend="tilelang"`` runs the kernels or raises one ``ValueError`` naming the reason.
+``explain_backend(...)`` returns the decision and every reason as text.
+
+Gradients: the chunk op's kernels have a Hopper backward, so under grad (and under ``torch.compile``) the kernel path
+runs through the differentiable custom op ``flashqla_kernels::chunk_gated_delta_rule`` (``hopper.custom_op``); an
+eager call without grad calls the forward launcher directly. The recurrent kernel is forward-only: a recurrent call
+whose inputs require grad falls back to the differentiable torch path with a one-time warning.
 
 The Hopper launcher is imported inside the functions that need it: importing this module touches neither CUDA nor
 tilelang (nor does importing the launcher: its stage modules load tilelang on the first kernel call).
@@ -60,18 +64,24 @@ def _recurrent_shape_reason(K: int, V: int) -> str | None:
     return recurrent.shape_reason(K, V)
 
 
+def _grad_tensors(op: str, q, k, v, g, beta, initial_state) -> tuple:
+    # the tensors whose requiring grad sends a call to the torch path: none for the chunk op (it has a backward)
+    return () if op == "chunk" else (q, k, v, g, beta, initial_state)
+
+
 def _decide(op: str, backend, q, k, v, g, beta, initial_state, cu_seqlens) -> dispatch.Decision:
     return dispatch.decide(OPS[op], backend, *_verifiers(op, q, k, v, g, beta, initial_state, cu_seqlens),
-                           grad=(q, k, v, g, beta, initial_state))
+                           grad=_grad_tensors(op, q, k, v, g, beta, initial_state))
 
 
 def _warn_grad_once() -> None:
     global _warned_grad
     if not _warned_grad:
         _warned_grad = True
-        warnings.warn("flashqla_kernels: inputs require grad and the TileLang kernels are forward-only; running the "
-                      "differentiable torch path instead (slower). Wrap inference in torch.no_grad() to use the "
-                      "kernels. This warning is shown once.", UserWarning, stacklevel=3)
+        warnings.warn("flashqla_kernels: inputs require grad and the recurrent TileLang kernel is forward-only; "
+                      "running the differentiable torch path instead (slower). Use chunk_gated_delta_rule for "
+                      "training, or wrap decoding in torch.no_grad(). This warning is shown once.", UserWarning,
+                      stacklevel=3)
 
 
 def explain_backend(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -93,17 +103,23 @@ def explain_backend(q, k, v, g, beta, scale=None, initial_state=None, output_fin
         raise ValueError(f"op must be 'chunk' or 'recurrent'; got {op!r}")
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     return dispatch.explain(OPS[op], backend, *_verifiers(op, q, k, v, g, beta, initial_state, cu_seqlens),
-                            grad=(q, k, v, g, beta, initial_state))
+                            grad=_grad_tensors(op, q, k, v, g, beta, initial_state))
+
+
+def _needs_autograd(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
 
 def _tilelang_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                     cu_seqlens):
-    from flashqla_kernels.gated_delta_rule.hopper import forward
+    from flashqla_kernels.gated_delta_rule.hopper import custom_op, forward
 
-    return forward.chunk_gated_delta_rule_fwd(
-        q, k, v, g, beta, scale=resolve_scale(scale, k.shape[-1]), initial_state=initial_state,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        cu_seqlens=cu_seqlens)
+    launch = forward.chunk_gated_delta_rule_fwd
+    if _needs_autograd(q, k, v, g, beta, initial_state) or torch.compiler.is_compiling():
+        launch = custom_op.chunk_gated_delta_rule
+    return launch(q, k, v, g, beta, scale=resolve_scale(scale, k.shape[-1]), initial_state=initial_state,
+                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                  cu_seqlens=cu_seqlens)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -123,7 +139,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         backend: None (automatic), "torch" or "tilelang"; see ``explain_backend``.
 
     Returns:
-        (o [B, T, Hv, V] in q.dtype, final_state [N, Hv, K, V] fp32 (fp64 for fp64 inputs) or None).
+        (o [B, T, Hv, V] in q.dtype, final_state [N, Hv, K, V] fp32 (fp64 for fp64 inputs) or None). Both are
+        differentiable in q, k, v, g, beta and initial_state on either backend (the kernels' Hopper backward, or
+        autograd through the torch path).
 
     Example:
         >>> o, state = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
@@ -134,8 +152,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
     if decision.kernel:
         return _tilelang_chunk(*args)
-    if decision.grad_fallback:
-        _warn_grad_once()
     return chunk_gated_delta_rule_torch(*args)
 
 

@@ -80,6 +80,9 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> int:
     if B != 1:
         raise ValueError(f"with cu_seqlens the sequences are packed along T, so B must be 1; got B={B}. "
                          "Flatten with x.reshape(1, -1, *x.shape[2:]) and pass offsets.")
+    if torch.compiler.is_compiling():
+        # reading the offsets is a host sync that would split the traced graph; an eager call checks them
+        return cu_seqlens.shape[0] - 1
     offsets = host_offsets(cu_seqlens)
     if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] > T:
         # cu_seqlens[-1] < T is a padded tail (FlashQLA's packed batches): ignored, its outputs 0

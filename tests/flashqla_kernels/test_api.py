@@ -1,5 +1,5 @@
 """The public op on CPU: torch path vs the float64 reference and transformers' fallback, dtypes, strides, varlen,
-gradients, the decode step, and dispatch (verifiers, reasons, forced backends, the grad fallback warning)."""
+gradients, the decode step, and dispatch (verifiers, reasons, forced backends, the recurrent op's grad fallback)."""
 from __future__ import annotations
 
 import re
@@ -187,7 +187,9 @@ def test_forced_tilelang_on_cpu_and_unknown_backend_raise_clear_errors():
         chunk_gated_delta_rule(q, k, v, g, beta, backend="triton")
 
 
-def test_dispatch_uses_kernels_when_verifiers_pass_and_warns_once_on_grad(monkeypatch):
+def test_dispatch_uses_kernels_when_verifiers_pass_with_or_without_grad(monkeypatch):
+    """The chunk op has a backward: inputs requiring grad keep the kernels. The recurrent kernel is forward-only:
+    its grad inputs take the torch path with one warning, and backend='tilelang' raises."""
     q, k, v, g, beta, _ = make_inputs(1, 8, 1, 2)
     calls = []
 
@@ -203,23 +205,25 @@ def test_dispatch_uses_kernels_when_verifiers_pass_and_warns_once_on_grad(monkey
     assert explain_backend(q, k, v, g, beta).startswith("chunk_gated_delta_rule: backend tilelang")
 
     qg = q.clone().requires_grad_()
-    with pytest.warns(UserWarning, match="forward-only"):
-        o, _ = chunk_gated_delta_rule(qg, k, v, g, beta)
-    assert o.requires_grad and len(calls) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         chunk_gated_delta_rule(qg, k, v, g, beta)
-    with torch.no_grad():
-        chunk_gated_delta_rule(qg, k, v, g, beta)
-    assert len(calls) == 2
-    # forced backend: the kernels or one error, never a silent fallback
-    with pytest.raises(ValueError, match="requires grad.*forward-only"):
-        chunk_gated_delta_rule(qg, k, v, g, beta, backend="tilelang")
-    assert explain_backend(qg, k, v, g, beta, backend="tilelang").startswith(
-        "chunk_gated_delta_rule: error: backend='tilelang'")
-    with torch.no_grad():
         chunk_gated_delta_rule(qg, k, v, g, beta, backend="tilelang")
     assert len(calls) == 3
+    assert explain_backend(qg, k, v, g, beta, backend="tilelang").startswith(
+        "chunk_gated_delta_rule: backend tilelang")
+
+    with pytest.warns(UserWarning, match="recurrent TileLang kernel is forward-only"):
+        o, _ = recurrent_gated_delta_rule(qg, k, v, g, beta)
+    assert o.requires_grad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        recurrent_gated_delta_rule(qg, k, v, g, beta)
+    # forced backend: the kernels or one error, never a silent fallback
+    with pytest.raises(ValueError, match="requires grad.*forward-only"):
+        recurrent_gated_delta_rule(qg, k, v, g, beta, backend="tilelang")
+    assert explain_backend(qg, k, v, g, beta, backend="tilelang", op="recurrent").startswith(
+        "recurrent_gated_delta_rule: error: backend='tilelang'")
 
 
 @pytest.mark.parametrize("change, reason", [

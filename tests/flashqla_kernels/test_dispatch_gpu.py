@@ -1,5 +1,5 @@
 """On an sm_90 GPU: the public op dispatches to the TileLang kernels and matches the float64 reference, grad inputs
-fall back to the torch path, and a patched bf16 Qwen3.5-shaped model (head dim 128) matches the unpatched one."""
+keep the kernels (the Hopper backward), and a patched bf16 Qwen3.5-shaped model (head dim 128) matches the unpatched one."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,6 @@ import torch
 from flashqla_kernels import (
     chunk_gated_delta_rule, explain_backend, patched_transformers, recurrent_gated_delta_rule,
 )
-from flashqla_kernels.gated_delta_rule import api
 from flashqla_kernels.gated_delta_rule.reference import recurrent_gated_delta_rule_ref
 from tests.flashqla_kernels.test_reference import make_inputs
 
@@ -49,18 +48,19 @@ def test_public_op_runs_the_kernels_and_matches_the_reference():
     assert rel_l2(o_dec, o_ref[:, :1]) <= 5e-3
 
 
-def test_grad_inputs_fall_back_to_the_differentiable_torch_path(monkeypatch):
+def test_grad_inputs_keep_the_kernels_and_the_gradient_matches_the_reference():
     q, k, v, g, beta, h0, cu = _cuda_inputs([70, 1])
-    monkeypatch.setattr(api, "_warned_grad", False)
-    v = v.detach().requires_grad_()  # bf16 inputs the kernels support, but one requires grad
-    with pytest.warns(UserWarning, match="forward-only"):
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu,
-                                      use_qk_l2norm_in_kernel=True)
-    (dv,) = torch.autograd.grad(o.sum(), v)
+    v = v.detach().requires_grad_()  # bf16 inputs the kernels support, one requiring grad
+    assert explain_backend(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu).startswith(
+        "chunk_gated_delta_rule: backend tilelang")
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                  use_qk_l2norm_in_kernel=True)
+    (dv,) = torch.autograd.grad(o.float().sum() + s.sum(), v)
     vd = v.detach().double().requires_grad_()
-    o_ref, _ = recurrent_gated_delta_rule_ref(q.double(), k.double(), vd, g.double(), beta.double(),
-                                              initial_state=h0.double(), cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
-    (dv_ref,) = torch.autograd.grad(o_ref.sum(), vd)
+    o_ref, s_ref = recurrent_gated_delta_rule_ref(q.double(), k.double(), vd, g.double(), beta.double(),
+                                                  initial_state=h0.double(), output_final_state=True, cu_seqlens=cu,
+                                                  use_qk_l2norm_in_kernel=True)
+    (dv_ref,) = torch.autograd.grad(o_ref.sum() + s_ref.sum(), vd)
     assert dv.dtype == torch.bfloat16 and rel_l2(dv, dv_ref) <= 1e-2
 
 

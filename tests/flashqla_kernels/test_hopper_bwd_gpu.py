@@ -212,3 +212,68 @@ def test_gva_reduction_and_l2norm_backward_match_their_references(name):
     s.check("qn", qn, r["qn"][0], tol=STAGE_RATIO)
     s.check("dq", dq, l2norm_bwd_ref(_d(s.raw_q), gva_reduce_ref(r["dq"], s.Hk))[0])
     s.check("dq + dk", dk, l2norm_bwd_ref(_d(s.raw_k), gva_reduce_ref(r["dq"] + r["dk"], s.Hk))[0])
+
+
+def _public_grads(fn, case, strided=False):
+    """Gradients of <o, do> + <final state, dht> through ``fn`` (the public op's signature), and o."""
+    q, k, v, g, beta, do, dht, h0, cu, l2 = case
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    qq, kk = leaves[0], leaves[1]
+    if strided:  # q and k as slices of one fused projection, as transformers' layer passes them
+        qk = torch.cat([leaves[0], leaves[1]], dim=-1)
+        qq, kk = qk[..., :q.shape[-1]], qk[..., q.shape[-1]:]
+    o, ht = fn(qq, kk, *leaves[2:5], initial_state=leaves[5], output_final_state=True, use_qk_l2norm_in_kernel=l2,
+               cu_seqlens=cu)
+    torch.autograd.backward((o, ht), (do, dht))
+    return o, [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided_qk"])
+def test_public_op_under_grad_runs_the_backward_kernels_at_fla_tolerances(strided, monkeypatch):
+    from flashqla_kernels import chunk_gated_delta_rule, explain_backend
+
+    launches = []
+    bwd = backward.chunk_gated_delta_rule_bwd
+    monkeypatch.setattr(backward, "chunk_gated_delta_rule_bwd", lambda *a, **kw: launches.append(1) or bwd(*a, **kw))
+
+    case = _case("ragged_gva2_l2norm_padded_tail")
+    q, k, v, g, beta, do, dht, h0, cu, l2 = case
+    assert explain_backend(q.requires_grad_(), k, v, g, beta, initial_state=h0, cu_seqlens=cu).startswith(
+        "chunk_gated_delta_rule: backend tilelang")
+    q.requires_grad_(False)
+    o, grads = _public_grads(chunk_gated_delta_rule, case, strided)
+    assert len(launches) == 1, "the backward did not run on the Hopper kernels"
+    want = chunk_gated_delta_rule_bwd_ref(_d(q), _d(k), _d(v), _d(g), _d(beta), _d(do), _d(dht),
+                                          initial_state=_d(h0), use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
+    for label, x, ref, like in zip(NAMES, grads, want, (q, k, v, g, beta, h0)):
+        assert x is not None and x.dtype == like.dtype and x.shape == like.shape, label
+        assert not x.isnan().any(), label
+        assert _ratio(x, ref) <= RMSE_RATIO[label], f"{label}: RMSE ratio {_ratio(x, ref):.2e}"
+    _, again = _public_grads(chunk_gated_delta_rule, case, strided)
+    for label, x, x2 in zip(NAMES, grads, again):
+        assert torch.equal(x, x2), f"two runs differ in {label}"
+
+
+def test_public_op_compiles_with_torch_compile_and_passes_opcheck():
+    from flashqla_kernels import chunk_gated_delta_rule
+
+    case = _case("ragged_gva2_l2norm_padded_tail")
+    q, k, v, g, beta, do, dht, h0, cu, l2 = case
+
+    def step(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                       output_final_state=output_final_state,
+                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+        return o * 1.5, ht
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    o_c, grads_c = _public_grads(compiled, case)
+    o_e, grads_e = _public_grads(step, case)
+    torch.testing.assert_close(o_c, o_e)
+    for label, x_c, x_e in zip(NAMES, grads_c, grads_e):
+        assert torch.equal(x_c, x_e), f"compiled and eager {label} differ"
+    torch._dynamo.reset()
+    xs = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    torch.library.opcheck(torch.ops.flashqla_kernels.chunk_gated_delta_rule.default,
+                          (*xs[:5], xs[5], cu, q.shape[-1] ** -0.5, True, l2))

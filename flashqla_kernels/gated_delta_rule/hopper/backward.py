@@ -5,8 +5,8 @@ the backward stages (``chunk_bwd``'s docstring has the math of each):
 
 Saved versus recomputed: the backward takes only the forward's inputs (q, k, v, g, beta, h0) and recomputes gamma,
 X = Ag (the forward's ``kkt_solve``), the normalised q / k, the per-chunk states h and v_new (``bwd_states``), as
-FLA's backward does for everything but A. Not yet wired into the public op, the autograd Function or the dispatcher:
-``tests/flashqla_kernels/test_hopper_bwd_gpu.py`` verifies it on an sm_90 GPU first.
+FLA's backward does for everything but A. The public op reaches it through the custom op's autograd formula
+(``custom_op.py``); ``tests/flashqla_kernels/test_hopper_bwd_gpu.py`` checks it on an sm_90 GPU.
 
 Imports torch only; the stage modules (and tilelang) load on the first call. ``precompile()`` compiles every
 specialisation the GPU test runs (``TESTED_LAYOUTS``), so TileLang's disk cache can be filled on a CPU machine.

@@ -1,0 +1,105 @@
+"""The Hopper chunked gated delta rule as ``torch.library`` custom ops with autograd: the forward launcher
+(``forward.chunk_gated_delta_rule_fwd``) as ``flashqla_kernels::chunk_gated_delta_rule``, the backward launcher
+(``backward.chunk_gated_delta_rule_bwd``) as ``flashqla_kernels::chunk_gated_delta_rule_bwd``, joined by
+``register_autograd``.
+
+Why custom ops and not a bare ``autograd.Function``: ``torch.compile`` traces a custom op as one node (from its fake
+implementation) instead of graph-breaking inside the launchers, and AOTAutograd places its backward in the compiled
+backward graph.
+
+Saved for the backward: the forward's inputs only (q, k, v, g, beta, initial_state, cu_seqlens). The backward
+recomputes gamma, the WY factors and the chunk states from them (``backward``'s docstring), as FlashQLA does: nothing
+of O(T x K x V) lives between forward and backward. Not twice differentiable.
+
+The public op (``api.chunk_gated_delta_rule``) calls these under grad and under ``torch.compile``; an eager call
+without grad calls the launcher directly (the dispatcher's Python costs more than the op on short inputs).
+Importing this module registers the ops; it touches neither CUDA nor tilelang.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flashqla_kernels.gated_delta_rule.hopper import backward, forward
+
+__all__ = ["chunk_gated_delta_rule"]
+
+
+def _num_seqs(q: Tensor, cu_seqlens: Tensor | None) -> int:
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+@torch.library.custom_op("flashqla_kernels::chunk_gated_delta_rule", mutates_args=())
+def _forward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+                cu_seqlens: Tensor | None, scale: float, output_final_state: bool,
+                use_qk_l2norm_in_kernel: bool) -> tuple[Tensor, Tensor]:
+    o, ht = forward.chunk_gated_delta_rule_fwd(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+    # a custom op returns tensors only: no final state is an empty one
+    return o, (ht if ht is not None else q.new_empty((0,), dtype=torch.float32))
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm_in_kernel):
+    Hv, K, V = v.shape[2], k.shape[3], v.shape[3]
+    ht_shape = (_num_seqs(q, cu_seqlens), Hv, K, V) if output_final_state else (0,)
+    return v.new_empty(v.shape, dtype=q.dtype), q.new_empty(ht_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("flashqla_kernels::chunk_gated_delta_rule_bwd", mutates_args=())
+def _backward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, do: Tensor, dht: Tensor | None,
+                 initial_state: Tensor | None, cu_seqlens: Tensor | None, scale: float,
+                 use_qk_l2norm_in_kernel: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv, dg, dbeta, dh0 = backward.chunk_gated_delta_rule_bwd(
+        q, k, v, g, beta, do, dht, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return dq, dk, dv, dg, dbeta, (dh0 if dh0 is not None else q.new_empty((0,), dtype=torch.float32))
+
+
+@_backward_op.register_fake
+def _backward_fake(q, k, v, g, beta, do, dht, initial_state, cu_seqlens, scale, use_qk_l2norm_in_kernel):
+    dh0_shape = tuple(initial_state.shape) if initial_state is not None else (0,)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape), q.new_empty(dh0_shape, dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, l2norm = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+    ctx.scale, ctx.output_final_state, ctx.l2norm = scale, output_final_state, l2norm
+
+
+def _backward(ctx, do, dht):
+    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+    if do is None:  # only the final state was used
+        do = torch.zeros(v.shape, dtype=q.dtype, device=q.device)
+    dht = dht if ctx.output_final_state else None
+    dq, dk, dv, dg, dbeta, dh0 = _backward_op(q, k, v, g, beta, do, dht, initial_state, cu_seqlens, ctx.scale,
+                                              ctx.l2norm)
+    dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
+    return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
+
+
+torch.library.register_autograd("flashqla_kernels::chunk_gated_delta_rule", _backward, setup_context=_setup_context)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """The Hopper forward through the differentiable custom op.
+
+    Args:
+        As ``forward.chunk_gated_delta_rule_fwd`` (inputs the kernels take: the caller has checked them), scale
+        resolved to a float.
+
+    Returns:
+        (o [B, T, Hv, V] in q's dtype, final state [N, Hv, K, V] fp32 or None); gradients flow to q, k, v, g, beta
+        and initial_state through the Hopper backward.
+
+    Example:
+        >>> o, ht = chunk_gated_delta_rule(q, k, v, g, beta, scale=128 ** -0.5, output_final_state=True)
+        >>> torch.autograd.backward((o, ht), (do, dht))
+    """
+    o, ht = _forward_op(q, k, v, g, beta, initial_state, cu_seqlens, float(scale), bool(output_final_state),
+                        bool(use_qk_l2norm_in_kernel))
+    return o, (ht if output_final_state else None)
