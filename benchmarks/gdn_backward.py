@@ -13,7 +13,9 @@ FlashQLA 0.1.3's backward kernel fails tilelang 0.1.15's buffer-initialisation c
 the pass config ``tl.disable_buffer_init_check`` on (``--no-qla-fix`` leaves tilelang as it is).
 
 Usage (GPU): ``python benchmarks/gdn_backward.py --out benchmarks/results`` writes ``gdn_backward.json`` and ``.md``
-after every row; ``--configs 0,7`` narrows the suite, ``--rows suite|anchors|all``.
+after every row; ``--configs 0,7`` narrows the suite, ``--rows suite|anchors|all``. ``--precompile-only`` (no GPU)
+builds the backward kernels of the chosen rows into TileLang's cache (``benchmarks/precompile_h200.sh`` calls it;
+the forward's come from ``gdn_forward.py --precompile``).
 """
 from __future__ import annotations
 
@@ -78,7 +80,39 @@ def floor_ms(Hk, Hv, seqlen, nseq) -> tuple[float, float]:
     return nbytes / fwd.FLOOR_BYTES_PER_S * 1e3, flops / fwd.FLOOR_FLOP_PER_S * 1e3
 
 
-def run_row(cfg) -> dict:
+def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
+    """Internal: medians (ms) of the Hopper backward's stages on these inputs, each launched alone on the others'
+    outputs (``backward._launch``'s order). Not the user's number: that is the "ours" column."""
+    import triton.testing
+
+    from flashqla_kernels.gated_delta_rule import checks
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve
+
+    Tn, Hk, Kd = q.shape[1], q.shape[2], q.shape[3]
+    Hv = v.shape[2]
+    q3, k3, v3, do3 = q[0].detach(), k[0].detach(), v[0].detach(), do[0]
+    g3, b3 = g[0].detach().float().contiguous(), beta[0].detach().float().contiguous()
+    h0, scale = h0.detach(), Kd ** -0.5
+    chunks, seqs = chunk_bwd.seq_tables(tuple(checks.host_offsets(cu)), q.device)
+    NC = chunks.shape[0]
+    bench = (lambda fn: float(triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")))
+    gamma, ag, _ = kkt_solve.kkt_solve(k3, g3, b3, chunks, Hv)
+    h, v_new = bwd_states.bwd_states(k3, v3, ag, gamma, h0, seqs, NC)
+    dh, du, _ = bwd_dh.bwd_dh(q3, k3, do3, ag, gamma, dht, seqs, NC, scale=scale, store_dh0=True)
+    dq_v, dk_v, dw, dgp = bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
+    dk_wy = bwd_wy.bwd_wy(k3, v3, b3, gamma, ag, dw, du, dgp, chunks)[0]
+    return {
+        "kkt_solve": bench(lambda: kkt_solve.kkt_solve(k3, g3, b3, chunks, Hv)),
+        "states": bench(lambda: bwd_states.bwd_states(k3, v3, ag, gamma, h0, seqs, NC)),
+        "dh": bench(lambda: bwd_dh.bwd_dh(q3, k3, do3, ag, gamma, dht, seqs, NC, scale=scale, store_dh0=True)),
+        "dqkwg": bench(lambda: bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)),
+        "wy": bench(lambda: bwd_wy.bwd_wy(k3, v3, b3, gamma, ag, dw, du, dgp, chunks)),
+        "gva": bench(lambda: (chunk_bwd.gva_bwd(dq_v, None, chunks, Hk, q.dtype),
+                              chunk_bwd.gva_bwd(dk_v, dk_wy, chunks, Hk, q.dtype))),
+    }
+
+
+def run_row(cfg, stages=False) -> dict:
     import triton.testing
 
     Hk, Hv, seqlen, nseq = cfg
@@ -106,6 +140,11 @@ def run_row(cfg) -> dict:
         for name, gs in grads.items():
             if name != "fla":
                 row["grad_rel_l2_vs_fla"][name] = {n: rel_l2(a, b) for n, a, b in zip(names, gs, grads["fla"])}
+    if stages and "ours" in row["ms"]:
+        try:
+            row["stages_ms"] = stage_ms(q, k, v, g, beta, h0, cu, do, dht)
+        except Exception as e:  # noqa: BLE001 - internal detail; the row stands without it
+            row.setdefault("errors", {})["stages"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     if cfg in ANCHOR_FWD_BWD_MS:
         row["anchor_fla_ms"], row["anchor_flashqla_ms"] = ANCHOR_FWD_BWD_MS[cfg]
     ms = row["ms"]
@@ -114,6 +153,19 @@ def run_row(cfg) -> dict:
     del q, k, v, g, beta, h0, grads
     torch.cuda.empty_cache()
     return row
+
+
+def precompile(rows) -> int:
+    """Compile the backward kernels of ``rows`` (bf16, K = V = 128, no l2norm, h0 and dht as ``run_row`` passes
+    them); needs nvcc, no GPU. Returns the number of kernels."""
+    from flashqla_kernels import toolkit
+    from flashqla_kernels.gated_delta_rule.hopper import backward
+
+    specs = {spec for Hk, Hv, _, _ in rows
+             for spec in backward.kernel_specs(Hk, Hv, fwd.K, fwd.V, "bfloat16", False, True, True)}
+    for builder, args in sorted(specs, key=lambda s: (s[0].__name__, str(s[1]))):
+        toolkit.compile_kernel(builder, *args)
+    return len(specs)
 
 
 def write(out: Path, result: dict) -> None:
@@ -137,6 +189,14 @@ def write(out: Path, result: dict) -> None:
     ratios = [r["ratio_vs_flashqla"] for r in result["rows"] if r.get("ratio_vs_flashqla")]
     if ratios:
         lines += ["", f"Geomean x FlashQLA: {fwd.geomean(ratios):.3f} over {len(ratios)} rows."]
+    staged = [r for r in result["rows"] if "stages_ms" in r]
+    if staged:
+        names = list(staged[0]["stages_ms"])
+        lines += ["", "Internal, not the user's number: the backward's stages alone, ms (each launched on the others' "
+                  "outputs; the forward is not in them).", "",
+                  "| Hk/Hv | seqs | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        lines += [f"| {r['Hk']}/{r['Hv']} | {r['seqlen']}x{r['nseq']} | "
+                  + " | ".join(f"{r['stages_ms'][n]:.3f}" for n in names) + " |" for r in staged]
     (out / "gdn_backward.md").write_text("\n".join(lines) + "\n")
 
 
@@ -147,11 +207,16 @@ def main(argv=None) -> None:
     parser.add_argument("--configs", default="", help="suite indices, e.g. 0,7 (default: all ten)")
     parser.add_argument("--budget-s", type=float, default=500.0, help="stop starting rows after this many seconds")
     parser.add_argument("--no-qla-fix", action="store_true", help="leave tilelang's buffer-init check as it is")
+    parser.add_argument("--precompile-only", action="store_true", help="build the rows' backward kernels and stop")
+    parser.add_argument("--stages", action="store_true", help="also time the backward's stages alone (internal)")
     args = parser.parse_args(argv)
     if not args.no_qla_fix:
         force_qla_buffer_init_fix()
     suite = [fwd.SUITE[int(i)] for i in args.configs.split(",")] if args.configs else list(fwd.SUITE)
     rows = {"suite": suite, "anchors": ANCHOR_ROWS, "all": suite + [r for r in ANCHOR_ROWS if r not in suite]}
+    if args.precompile_only:
+        print(f"precompiled {precompile(rows[args.rows])} backward kernels", flush=True)
+        return
     began = time.perf_counter()
     import datetime
 
@@ -161,7 +226,7 @@ def main(argv=None) -> None:
         if time.perf_counter() - began > args.budget_s:
             print(f"past the {args.budget_s:.0f} s budget: {cfg} and later rows not run")
             break
-        result["rows"].append(run_row(cfg))
+        result["rows"].append(run_row(cfg, args.stages))
         print(result["rows"][-1], flush=True)
         write(args.out, result)
     print((args.out / "gdn_backward.md").read_text())

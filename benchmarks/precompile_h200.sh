@@ -28,7 +28,12 @@ if [ "$set_name" = layer ]; then
 fi
 py=.venv/bin/python
 quiet() { grep -v ' \[TileLang:.*INFO' || true; }
-[ "$set_name" = layer ] || $py benchmarks/gdn_forward.py --precompile "$jobs" --precompile-only --sms 132 2>&1 | quiet
+if [ "$set_name" != layer ]; then
+    $py benchmarks/gdn_forward.py --precompile "$jobs" --precompile-only --sms 132 2>&1 | quiet
+    # the backward: the GPU test's layouts, then the fwd+bwd benchmark's
+    $py -c "from flashqla_kernels.gated_delta_rule.hopper import backward; backward.precompile()" 2>&1 | quiet
+    $py benchmarks/gdn_backward.py --precompile-only 2>&1 | quiet
+fi
 $py benchmarks/topk_encode.py --precompile "$jobs" --precompile-only 2>&1 | quiet
 $py benchmarks/collect_throughput.py --precompile 2>&1 | quiet
 $py benchmarks/gdn_layer.py --precompile --jobs "$jobs" 2>&1 | quiet
