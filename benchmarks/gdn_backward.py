@@ -86,25 +86,34 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     import triton.testing
 
     from flashqla_kernels.gated_delta_rule import checks
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve
+    from flashqla_kernels.gated_delta_rule.hopper import (
+        backward, bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve, plan,
+    )
 
     Tn, Hk, Kd = q.shape[1], q.shape[2], q.shape[3]
     Hv = v.shape[2]
     q3, k3, v3, do3 = q[0].detach(), k[0].detach(), v[0].detach(), do[0]
     g3, b3 = g[0].detach().float().contiguous(), beta[0].detach().float().contiguous()
     h0, scale = h0.detach(), Kd ** -0.5
-    chunks, seqs = chunk_bwd.seq_tables(tuple(checks.host_offsets(cu)), q.device)
-    NC = chunks.shape[0]
+    cu_host = checks.host_offsets(cu)
+    seq_chunks = [-(-(e - s) // fwd.CHUNK) for s, e in zip(cu_host, cu_host[1:])]
+    L = plan.choose_bwd_segment_chunks(seq_chunks, Hv, v.shape[3] // bwd_states.block_v(Kd, v.shape[3]),
+                                       plan.num_sms(q.device))
+    pl = plan.make_bwd_plan(tuple(cu_host), L, q.device)
+    chunks = pl.chunks
     bench = (lambda fn: float(triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")))
     gamma, ag, _ = kkt_solve.kkt_solve(k3, g3, b3, chunks, Hv)
-    h, v_new = bwd_states.bwd_states(k3, v3, ag, gamma, h0, seqs, NC)
-    dh, du, _ = bwd_dh.bwd_dh(q3, k3, do3, ag, gamma, dht, seqs, NC, scale=scale, store_dh0=True)
+
+    def sequential():
+        return backward.sequential_stages(q3, k3, v3, do3, ag, gamma, b3, h0, dht, pl, scale)
+
+    h, v_new, dh, du, _ = sequential()
     dq_v, dk_v, dw, dgp = bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
     dk_wy = bwd_wy.bwd_wy(k3, v3, b3, gamma, ag, dw, du, dgp, chunks)[0]
     return {
+        "segment_chunks": L,
         "kkt_solve": bench(lambda: kkt_solve.kkt_solve(k3, g3, b3, chunks, Hv)),
-        "states": bench(lambda: bwd_states.bwd_states(k3, v3, ag, gamma, h0, seqs, NC)),
-        "dh": bench(lambda: bwd_dh.bwd_dh(q3, k3, do3, ag, gamma, dht, seqs, NC, scale=scale, store_dh0=True)),
+        "states + dh": bench(sequential),
         "dqkwg": bench(lambda: bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)),
         "wy": bench(lambda: bwd_wy.bwd_wy(k3, v3, b3, gamma, ag, dw, du, dgp, chunks)),
         "gva": bench(lambda: (chunk_bwd.gva_bwd(dq_v, None, chunks, Hk, q.dtype),
@@ -196,7 +205,8 @@ def write(out: Path, result: dict) -> None:
                   "outputs; the forward is not in them).", "",
                   "| Hk/Hv | seqs | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
         lines += [f"| {r['Hk']}/{r['Hv']} | {r['seqlen']}x{r['nseq']} | "
-                  + " | ".join(f"{r['stages_ms'][n]:.3f}" for n in names) + " |" for r in staged]
+                  + " | ".join(f"{r['stages_ms'][n]:.3f}" if isinstance(r['stages_ms'][n], float)
+                               else str(r['stages_ms'][n]) for n in names) + " |" for r in staged]
     (out / "gdn_backward.md").write_text("\n".join(lines) + "\n")
 
 

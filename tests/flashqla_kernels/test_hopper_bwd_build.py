@@ -65,7 +65,7 @@ def _check(builder, args):
     # every cross-CTA sum is a fixed-order loop over partials: a float atomic would make runs differ
     assert "atomicAdd" not in src and "AtomicAdd" not in src, f"{builder.__name__}{args}: atomics"
     name = builder.__name__
-    if name in ("build_bwd_states", "build_bwd_dh", "build_bwd_dqkwg", "build_bwd_wy"):
+    if name in ("build_bwd_states", "build_bwd_dh", "build_bwd_dqkwg", "build_bwd_wy", "build_bwd_scan"):
         assert "wgmma" in src, f"{name}{args}: its GEMMs should run on warpgroup MMA"
 
 
@@ -107,15 +107,18 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
     q, k, v, g, beta, do, N, cu = _cpu_inputs(Hk, Hv, K, V, dtype, [1, 70, 130], pad=5)
     h0 = torch.randn(N, Hv, K, V) if has_h0 else None
     dht = torch.randn(N, Hv, K, V) if has_dht else None
-    dq, dk, dv, dg, dbeta, dh0 = backward.chunk_gated_delta_rule_bwd(
-        q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2)
+    # whole sequences (the plan's choice at this size), then forced 1-chunk segments (context parallelism)
+    for segment_chunks in (None, 1):
+        dq, dk, dv, dg, dbeta, dh0 = backward.chunk_gated_delta_rule_bwd(
+            q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2,
+            segment_chunks=segment_chunks)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dv.dtype == v.dtype
+        assert dg.shape == g.shape and dbeta.shape == beta.shape and (dh0 is None) == (h0 is None)
+        for x in (dq, dk, dv, dg, dbeta):
+            assert not x[:, -5:].any(), "the padded tail's gradients must be exactly 0"
     Kp, Vp = (backward.forward.padded_head_dim(d) for d in (K, V))
     want = {(b, a) for b, a in backward.kernel_specs(Hk, Hv, Kp, Vp, dtype, l2, has_h0, has_dht, scale=K ** -0.5)}
     assert set(asked) == want
-    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dv.dtype == v.dtype
-    assert dg.shape == g.shape and dbeta.shape == beta.shape and (dh0 is None) == (h0 is None)
-    for x in (dq, dk, dv, dg, dbeta):
-        assert not x[:, -5:].any(), "the padded tail's gradients must be exactly 0"
 
 
 def test_gpu_test_cases_are_all_precompiled():

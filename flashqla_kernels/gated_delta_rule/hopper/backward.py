@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from flashqla_kernels.gated_delta_rule.hopper import forward
+from flashqla_kernels.gated_delta_rule.hopper import forward, plan
 
 # (Hk, Hv, K, V, dtype, use_qk_l2norm_in_kernel, has initial_state, has dht) of every case of the GPU test, all with
 # the default scale K^-0.5
@@ -30,7 +30,7 @@ TESTED_LAYOUTS = (
 
 
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None, cu_seqlens=None,
-                               use_qk_l2norm_in_kernel=False):
+                               use_qk_l2norm_in_kernel=False, segment_chunks=None):
     """Gradients of the chunked gated delta rule on the TileLang Hopper kernels (chunk size 64).
 
     Args:
@@ -38,6 +38,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
             do: [B, T, Hv, V] the gradient of o (any float dtype, read in q's); dht: [N, Hv, K, V] the gradient of
             the final state, or None (zeros). scale, initial_state [N, Hv, K, V] or None, cu_seqlens [N+1] or None,
             use_qk_l2norm_in_kernel: as the forward (``forward.chunk_gated_delta_rule_fwd``).
+        segment_chunks: intra-card context parallelism of the sequential stages: None (default) picks by
+            ``plan.choose_bwd_segment_chunks``, 0 never splits, L > 0 forces L-chunk segments (tests, benchmarks).
 
     Returns:
         (dq [B, T, Hk, K] in q's dtype, dk [B, T, Hk, K] in k's, dv [B, T, Hv, V] in v's, dg [B, T, Hv] in g's,
@@ -72,27 +74,32 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
                 torch.zeros_like(beta), dh0)
     Kp, Vp = forward.padded_head_dim(K), forward.padded_head_dim(V)
     if (Kp, Vp) == (K, V):
-        return _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel)
+        return _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                       segment_chunks)
     # other head dims run zero-padded, as in the forward: zero channels get and pass no gradient
     pad = torch.nn.functional.pad
     pad_state = (lambda x: None if x is None else pad(x.to(torch.float32), (0, Vp - V, 0, Kp - K)))
     dq, dk, dv, dg, dbeta, dh0 = _launch(
         pad(q, (0, Kp - K)), pad(k, (0, Kp - K)), pad(v, (0, Vp - V)), g, beta, pad(do, (0, Vp - V)),
-        pad_state(dht), scale, pad_state(initial_state), cu_seqlens, use_qk_l2norm_in_kernel)
+        pad_state(dht), scale, pad_state(initial_state), cu_seqlens, use_qk_l2norm_in_kernel, segment_chunks)
     return (dq[..., :K].contiguous(), dk[..., :K].contiguous(), dv[..., :V].contiguous(), dg, dbeta,
             None if dh0 is None else dh0[:, :, :K, :V].contiguous())
 
 
-def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm):
+def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm, segment_chunks=None):
     # inputs checked, T > 0, head dims the kernels take
     from flashqla_kernels.gated_delta_rule import checks
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve
 
     B, Tn, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     cu = list(range(0, B * Tn + 1, Tn)) if cu_seqlens is None else checks.host_offsets(cu_seqlens)
-    chunks, seqs = chunk_bwd.seq_tables(tuple(cu), q.device)
-    NC = chunks.shape[0]
+    if segment_chunks is None:
+        seq_chunks = [-(-(e - s) // plan.CHUNK) for s, e in zip(cu, cu[1:])]
+        segment_chunks = plan.choose_bwd_segment_chunks(seq_chunks, Hv, V // bwd_states.block_v(K, V),
+                                                        plan.num_sms(q.device) if q.is_cuda else 0)
+    pl = plan.make_bwd_plan(tuple(cu), segment_chunks, q.device)
+    chunks = pl.chunks
     q3 = q.reshape(B * Tn, Hk, K).contiguous()
     k3 = k.reshape(B * Tn, Hk, K).contiguous()
     v3 = v.reshape(B * Tn, Hv, V).contiguous()
@@ -108,8 +115,7 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm)
         # backward at the end
         (qn, rq), (kn, rk) = chunk_bwd.l2norm_fwd(q3, chunks), chunk_bwd.l2norm_fwd(k3, chunks)
     gamma, ag, _ = kkt_solve.kkt_solve(kn, g3, b3, chunks, Hv)
-    h, v_new = bwd_states.bwd_states(kn, v3, ag, gamma, h0, seqs, NC)
-    dh, du, dh0 = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, dht, seqs, NC, scale=scale, store_dh0=h0 is not None)
+    h, v_new, dh, du, dh0 = sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale)
     dq_v, dk_v, dw, dgp = bwd_dqkwg.bwd_dqkwg(qn, kn, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
     dk_wy, dv, dbeta, _, dg = bwd_wy.bwd_wy(kn, v3, b3, gamma, ag, dw, du, dgp, chunks)
     dq = chunk_bwd.gva_bwd(dq_v, None, chunks, Hk, q.dtype, *((q3, rq) if l2norm else ()))
@@ -122,11 +128,37 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm)
             dg.view(B, Tn, Hv).to(g.dtype), dbeta.view(B, Tn, Hv).to(beta.dtype), dh0)
 
 
+def sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale):
+    """The stages that walk sequences in order, per sequence or (``pl.segment_chunks``) per segment (``chunk_bwd``'s
+    docstring): (h, v_new, dh, dv of v_new, dh0 or None)."""
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_scan, bwd_states, segment_states, state_scan
+
+    NC, S = pl.chunks.shape[0], pl.walks.shape[0]
+    if not pl.segment_chunks:
+        h, v_new = bwd_states.bwd_states(kn, v3, ag, gamma, h0, pl.walks, NC)
+        dh, du, dh0 = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, dht, pl.walks, NC, scale=scale,
+                                    store_dh0=h0 is not None)
+        return h, v_new, dh, du, dh0
+    K, V = kn.shape[2], v3.shape[2]
+    hs, ms = segment_states.segment_states(kn, v3, ag, gamma, b3, pl.maps, bDV=bwd_states.block_v(K, V))
+    h_init = state_scan.state_scan(h0, hs, ms, pl.scan, S)
+    h, v_new = bwd_states.bwd_states(kn, v3, ag, gamma, h_init, pl.walks, NC)
+    _, _, c = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, None, pl.rest, NC, scale=scale, store_dh0=True,
+                            store_grads=False)
+    d_end = bwd_scan.bwd_scan(dht, c, ms, pl.rscan, S)
+    dh, du, d_start = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, d_end, pl.walks, NC, scale=scale,
+                                    store_dh0=h0 is not None)
+    return h, v_new, dh, du, (None if h0 is None else d_start.index_select(0, pl.first))
+
+
 def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has_h0: bool, has_dht: bool,
                  scale: float | None = None) -> list[tuple]:
     """The (builder, args) of every kernel ``chunk_gated_delta_rule_bwd`` compiles for one layout (kernel head dims
-    K, V in 64 / 128 / 256; dtype "bfloat16" or "float16"; scale None = K^-0.5)."""
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve
+    K, V in 64 / 128 / 256; dtype "bfloat16" or "float16"; scale None = K^-0.5), with and without context
+    parallelism."""
+    from flashqla_kernels.gated_delta_rule.hopper import (
+        bwd_dh, bwd_dqkwg, bwd_scan, bwd_states, bwd_wy, chunk_bwd, kkt_solve, segment_states, state_scan,
+    )
 
     scale = K ** -0.5 if scale is None else float(scale)
     bDV = bwd_states.block_v(K, V)
@@ -134,11 +166,18 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
     specs += [
         (kkt_solve.build_kkt_solve, (Hk, Hv, K, dtype, False)),
         (bwd_states.build_bwd_states, (Hk, Hv, K, V, bDV, dtype, has_h0)),
-        (bwd_dh.build_bwd_dh, (Hk, Hv, K, V, bDV, dtype, scale, has_dht, has_h0)),
+        (bwd_dh.build_bwd_dh, (Hk, Hv, K, V, bDV, dtype, scale, has_dht, has_h0, True)),
         (bwd_dqkwg.build_bwd_dqkwg, (Hk, Hv, K, V, dtype, scale)),
         (bwd_wy.build_bwd_wy, (Hk, Hv, K, V, dtype)),
         (chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, False)),
         (chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, True)),
+        # context parallelism: the maps, the two scans, the segment walks (states always from h_init, dh from d_end)
+        (segment_states.build_segment_states, (Hk, Hv, K, V, bDV, dtype, False)),
+        (state_scan.build_state_scan, (Hv, K, V, has_h0)),
+        (bwd_states.build_bwd_states, (Hk, Hv, K, V, bDV, dtype, True)),
+        (bwd_dh.build_bwd_dh, (Hk, Hv, K, V, bDV, dtype, scale, False, True, False)),
+        (bwd_scan.build_bwd_scan, (Hv, K, V, has_dht)),
+        (bwd_dh.build_bwd_dh, (Hk, Hv, K, V, bDV, dtype, scale, True, has_h0, True)),
     ]
     return specs
 

@@ -23,15 +23,18 @@ from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import C, LOG2E, load_ga
 
 
 def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, has_dht: bool,
-                 store_dh0: bool):
+                 store_dh0: bool, store_grads: bool = True):
     """The dh kernel: grid (V / bDV, Hv, N), 128 threads; ``has_dht``: start from ``dht`` (else zeros);
-    ``store_dh0``: write the gradient of the initial state."""
+    ``store_dh0``: write the gradient of the initial state; ``store_grads``: write dh and dv (off: only the walk's
+    start gradient, the context-parallel first pass)."""
     group = Hv // Hk
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
     num_seqs = T.dynamic("num_seqs")
     num_dht = T.dynamic("num_dht")
     num_dh0 = T.dynamic("num_dh0")
+    # dv's own row count: without store_grads it is a one-row placeholder
+    num_dv = T.dynamic("num_dv")
 
     @T.prim_func
     def gdn_bwd_dh(
@@ -43,7 +46,7 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
         dht: T.Tensor((num_dht, Hv, K, V), "float32"),
         seqs: T.Tensor((num_seqs, 3), "int32"),
         dh: T.Tensor((num_chunks, Hv, K, V), dtype),
-        dv: T.Tensor((num_tokens, Hv, V), "float32"),
+        dv: T.Tensor((num_dv, Hv, V), "float32"),
         dh0: T.Tensor((num_dh0, Hv, K, V), "float32"),
     ):
         with T.Kernel(V // bDV, Hv, num_seqs, threads=128) as (bv, bh, bn):
@@ -81,7 +84,8 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
                 load_rows(ag, x_sh, cs, n, bh, 0, C)
                 load_gates(gamma, g_sh, eg_sh, er_sh, cs, n, bh)
                 T.copy(ds_f, dh_sh)
-                T.copy(dh_sh, dh[c, bh, :, v0:v0 + bDV])
+                if store_grads:
+                    T.copy(dh_sh, dh[c, bh, :, v0:v0 + bDV])
                 # Pt[i, j] = scale k_i . q_j exp(gamma_j - gamma_i) for j >= i (masked before exp)
                 T.gemm(k_sh, q_sh, p_f, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(C, C):
@@ -91,7 +95,8 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
                 for i, j in T.Parallel(C, bDV):
                     dv_f[i, j] = dv_f[i, j] * er_sh[i]
                 T.gemm(p_sh, do_sh, dv_f)
-                store_rows(dv_f, dv, cs, n, bh, v0, bDV)
+                if store_grads:
+                    store_rows(dv_f, dv, cs, n, bh, v0, bDV)
                 T.copy(dv_f, dv_sh)
                 # X^T dv, scaled by -exp(gamma) into dv's tile: the w^T dv term as K^T (that)
                 T.gemm(x_sh, dv_sh, dv_f, transpose_A=True, clear_accum=True)
@@ -109,30 +114,37 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
     return gdn_bwd_dh
 
 
-def bwd_dh(q, k, do, ag, gamma, dht, seqs, num_chunks: int, *, scale: float, store_dh0: bool):
-    """The state gradient over the chunks of every sequence, and dv.
+def bwd_dh(q, k, do, ag, gamma, dht, seqs, num_chunks: int, *, scale: float, store_dh0: bool,
+           store_grads: bool = True):
+    """The state gradient over the chunks of every walk (a sequence, or a segment of one), and dv.
 
     Args:
         q, k: [T, Hk, K] bf16/fp16 (normalised if the op normalises). do: [T, Hv, V] same dtype. ag: [T, Hv, 64]
-        fp16. gamma: [T, Hv] fp32. dht: [N, Hv, K, V] fp32 or None (zeros). seqs: [N, 3] int32. num_chunks: NC.
-        scale: the output scale. store_dh0: return dh0.
+        fp16. gamma: [T, Hv] fp32. dht: [N, Hv, K, V] fp32, the gradient of each walk's end state, or None (zeros).
+        seqs: [N, 3] int32 (start, end, first chunk) of each walk. num_chunks: NC. scale: the output scale.
+        store_dh0: return the gradient of each walk's start state. store_grads: write dh and dv (False: neither is
+        returned).
 
     Returns:
         (dh [NC, Hv, K, V] in q's dtype, the gradient of the state leaving each chunk; dv [T, Hv, V] fp32, the full
-        gradient of v_new; dh0 [N, Hv, K, V] fp32 or None).
+        gradient of v_new; dh0 [N, Hv, K, V] fp32 or None). dh and dv are None without ``store_grads``.
     """
     Tn, Hk, K = k.shape
     Hv, V = do.shape[1], do.shape[2]
     N = seqs.shape[0]
     bDV = block_v(K, V)
     kernel = toolkit.compile_kernel(build_bwd_dh, Hk, Hv, K, V, bDV, toolkit.tl_dtype(q.dtype), float(scale),
-                                    dht is not None, store_dh0)
-    dh = toolkit.empty((num_chunks, Hv, K, V), q.dtype, q.device)
-    dv = toolkit.empty((Tn, Hv, V), torch.float32, q.device)
+                                    dht is not None, store_dh0, store_grads)
+    if store_grads:
+        dh = toolkit.empty((num_chunks, Hv, K, V), q.dtype, q.device)
+        dv = toolkit.empty((Tn, Hv, V), torch.float32, q.device)
+    else:  # the kernel's dh and dv arguments, not written
+        dh = toolkit.unread((1, Hv, K, V), q.dtype, q.device)
+        dv = toolkit.unread((1, Hv, V), torch.float32, q.device)
     dh0 = toolkit.empty((N, Hv, K, V), torch.float32, q.device) if store_dh0 else None
     if dht is None:
         dht = toolkit.unread((1, Hv, K, V), torch.float32, q.device)  # not read without has_dht
     if N > 0:
         kernel(q, k, do, ag, gamma, dht, seqs, dh, dv,
                dh0 if store_dh0 else toolkit.unread((1, Hv, K, V), torch.float32, q.device))
-    return dh, dv, dh0
+    return (dh, dv, dh0) if store_grads else (None, None, dh0)

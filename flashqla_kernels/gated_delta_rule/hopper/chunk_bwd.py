@@ -27,6 +27,14 @@ gated inverse). q and k are the normalised keys when ``use_qk_l2norm_in_kernel``
     gva + l2norm (this file)     dq, dk summed over the Hv / Hk value heads of each key head, in head order, then
                                  dx = r (dy - (y.dy) y), y = r x, when use_qk_l2norm_in_kernel     [T, Hk, K]
 
+Context parallelism (few long sequences, ``plan.choose_bwd_segment_chunks``): the states and dh walks run per
+segment instead of per sequence, each exact. A segment's forward map is affine, S_end = M S_start + H, so
+    states       segment_states (the forward's) gives every segment's M and H, state_scan every segment's start
+                 state, and bwd_states walks all segments at once from them;
+    dh           bwd_dh walks every segment but each sequence's first from dS_end = 0 (its own start gradient c),
+                 bwd_scan carries dS_end[i - 1] = M_i^T dS_end[i] + c_i back from dht, and bwd_dh walks all
+                 segments again from their true dS_end (dh, dv; the first segments' start gradients are dh0).
+
 Determinism: every output element is written by exactly one CTA; sums across CTAs (the GVA group, the K blocks of
 dgamma) are fixed-order loops over fp32 partials in HBM, never atomics. Tokens of a padded tail (after
 cu_seqlens[-1]) are in no chunk: no kernel writes them, the launcher zeroes them.
@@ -35,8 +43,6 @@ The kernels are verified on a GPU by ``tests/flashqla_kernels/test_hopper_bwd_gp
 reference in ``reference_bwd.py``, the whole against ``chunk_gated_delta_rule_bwd_ref``);
 ``tests/flashqla_kernels/test_hopper_bwd_build.py`` compiles every stage for sm_90a on CPU.
 """
-import functools
-
 import tilelang.language as T
 import torch
 
@@ -193,16 +199,3 @@ def gva_bwd(a: torch.Tensor, b: torch.Tensor | None, chunks: torch.Tensor, Hk: i
     dx = toolkit.empty((Tn, Hk, K), dtype, a.device)
     kernel(a, b, x, r, chunks, dx)
     return dx
-
-
-@functools.lru_cache(maxsize=64)
-def seq_tables(cu: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward's device tables for packed sequences with offsets ``cu`` [N+1]: chunks [NC, 2] (start, end) of
-    every chunk in order, and seqs [N, 3] (start, end, index of its first chunk). One host-to-device copy, cached."""
-    chunks, seqs = [], []
-    for s, e in zip(cu, cu[1:]):
-        seqs.append((s, e, len(chunks)))
-        chunks += [(c, min(c + C, e)) for c in range(s, e, C)]
-    flat = [x for row in chunks for x in row] + [x for row in seqs for x in row]
-    buf = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True)
-    return buf[:2 * len(chunks)].view(-1, 2), buf[2 * len(chunks):].view(-1, 3)

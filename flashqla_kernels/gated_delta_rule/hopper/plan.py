@@ -156,6 +156,87 @@ def _device_plan(cu: tuple[int, ...], L: int, has_init: bool, device: torch.devi
                 segment_chunks=L)
 
 
+# The backward's sequential stages (states, dh) run 128-thread CTAs of which two or more share an SM: segments aim
+# at BWD_CTAS_PER_SM each, no shorter than BWD_MIN_SEGMENT_CHUNKS (a split costs the maps, a second dh walk and
+# the two scans).
+BWD_CTAS_PER_SM = 2
+BWD_MIN_SEGMENT_CHUNKS = 16
+
+
+@dataclass(frozen=True)
+class BwdPlan:
+    """The backward's tables (int32 on the device, ``first`` int64).
+
+    chunks [NC, 2]: (start, end) of every chunk. walks [S, 3]: (start, end, first chunk) of every walk of the
+    sequential stages: each sequence, or each segment under context parallelism. segment_chunks: 0 when sequences
+    are not split. With a split only: maps [S, 2] every segment's token range (``segment_states``); scan [N, 3]
+    (first segment, segments, first map row) for ``state_scan``; rest [S - N, 3] the walks of every segment but
+    each sequence's first (the start-gradient pass); rscan [N, 3] (first segment, segments, row in rest of its
+    second segment) for ``bwd_scan``; first [N] each sequence's first segment.
+    """
+
+    chunks: torch.Tensor
+    walks: torch.Tensor
+    segment_chunks: int
+    maps: torch.Tensor | None = None
+    scan: torch.Tensor | None = None
+    rest: torch.Tensor | None = None
+    rscan: torch.Tensor | None = None
+    first: torch.Tensor | None = None
+
+
+def choose_bwd_segment_chunks(seq_chunks: list[int], Hv: int, nV: int, num_sms: int) -> int:
+    """The backward's segment length in chunks (a power of two >= BWD_MIN_SEGMENT_CHUNKS), or 0 to keep every
+    sequence whole: split only while the walks (sequences x Hv x V slices) would hold fewer than BWD_CTAS_PER_SM
+    CTAs a SM.
+
+    Args:
+        seq_chunks: chunks per sequence. Hv: value heads. nV: V slices per head of the sequential stages.
+        num_sms: SMs on the device.
+    """
+    units = len(seq_chunks) * Hv * nV
+    if not seq_chunks or units >= BWD_CTAS_PER_SM * num_sms:
+        return 0
+    want = max(seq_chunks) * units / (BWD_CTAS_PER_SM * num_sms)
+    L = BWD_MIN_SEGMENT_CHUNKS
+    while L < want:
+        L *= 2
+    return L if max(seq_chunks) > L else 0
+
+
+@functools.lru_cache(maxsize=64)
+def make_bwd_plan(cu: tuple[int, ...], segment_chunks: int, device: torch.device) -> BwdPlan:
+    """The backward's tables for packed sequences with offsets ``cu`` [N+1], split into ``segment_chunks``-chunk
+    segments (0: whole sequences). One host-to-device copy, cached."""
+    chunks, walks, scan, rest, rscan = [], [], [], [], []
+    step = segment_chunks * CHUNK
+    for s, e in zip(cu, cu[1:]):
+        starts = list(range(s, e, step)) if step else [s]
+        starts = starts or [s]
+        scan.append((len(walks), len(starts), len(walks)))
+        rscan.append((len(walks), len(starts), len(rest)))
+        for i, a in enumerate(starts):
+            b = min(a + step, e) if step else e
+            walks.append((a, b, len(chunks)))
+            if i:
+                rest.append(walks[-1])
+            chunks += [(c, min(c + CHUNK, b)) for c in range(a, b, CHUNK)]
+    tables = [chunks, walks]
+    if step:
+        tables += [[w[:2] for w in walks], scan, rest, rscan]
+    parts = [[x for row in t for x in row] for t in tables]
+    buf = torch.tensor([x for p in parts for x in p], dtype=torch.int32).to(device, non_blocking=True)
+    views, at = [], 0
+    for p, width in zip(parts, (2, 3, 2, 3, 3, 3)):
+        views.append(buf[at:at + len(p)].view(-1, width))
+        at += len(p)
+    if not step:
+        return BwdPlan(chunks=views[0], walks=views[1], segment_chunks=0)
+    first = views[3][:, 0].long()
+    return BwdPlan(chunks=views[0], walks=views[1], segment_chunks=segment_chunks, maps=views[2], scan=views[3],
+                   rest=views[4], rscan=views[5], first=first)
+
+
 @functools.lru_cache(maxsize=8)
 def num_sms(device: torch.device) -> int:
     """Multiprocessor count of a CUDA device."""

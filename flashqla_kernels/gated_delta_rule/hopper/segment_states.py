@@ -231,12 +231,12 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str,
 build_segment_states.pass_configs = {"tl.disable_thread_storage_sync": True}
 
 
-def segment_states(k, v, ag, gamma, beta, pl, *, bDV: int, rn=None):
-    """Each non-final segment's map ``S_end = M S_start + H``.
+def segment_states(k, v, ag, gamma, beta, maps, *, bDV: int, rn=None):
+    """The map ``S_end = M S_start + H`` of every token range in ``maps`` (the forward: each non-final segment).
 
     Args:
         k: [T, Hk, K]; v: [T, Hv, V]; ag: [T, Hv, 64] fp16 (``kkt_solve``'s Ag); gamma, beta: [T, Hv] fp32;
-        pl: the Plan (its maps). bDV: V slice per CTA. rn: [T, Hk, 2] fp32 inverse l2 norms of q and k
+        maps: [R, 2] int32 token ranges (a Plan's ``maps``). bDV: V slice per CTA. rn: [T, Hk, 2] fp32 inverse l2 norms of q and k
         (``kkt_solve``'s, with l2norm) or None.
 
     Returns:
@@ -245,7 +245,7 @@ def segment_states(k, v, ag, gamma, beta, pl, *, bDV: int, rn=None):
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     kernel = toolkit.compile_kernel(build_segment_states, Hk, Hv, K, V, bDV, toolkit.tl_dtype(k.dtype), rn is not None)
-    R = pl.maps.shape[0]
+    R = maps.shape[0]
     hs = toolkit.empty((R, Hv, K, V), torch.float32, k.device)
     ms = toolkit.empty((R, Hv, K, K), torch.float32, k.device)
     if R > 0:
@@ -254,5 +254,5 @@ def segment_states(k, v, ag, gamma, beta, pl, *, bDV: int, rn=None):
         start = torch.empty((R, Hv), dtype=torch.int32, device=k.device)
         if rn is None:
             rn = toolkit.unread((1, Hk, 2), torch.float32, k.device)  # not read without l2norm
-        kernel(k, v, ag, gamma, beta, pl.maps, start, hs, ms, rn)
+        kernel(k, v, ag, gamma, beta, maps, start, hs, ms, rn)
     return hs, ms
