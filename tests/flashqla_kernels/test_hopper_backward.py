@@ -1,0 +1,182 @@
+"""The Hopper backward's launcher logic on CPU (``backward.sequential_stages`` and ``plan.make_bwd_plan``): with
+every sequential stage replaced by a float64 torch emulation of its kernel's contract (the same walk, map and scan
+tables, the same rows), context parallelism (segments walked at once, the state and its gradient carried across
+segments by the segment maps) gives exactly the whole-sequence walks' h, v_new, dh, dv and dh0. The kernels
+themselves are checked against the float64 reference on a GPU (``test_hopper_bwd_gpu.py``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashqla_kernels.gated_delta_rule.hopper import backward, plan
+
+pytest.importorskip("tilelang")  # the stage modules import it; their kernels are replaced below
+
+C = plan.CHUNK
+
+
+def _chunks(s, e):
+    return [(c, min(c + C, e)) for c in range(s, e, C)]
+
+
+def _step(k, v, x, gm, S):
+    """One chunk of the state walk: (v_new, the state leaving it)."""
+    n = k.shape[0]
+    w = v - gm.exp()[:, None] * (k @ S)
+    vn = x[:, :n] @ w
+    return vn, gm[-1].exp() * S + k.T @ ((gm[-1] - gm).exp()[:, None] * vn)
+
+
+def _states(k, v, ag, gamma, h0, walks, num_chunks):
+    T, Hk, K = k.shape
+    Hv, V = v.shape[1], v.shape[2]
+    h = torch.full((num_chunks, Hv, K, V), float("nan"), dtype=k.dtype)
+    v_new = torch.full((T, Hv, V), float("nan"), dtype=k.dtype)
+    for w, (s, e, c0) in enumerate(walks.tolist()):
+        for hv in range(Hv):
+            S = h0[w, hv].clone() if h0 is not None else torch.zeros(K, V, dtype=k.dtype)
+            for i, (cs, ce) in enumerate(_chunks(s, e)):
+                h[c0 + i, hv] = S
+                v_new[cs:ce, hv], S = _step(k[cs:ce, hv * Hk // Hv], v[cs:ce, hv], ag[cs:ce, hv], gamma[cs:ce, hv], S)
+    return h, v_new
+
+
+def _dh(q, k, do, ag, gamma, dht, walks, num_chunks, *, scale, store_dh0, store_grads=True):
+    T, Hk, K = k.shape
+    Hv, V = do.shape[1], do.shape[2]
+    dh = torch.full((num_chunks, Hv, K, V), float("nan"), dtype=k.dtype)
+    dv = torch.full((T, Hv, V), float("nan"), dtype=k.dtype)
+    dh0 = torch.full((walks.shape[0], Hv, K, V), float("nan"), dtype=k.dtype)
+    for w, (s, e, c0) in enumerate(walks.tolist()):
+        for hv in range(Hv):
+            dS = dht[w, hv].clone() if dht is not None else torch.zeros(K, V, dtype=k.dtype)
+            for i, (cs, ce) in reversed(list(enumerate(_chunks(s, e)))):
+                qq, kk, gm, x = q[cs:ce, hv * Hk // Hv], k[cs:ce, hv * Hk // Hv], gamma[cs:ce, hv], ag[cs:ce, hv]
+                n = ce - cs
+                dh[c0 + i, hv] = dS
+                gate = torch.triu(torch.ones(n, n, dtype=k.dtype)) * (gm[None, :] - gm[:, None]).clamp(max=0).exp()
+                d = (gm[-1] - gm).exp()[:, None] * (kk @ dS) + (scale * (kk @ qq.T) * gate) @ do[cs:ce, hv]
+                dv[cs:ce, hv] = d
+                dS = (gm[-1].exp() * dS + scale * (gm.exp()[:, None] * qq).T @ do[cs:ce, hv]
+                      - kk.T @ (gm.exp()[:, None] * (x[:, :n].T @ d)))
+            dh0[w, hv] = dS
+    return (dh, dv, dh0 if store_dh0 else None) if store_grads else (None, None, dh0)
+
+
+def _segment_states(k, v, ag, gamma, beta, maps, *, bDV, rn=None):
+    T, Hk, K = k.shape
+    Hv, V = v.shape[1], v.shape[2]
+    hs = torch.empty((maps.shape[0], Hv, K, V), dtype=k.dtype)
+    ms = torch.empty((maps.shape[0], Hv, K, K), dtype=k.dtype)
+    for r, (s, e) in enumerate(maps.tolist()):
+        for hv in range(Hv):
+            H, M = torch.zeros(K, V, dtype=k.dtype), torch.eye(K, dtype=k.dtype)
+            for cs, ce in _chunks(s, e):
+                kk, x, gm = k[cs:ce, hv * Hk // Hv], ag[cs:ce, hv], gamma[cs:ce, hv]
+                H = _step(kk, v[cs:ce, hv], x, gm, H)[1]
+                M = _step(kk, torch.zeros(ce - cs, K, dtype=k.dtype), x, gm, M)[1]
+            hs[r, hv], ms[r, hv] = H, M
+    return hs, ms
+
+
+def _state_scan(h0, hs, ms, seqs, num_segs):
+    Hv, K, V = hs.shape[1], hs.shape[2], hs.shape[3]
+    h_init = torch.full((num_segs, Hv, K, V), float("nan"), dtype=hs.dtype)
+    for n, (first, count, first_map) in enumerate(seqs.tolist()):
+        S = h0[n].clone() if h0 is not None else torch.zeros(Hv, K, V, dtype=hs.dtype)
+        for i in range(count - 1):
+            h_init[first + i] = S
+            S = ms[first_map + i] @ S + hs[first_map + i]
+        h_init[first + count - 1] = S
+    return h_init
+
+
+def _bwd_scan(dht, cs, ms, rscan, num_segs):
+    Hv, K, V = ms.shape[1], ms.shape[2], cs.shape[3]
+    d_end = torch.full((num_segs, Hv, K, V), float("nan"), dtype=ms.dtype)
+    for n, (first, count, first_c) in enumerate(rscan.tolist()):
+        dS = dht[n].clone() if dht is not None else torch.zeros(Hv, K, V, dtype=ms.dtype)
+        for j in range(count - 1, 0, -1):
+            d_end[first + j] = dS
+            dS = ms[first + j].transpose(-1, -2) @ dS + cs[first_c + j - 1]
+        d_end[first] = dS
+    return d_end
+
+
+@pytest.fixture
+def emulated_stages(monkeypatch):
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_scan, bwd_states, segment_states, state_scan
+
+    monkeypatch.setattr(bwd_states, "bwd_states", _states)
+    monkeypatch.setattr(bwd_dh, "bwd_dh", _dh)
+    monkeypatch.setattr(segment_states, "segment_states", _segment_states)
+    monkeypatch.setattr(state_scan, "state_scan", _state_scan)
+    monkeypatch.setattr(bwd_scan, "bwd_scan", _bwd_scan)
+
+
+def _inputs(lens, Hk=1, Hv=2, K=4, V=3, pad=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens) + pad
+    q, k = (torch.nn.functional.normalize(torch.randn(T, Hk, K, generator=gen, dtype=torch.float64), dim=-1)
+            for _ in range(2))
+    v, do = (torch.randn(T, Hv, V, generator=gen, dtype=torch.float64) for _ in range(2))
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    g = -torch.rand(T, Hv, generator=gen, dtype=torch.float64) / 4
+    gamma = torch.zeros_like(g)
+    for s, e in zip(cu, cu[1:]):
+        for cs, ce in _chunks(s, e):
+            gamma[cs:ce] = g[cs:ce].cumsum(0)
+    # any lower-triangular X: the walks read it the same way with and without a split
+    ag = torch.randn(T, Hv, C, generator=gen, dtype=torch.float64) / 8
+    beta = torch.rand(T, Hv, generator=gen, dtype=torch.float64)
+    N = len(lens)
+    h0 = torch.randn(N, Hv, K, V, generator=gen, dtype=torch.float64)
+    dht = torch.randn(N, Hv, K, V, generator=gen, dtype=torch.float64)
+    return q, k, v, do, ag, gamma, beta, h0, dht, tuple(cu)
+
+
+@pytest.mark.parametrize("segment_chunks", [1, 2, 3])
+@pytest.mark.parametrize("with_h0,with_dht", [(True, True), (False, True), (True, False)])
+def test_context_parallel_walks_equal_whole_sequence_walks(emulated_stages, segment_chunks, with_h0, with_dht):
+    # lengths: one chunk, several, a ragged tail, length 1, and one split into many segments
+    q, k, v, do, ag, gamma, beta, h0, dht, cu = _inputs([64, 1, 200, 130, 520], Hk=1, Hv=2)
+    h0, dht = (h0 if with_h0 else None), (dht if with_dht else None)
+
+    def run(L):
+        pl = plan.make_bwd_plan(cu, L, torch.device("cpu"))
+        return backward.sequential_stages(q, k, v, do, ag, gamma, beta, h0, dht, pl, 0.5)
+
+    whole, split = run(0), run(segment_chunks)
+    assert plan.make_bwd_plan(cu, segment_chunks, torch.device("cpu")).walks.shape[0] > len(cu) - 1
+    for label, a, b in zip(("h", "v_new", "dh", "dv", "dh0"), whole, split):
+        if label == "dh0" and h0 is None:
+            assert a is None and b is None
+            continue
+        n = cu[-1] if label in ("v_new", "dv") else a.shape[0]
+        assert not b[:n].isnan().any(), f"{label}: an element no walk wrote"
+        torch.testing.assert_close(b[:n], a[:n], rtol=1e-10, atol=1e-10, msg=f"{label} differs under the split")
+
+
+def test_backward_plan_tables():
+    pl = plan.make_bwd_plan((0, 64, 65, 265), 2, torch.device("cpu"))
+    # chunks of each sequence in order; segments of 2 chunks; walks (start, end, first chunk)
+    assert pl.chunks.tolist() == [[0, 64], [64, 65], [65, 129], [129, 193], [193, 257], [257, 265]]
+    assert pl.walks.tolist() == [[0, 64, 0], [64, 65, 1], [65, 193, 2], [193, 265, 4]]
+    assert pl.maps.tolist() == [[0, 64], [64, 65], [65, 193], [193, 265]]
+    assert pl.scan.tolist() == [[0, 1, 0], [1, 1, 1], [2, 2, 2]]
+    assert pl.rest.tolist() == [[193, 265, 4]] and pl.rscan.tolist() == [[0, 1, 0], [1, 1, 0], [2, 2, 0]]
+    assert pl.first.tolist() == [0, 1, 2]
+    whole = plan.make_bwd_plan((0, 64, 65, 265), 0, torch.device("cpu"))
+    assert whole.segment_chunks == 0 and whole.maps is None and whole.walks.tolist() == [[0, 64, 0], [64, 65, 1],
+                                                                                         [65, 265, 2]]
+
+
+@pytest.mark.parametrize("seq_chunks,Hv,want", [
+    ([128], 32, 32),          # 16/32 8192x1: 64 walks of 132 SMs -> 4 segments each
+    ([512], 32, 128),         # 32768x1
+    ([512], 8, 32),           # 4/8 32768x1: 16 walks -> 16 segments each
+    ([64] * 8, 32, 0),        # 4096x8: 512 walks fill the SMs twice
+    ([16], 32, 0),            # short: no segment shorter than the minimum
+])
+def test_backward_split_rule(seq_chunks, Hv, want):
+    assert plan.choose_bwd_segment_chunks(seq_chunks, Hv, 2, 132) == want
