@@ -1,6 +1,6 @@
 """The Hopper backward's launcher logic on CPU (``backward.sequential_stages`` and ``plan.make_bwd_plan``): with
 every sequential stage replaced by a float64 torch emulation of its kernel's contract (the same walk, map and scan
-tables, the same rows), context parallelism (segments walked at once, the state and its gradient carried across
+tables, the same rows; the forward's segment maps and scan as ``test_hopper_forward`` emulates them), context parallelism (segments walked at once, the state and its gradient carried across
 segments by the segment maps) gives exactly the whole-sequence walks' h, v_new, dh, dv and dh0. The kernels
 themselves are checked against the float64 reference on a GPU (``test_hopper_bwd_gpu.py``)."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flashqla_kernels.gated_delta_rule.hopper import backward, plan
+from tests.flashqla_kernels.test_hopper_forward import _torch_segment_states, _torch_state_scan
 
 pytest.importorskip("tilelang")  # the stage modules import it; their kernels are replaced below
 
@@ -63,34 +64,6 @@ def _dh(q, k, do, ag, gamma, dht, walks, num_chunks, *, scale, store_dh0, store_
     return (dh, dv, dh0 if store_dh0 else None) if store_grads else (None, None, dh0)
 
 
-def _segment_states(k, v, ag, gamma, beta, maps, *, bDV, rn=None):
-    T, Hk, K = k.shape
-    Hv, V = v.shape[1], v.shape[2]
-    hs = torch.empty((maps.shape[0], Hv, K, V), dtype=k.dtype)
-    ms = torch.empty((maps.shape[0], Hv, K, K), dtype=k.dtype)
-    for r, (s, e) in enumerate(maps.tolist()):
-        for hv in range(Hv):
-            H, M = torch.zeros(K, V, dtype=k.dtype), torch.eye(K, dtype=k.dtype)
-            for cs, ce in _chunks(s, e):
-                kk, x, gm = k[cs:ce, hv * Hk // Hv], ag[cs:ce, hv], gamma[cs:ce, hv]
-                H = _step(kk, v[cs:ce, hv], x, gm, H)[1]
-                M = _step(kk, torch.zeros(ce - cs, K, dtype=k.dtype), x, gm, M)[1]
-            hs[r, hv], ms[r, hv] = H, M
-    return hs, ms
-
-
-def _state_scan(h0, hs, ms, seqs, num_segs):
-    Hv, K, V = hs.shape[1], hs.shape[2], hs.shape[3]
-    h_init = torch.full((num_segs, Hv, K, V), float("nan"), dtype=hs.dtype)
-    for n, (first, count, first_map) in enumerate(seqs.tolist()):
-        S = h0[n].clone() if h0 is not None else torch.zeros(Hv, K, V, dtype=hs.dtype)
-        for i in range(count - 1):
-            h_init[first + i] = S
-            S = ms[first_map + i] @ S + hs[first_map + i]
-        h_init[first + count - 1] = S
-    return h_init
-
-
 def _bwd_scan(dht, cs, ms, rscan, num_segs):
     Hv, K, V = ms.shape[1], ms.shape[2], cs.shape[3]
     d_end = torch.full((num_segs, Hv, K, V), float("nan"), dtype=ms.dtype)
@@ -109,8 +82,8 @@ def emulated_stages(monkeypatch):
 
     monkeypatch.setattr(bwd_states, "bwd_states", _states)
     monkeypatch.setattr(bwd_dh, "bwd_dh", _dh)
-    monkeypatch.setattr(segment_states, "segment_states", _segment_states)
-    monkeypatch.setattr(state_scan, "state_scan", _state_scan)
+    monkeypatch.setattr(segment_states, "segment_states", _torch_segment_states)
+    monkeypatch.setattr(state_scan, "state_scan", _torch_state_scan)
     monkeypatch.setattr(bwd_scan, "bwd_scan", _bwd_scan)
 
 

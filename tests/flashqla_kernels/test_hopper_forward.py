@@ -215,12 +215,12 @@ def _torch_chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale, bD
                 ht[fin, h] = S
 
 
-def _torch_segment_states(k, v, ag, gamma, beta, pl, *, bDV, rn=None):
+def _torch_segment_states(k, v, ag, gamma, beta, maps, *, bDV, rn=None):
     """segment_states' contract in float64 torch: each map from zero / identity starts, by the torch chunk stage on
     the map's token range."""
-    R, Hv, K, V = pl.maps.shape[0], v.shape[1], k.shape[2], v.shape[2]
+    R, Hv, K, V = maps.shape[0], v.shape[1], k.shape[2], v.shape[2]
     hs, ms = torch.zeros(R, Hv, K, V, dtype=torch.float64), torch.zeros(R, Hv, K, K, dtype=torch.float64)
-    for r, (s0, s1) in enumerate(pl.maps.tolist()):
+    for r, (s0, s1) in enumerate(maps.tolist()):
         seg = torch.tensor([[s0, s1, 0, 0]])
         zero = torch.zeros(1, Hv, K, V, dtype=torch.float64)
         _torch_chunk_fwd(k, k, v, ag, gamma, beta, zero, seg, torch.empty_like(v), hs[r:r + 1], scale=1.0, bDV=bDV,
