@@ -195,7 +195,7 @@ def test_dqkwg_stage_matches_its_reference(name):
     s = _Stages(name)
     r, f = s.ref, s.flat
     with toolkit.poisoned_outputs():
-        dq, dk, dw, dgp = bwd_dqkwg.bwd_dqkwg(s.q, s.k, f(r["fwd"].v_new, s.dtype), s.do, f(r["dv"], torch.float32),
+        dq, dk, dw, dgp = bwd_dqkwg.bwd_dqkwg(s.q, s.k, f(r["fwd"].v_new, s.dtype), s.do, f(r["dv"], s.dtype),
                                               f(r["fwd"].h, s.dtype), f(r["dh"], s.dtype), s.gamma, s.chunks,
                                               scale=s.scale)
     for label, x, ref in (("dq", dq, r["dq"]), ("dk", dk, r["dk"]), ("dw", dw, r["dw"])):
@@ -214,8 +214,8 @@ def test_wy_stage_and_the_reverse_cumsum_match_their_references(name):
     dgp = torch.zeros(K // 64, *s.gamma.shape, device=s.k.device)
     dgp[0] = f(r["dgam"], torch.float32)
     with toolkit.poisoned_outputs():
-        dk, dv, dbeta, dgamma, dg = bwd_wy.bwd_wy(s.k, s.v, s.beta, s.gamma, s.ag, f(r["dw"], torch.float32),
-                                                  f(r["dv"], torch.float32), dgp, s.chunks)
+        dk, dv, dbeta, dgamma, dg = bwd_wy.bwd_wy(s.k, s.v, s.beta, s.gamma, s.ag, f(r["dw"], s.dtype),
+                                                  f(r["dv"], s.dtype), dgp, s.chunks)
     dk_r, dv_r, dbeta_r, dgamma_r = r["wy"]
     s.check("dk", dk, dk_r[0])
     s.check("dv", dv, dv_r[0])

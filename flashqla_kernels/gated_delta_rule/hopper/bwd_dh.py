@@ -46,7 +46,7 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
         dht: T.Tensor((num_dht, Hv, K, V), "float32"),
         seqs: T.Tensor((num_seqs, 3), "int32"),
         dh: T.Tensor((num_chunks, Hv, K, V), dtype),
-        dv: T.Tensor((num_dv, Hv, V), "float32"),
+        dv: T.Tensor((num_dv, Hv, V), dtype),
         dh0: T.Tensor((num_dh0, Hv, K, V), "float32"),
     ):
         with T.Kernel(V // bDV, Hv, num_seqs, threads=128) as (bv, bh, bn):
@@ -126,8 +126,9 @@ def bwd_dh(q, k, do, ag, gamma, dht, seqs, num_chunks: int, *, scale: float, sto
         returned).
 
     Returns:
-        (dh [NC, Hv, K, V] in q's dtype, the gradient of the state leaving each chunk; dv [T, Hv, V] fp32, the full
-        gradient of v_new; dh0 [N, Hv, K, V] fp32 or None). dh and dv are None without ``store_grads``.
+        (dh [NC, Hv, K, V] in q's dtype, the gradient of the state leaving each chunk; dv [T, Hv, V] in q's dtype, the
+        full gradient of v_new (every reader multiplies it in that dtype, so it is stored so: half the bytes of fp32,
+        the same results); dh0 [N, Hv, K, V] fp32 or None). dh and dv are None without ``store_grads``.
     """
     Tn, Hk, K = k.shape
     Hv, V = do.shape[1], do.shape[2]
@@ -137,10 +138,10 @@ def bwd_dh(q, k, do, ag, gamma, dht, seqs, num_chunks: int, *, scale: float, sto
                                     dht is not None, store_dh0, store_grads)
     if store_grads:
         dh = toolkit.empty((num_chunks, Hv, K, V), q.dtype, q.device)
-        dv = toolkit.empty((Tn, Hv, V), torch.float32, q.device)
+        dv = toolkit.empty((Tn, Hv, V), q.dtype, q.device)
     else:  # the kernel's dh and dv arguments, not written
         dh = toolkit.unread((1, Hv, K, V), q.dtype, q.device)
-        dv = toolkit.unread((1, Hv, V), torch.float32, q.device)
+        dv = toolkit.unread((1, Hv, V), q.dtype, q.device)
     dh0 = toolkit.empty((N, Hv, K, V), torch.float32, q.device) if store_dh0 else None
     if dht is None:
         dht = toolkit.unread((1, Hv, K, V), torch.float32, q.device)  # not read without has_dht

@@ -35,14 +35,14 @@ def build_bwd_dqkwg(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: float):
         k: T.Tensor((num_tokens, Hk, K), dtype),
         v_new: T.Tensor((num_tokens, Hv, V), dtype),
         do: T.Tensor((num_tokens, Hv, V), dtype),
-        dv: T.Tensor((num_tokens, Hv, V), "float32"),
+        dv: T.Tensor((num_tokens, Hv, V), dtype),
         h: T.Tensor((num_chunks, Hv, K, V), dtype),
         dh: T.Tensor((num_chunks, Hv, K, V), dtype),
         gamma: T.Tensor((num_tokens, Hv), "float32"),
         chunks: T.Tensor((num_chunks, 2), "int32"),
         dq: T.Tensor((num_tokens, Hv, K), "float32"),
         dk: T.Tensor((num_tokens, Hv, K), "float32"),
-        dw: T.Tensor((num_tokens, Hv, K), "float32"),
+        dw: T.Tensor((num_tokens, Hv, K), dtype),
         dgp: T.Tensor((nK, num_tokens, Hv), "float32"),
     ):
         with T.Kernel(nK, num_chunks, Hv, threads=THREADS) as (bk, bc, bh):
@@ -143,16 +143,18 @@ def bwd_dqkwg(q, k, v_new, do, dv, h, dh, gamma, chunks, *, scale: float):
 
     Args:
         q, k: [T, Hk, K] bf16/fp16 (normalised if the op normalises). v_new, do: [T, Hv, V] same dtype. dv: [T, Hv, V]
-        fp32 (``bwd_dh``'s). h, dh: [NC, Hv, K, V] (``bwd_states``' and ``bwd_dh``'s). gamma: [T, Hv] fp32.
+        same dtype (``bwd_dh``'s). h, dh: [NC, Hv, K, V] (``bwd_states``' and ``bwd_dh``'s). gamma: [T, Hv] fp32.
         chunks: [NC, 2] int32. scale: the output scale.
 
     Returns:
-        (dq, dk, dw [T, Hv, K] fp32 per value head; dgp [K / 64, T, Hv] fp32, dgamma's partial sums per K block).
+        (dq, dk [T, Hv, K] fp32 per value head, dw [T, Hv, K] in q's dtype; dgp [K / 64, T, Hv] fp32, dgamma's partial sums per K block).
     """
     Tn, Hk, K = k.shape
     Hv, V = do.shape[1], do.shape[2]
     kernel = toolkit.compile_kernel(build_bwd_dqkwg, Hk, Hv, K, V, toolkit.tl_dtype(q.dtype), float(scale))
-    dq, dk, dw = (toolkit.empty((Tn, Hv, K), torch.float32, q.device) for _ in range(3))
+    dq, dk = (toolkit.empty((Tn, Hv, K), torch.float32, q.device) for _ in range(2))
+    # dw only feeds the WY stage's GEMMs, which read it in the input dtype: stored so
+    dw = toolkit.empty((Tn, Hv, K), q.dtype, q.device)
     dgp = toolkit.empty((K // TILE, Tn, Hv), torch.float32, q.device)
     if chunks.shape[0] > 0:
         kernel(q, k, v_new, do, dv, h, dh, gamma, chunks, dq, dk, dw, dgp)

@@ -50,8 +50,8 @@ def build_bwd_wy(Hk: int, Hv: int, K: int, V: int, dtype: str):
         beta: T.Tensor((num_tokens, Hv), "float32"),
         gamma: T.Tensor((num_tokens, Hv), "float32"),
         ag: T.Tensor((num_tokens, Hv, C), "float16"),
-        dw: T.Tensor((num_tokens, Hv, K), "float32"),
-        du: T.Tensor((num_tokens, Hv, V), "float32"),
+        dw: T.Tensor((num_tokens, Hv, K), dtype),
+        du: T.Tensor((num_tokens, Hv, V), dtype),
         dgp: T.Tensor((nK, num_tokens, Hv), "float32"),
         chunks: T.Tensor((num_chunks, 2), "int32"),
         dk: T.Tensor((num_tokens, Hv, K), "float32"),
@@ -191,8 +191,8 @@ def bwd_wy(k, v, beta, gamma, ag, dw, du, dgp, chunks):
 
     Args:
         k: [T, Hk, K] bf16/fp16 (normalised if the op normalises). v: [T, Hv, V] same dtype. beta, gamma: [T, Hv]
-        fp32. ag: [T, Hv, 64] fp16 (``kkt_solve``'s X). dw: [T, Hv, K] fp32 (``bwd_dqkwg``'s). du: [T, Hv, V] fp32
-        (``bwd_dh``'s dv). dgp: [K / 64, T, Hv] fp32 (``bwd_dqkwg``'s). chunks: [NC, 2] int32.
+        fp32. ag: [T, Hv, 64] fp16 (``kkt_solve``'s X). dw: [T, Hv, K] in k's dtype (``bwd_dqkwg``'s). du: [T, Hv, V]
+        in k's dtype (``bwd_dh``'s dv). dgp: [K / 64, T, Hv] fp32 (``bwd_dqkwg``'s). chunks: [NC, 2] int32.
 
     Returns:
         (dk [T, Hv, K] fp32 the WY part, dv [T, Hv, V] in v's dtype, dbeta [T, Hv] fp32, dgamma [T, Hv] fp32 the WY
