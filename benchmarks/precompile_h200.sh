@@ -33,6 +33,7 @@ if [ "$set_name" != layer ]; then
     # the backward: the GPU test's layouts, then the fwd+bwd benchmark's
     $py -c "from flashqla_kernels.gated_delta_rule.hopper import backward; backward.precompile()" 2>&1 | quiet
     $py benchmarks/gdn_backward.py --precompile-only 2>&1 | quiet
+    $py benchmarks/train_step.py --precompile-only 2>&1 | quiet
 fi
 $py benchmarks/topk_encode.py --precompile "$jobs" --precompile-only 2>&1 | quiet
 $py benchmarks/collect_throughput.py --precompile 2>&1 | quiet

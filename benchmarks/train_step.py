@@ -11,7 +11,10 @@ with 1 step; the difference over ``steps - 1`` is one training step without the 
 evaluations before and after, the first step's compiles), reported as training tokens/s.
 
 Usage (GPU): ``python benchmarks/train_step.py --out benchmarks/results`` writes ``train_step.json`` and ``.md``;
-``--tiny`` runs every arm on a tiny model (CPU is fine) as a dry run.
+``--tiny`` runs every arm on a tiny model (CPU is fine) as a dry run. ``--precompile-only`` (no GPU) builds the
+GDN op's forward chunk kernels and its backward kernels for the 2B layer as the "ours" arm trains it (bf16 under
+autocast, l2norm in the op, no initial or final state); the fused layer's, for the held-out evaluations, come from
+``gdn_layer.py --precompile``.
 """
 from __future__ import annotations
 
@@ -80,6 +83,26 @@ def arm_context(name: str):
     return contextlib.nullcontext()  # "transformers": the op as installed (FLA's kernels when importable)
 
 
+def precompile(micro: int) -> int:
+    """Compile the GDN op's kernels the "ours" arm's training step runs (``micro`` rows a micro-batch); needs nvcc,
+    no GPU. Returns the number of kernels."""
+    from chunk_kernels import chunk_specs, compile_all
+
+    from flashqla_kernels import toolkit
+    from flashqla_kernels.gated_delta_rule.hopper import backward
+
+    cfg = ct.model_config()  # the 2B shape build_scope trains
+    Hk, Hv, Kd = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim
+    fwd = chunk_specs([(Hk, Hv, Kd, "bfloat16", micro, True)], 132, final=(False,), scans=True)
+    failed = compile_all(fwd, 1)
+    bwd = backward.kernel_specs(Hk, Hv, Kd, Kd, "bfloat16", True, False, False)
+    for builder, args in bwd:
+        toolkit.compile_kernel(builder, *args)
+    for spec, err in failed:
+        print(f"  FAILED {spec}: {err}", flush=True)
+    return len(fwd) + len(bwd)
+
+
 def main(argv=None) -> None:
     from qwen_scope.applications import FinetuneConfig, finetune
     from qwen_scope.nano import nano_corpus
@@ -92,7 +115,11 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens a row (default 4096; tiny 64)")
     parser.add_argument("--micro", type=int, default=None, help="rows a micro-batch (default 2; tiny 1)")
     parser.add_argument("--arms", default="transformers,flashqla,ours", type=lambda a: a.split(","))
+    parser.add_argument("--precompile-only", action="store_true", help="build the GDN op's kernels and stop (no GPU)")
     args = parser.parse_args(argv)
+    if args.precompile_only:
+        print(f"precompiled {precompile(args.micro or 2)} kernels", flush=True)
+        return
     steps, batch = args.steps or (2 if args.tiny else 4), args.batch or (2 if args.tiny else 8)
     seq = args.seq_len or (64 if args.tiny else 4096)
     micro = args.micro or (1 if args.tiny else 2)

@@ -22,3 +22,22 @@ def test_tiny_dry_run_trains_through_finetune_on_every_arm_it_can(tmp_path):
     assert "flash_qla" in arms["flashqla"]["error"]
     assert (result["batch"], result["micro"], result["seq_len"]) == (2, 1, 64)
     assert "| ours |" in (tmp_path / "train_step.md").read_text()
+
+
+def test_precompile_builds_the_ops_kernels_of_the_2b_layer(monkeypatch):
+    """``--precompile-only`` asks for the forward chunk kernels and every backward kernel of the 2B GDN layer as the
+    "ours" arm trains it (bf16, l2norm, no states), without a GPU."""
+    import chunk_kernels
+    import train_step
+
+    from flashqla_kernels import toolkit
+    from flashqla_kernels.gated_delta_rule.hopper import backward
+
+    built, compiled = [], []
+    monkeypatch.setattr(chunk_kernels, "compile_all", lambda specs, workers: built.extend(specs) or [])
+    monkeypatch.setattr(toolkit, "compile_kernel", lambda builder, *args: compiled.append((builder, args)))
+    n = train_step.precompile(2)
+    assert {s[0] for s in built} >= {"kkt_solve", "chunk_fwd"}
+    assert all(s[1][:3] == (16, 16, 128) for s in built if s[0] != "state_scan")
+    assert compiled == backward.kernel_specs(16, 16, 128, 128, "bfloat16", True, False, False)
+    assert n == len(built) + len(compiled)
