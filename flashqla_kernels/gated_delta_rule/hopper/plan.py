@@ -53,11 +53,16 @@ def choose_segment_chunks(seq_chunks: list[int], Hv: int, nV: int, num_sms: int)
     units = len(seq_chunks) * Hv * nV
     if not seq_chunks or 4 * units >= 3 * num_sms:
         return 0
-    want = max(seq_chunks) * units / (CTAS_PER_SM_TARGET * num_sms)
-    L = MIN_SEGMENT_CHUNKS
-    while L < want:
+    return _segment_length(max(seq_chunks), units, CTAS_PER_SM_TARGET * num_sms, MIN_SEGMENT_CHUNKS)
+
+
+def _segment_length(longest: int, units: int, target_ctas: int, shortest: int) -> int:
+    """The shortest power-of-two length >= ``shortest`` whose segments of the ``longest`` sequence, times ``units``
+    walks, come to ``target_ctas`` or fewer; 0 where it would not split that sequence."""
+    L = shortest
+    while L < longest * units / target_ctas:
         L *= 2
-    return L if max(seq_chunks) > L else 0
+    return L if longest > L else 0
 
 
 def heads_per_cta(group: int) -> int:
@@ -197,11 +202,7 @@ def choose_bwd_segment_chunks(seq_chunks: list[int], Hv: int, nV: int, num_sms: 
     units = len(seq_chunks) * Hv * nV
     if not seq_chunks or units >= BWD_CTAS_PER_SM * num_sms:
         return 0
-    want = max(seq_chunks) * units / (BWD_CTAS_PER_SM * num_sms)
-    L = BWD_MIN_SEGMENT_CHUNKS
-    while L < want:
-        L *= 2
-    return L if max(seq_chunks) > L else 0
+    return _segment_length(max(seq_chunks), units, BWD_CTAS_PER_SM * num_sms, BWD_MIN_SEGMENT_CHUNKS)
 
 
 @functools.lru_cache(maxsize=64)
