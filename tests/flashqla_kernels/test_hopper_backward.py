@@ -78,13 +78,13 @@ def _bwd_scan(dht, cs, ms, rscan, num_segs):
 
 @pytest.fixture
 def emulated_stages(monkeypatch):
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_scan, bwd_states, segment_states, state_scan
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_states, segment_states, state_scan
 
     monkeypatch.setattr(bwd_states, "bwd_states", _states)
     monkeypatch.setattr(bwd_dh, "bwd_dh", _dh)
     monkeypatch.setattr(segment_states, "segment_states", _torch_segment_states)
     monkeypatch.setattr(state_scan, "state_scan", _torch_state_scan)
-    monkeypatch.setattr(bwd_scan, "bwd_scan", _bwd_scan)
+    monkeypatch.setattr(state_scan, "state_scan_bwd", _bwd_scan)
 
 
 def _inputs(lens, Hk=1, Hv=2, K=4, V=3, pad=3, seed=0):

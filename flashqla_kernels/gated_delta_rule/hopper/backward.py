@@ -131,7 +131,7 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
 def sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale):
     """The stages that walk sequences in order, per sequence or (``pl.segment_chunks``) per segment (``chunk_bwd``'s
     docstring): (h, v_new, dh, dv of v_new, dh0 or None)."""
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_scan, bwd_states, segment_states, state_scan
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_states, segment_states, state_scan
 
     NC, S = pl.chunks.shape[0], pl.walks.shape[0]
     if not pl.segment_chunks:
@@ -145,7 +145,7 @@ def sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale):
     h, v_new = bwd_states.bwd_states(kn, v3, ag, gamma, h_init, pl.walks, NC)
     _, _, c = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, None, pl.rest, NC, scale=scale, store_dh0=True,
                             store_grads=False)
-    d_end = bwd_scan.bwd_scan(dht, c, ms, pl.rscan, S)
+    d_end = state_scan.state_scan_bwd(dht, c, ms, pl.rscan, S)
     dh, du, d_start = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, d_end, pl.walks, NC, scale=scale,
                                     store_dh0=h0 is not None)
     return h, v_new, dh, du, (None if h0 is None else d_start.index_select(0, pl.first))
@@ -157,7 +157,7 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
     K, V in 64 / 128 / 256; dtype "bfloat16" or "float16"; scale None = K^-0.5), with and without context
     parallelism."""
     from flashqla_kernels.gated_delta_rule.hopper import (
-        bwd_dh, bwd_dqkwg, bwd_scan, bwd_states, bwd_wy, chunk_bwd, kkt_solve, segment_states, state_scan,
+        bwd_dh, bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve, segment_states, state_scan,
     )
 
     scale = K ** -0.5 if scale is None else float(scale)
@@ -176,7 +176,7 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
         (state_scan.build_state_scan, (Hv, K, V, has_h0)),
         (bwd_states.build_bwd_states, (Hk, Hv, K, V, bDV, dtype, True)),
         (bwd_dh.build_bwd_dh, (Hk, Hv, K, V, bDV, dtype, scale, False, True, False)),
-        (bwd_scan.build_bwd_scan, (Hv, K, V, has_dht)),
+        (state_scan.build_state_scan, (Hv, K, V, has_dht, True)),
         (bwd_dh.build_bwd_dh, (Hk, Hv, K, V, bDV, dtype, scale, True, has_h0, True)),
     ]
     return specs

@@ -32,7 +32,7 @@ segment instead of per sequence, each exact. A segment's forward map is affine, 
     states       segment_states (the forward's) gives every segment's M and H, state_scan every segment's start
                  state, and bwd_states walks all segments at once from them;
     dh           bwd_dh walks every segment but each sequence's first from dS_end = 0 (its own start gradient c),
-                 bwd_scan carries dS_end[i - 1] = M_i^T dS_end[i] + c_i back from dht, and bwd_dh walks all
+                 state_scan_bwd carries dS_end[i - 1] = M_i^T dS_end[i] + c_i back from dht, and bwd_dh walks all
                  segments again from their true dS_end (dh, dv; the first segments' start gradients are dh0).
 
 Determinism: every output element is written by exactly one CTA; sums across CTAs (the GVA group, the K blocks of

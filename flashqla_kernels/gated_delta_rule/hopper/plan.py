@@ -177,7 +177,7 @@ class BwdPlan:
     are not split. With a split only: maps [S, 2] every segment's token range (``segment_states``); scan [N, 3]
     (first segment, segments, first map row) for ``state_scan``; rest [S - N, 3] the walks of every segment but
     each sequence's first (the start-gradient pass); rscan [N, 3] (first segment, segments, row in rest of its
-    second segment) for ``bwd_scan``; first [N] each sequence's first segment.
+    second segment) for ``state_scan_bwd``; first [N] each sequence's first segment.
     """
 
     chunks: torch.Tensor
