@@ -1,13 +1,16 @@
-"""The Hopper backward's launcher logic on CPU (``backward.sequential_stages`` and ``plan.make_bwd_plan``): with
-every sequential stage replaced by a float64 torch emulation of its kernel's contract (the same walk, map and scan
-tables, the same rows; the forward's segment maps and scan as ``test_hopper_forward`` emulates them), context parallelism (segments walked at once, the state and its gradient carried across
-segments by the segment maps) gives exactly the whole-sequence walks' h, v_new, dh, dv and dh0. The kernels
-themselves are checked against the float64 reference on a GPU (``test_hopper_bwd_gpu.py``)."""
+"""The Hopper backward's launcher logic on CPU (``backward`` and ``plan.make_bwd_plan``), with every kernel replaced
+by a float64 torch emulation of its contract (the same tables, rows and arguments; the forward's segment maps and
+scan as ``test_hopper_forward`` emulates them, the chunk-parallel stages through their ``reference_bwd`` stage
+references): context parallelism (segments walked at once, the state and its gradient carried across segments by
+the segment maps) gives exactly the whole-sequence walks, and the launcher composes the stages into
+``chunk_gated_delta_rule_bwd_ref``'s gradients. The kernels themselves are checked against the float64 reference on
+a GPU (``test_hopper_bwd_gpu.py``)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from flashqla_kernels.gated_delta_rule import reference, reference_bwd
 from flashqla_kernels.gated_delta_rule.hopper import backward, plan
 from tests.flashqla_kernels.test_hopper_forward import _torch_segment_states, _torch_state_scan
 
@@ -35,7 +38,7 @@ def _states(k, v, ag, gamma, h0, walks, num_chunks):
     v_new = torch.full((T, Hv, V), float("nan"), dtype=k.dtype)
     for w, (s, e, c0) in enumerate(walks.tolist()):
         for hv in range(Hv):
-            S = h0[w, hv].clone() if h0 is not None else torch.zeros(K, V, dtype=k.dtype)
+            S = h0[w, hv].to(k.dtype) if h0 is not None else torch.zeros(K, V, dtype=k.dtype)
             for i, (cs, ce) in enumerate(_chunks(s, e)):
                 h[c0 + i, hv] = S
                 v_new[cs:ce, hv], S = _step(k[cs:ce, hv * Hk // Hv], v[cs:ce, hv], ag[cs:ce, hv], gamma[cs:ce, hv], S)
@@ -50,7 +53,7 @@ def _dh(q, k, do, ag, gamma, dht, walks, num_chunks, *, scale, store_dh0, store_
     dh0 = torch.full((walks.shape[0], Hv, K, V), float("nan"), dtype=k.dtype)
     for w, (s, e, c0) in enumerate(walks.tolist()):
         for hv in range(Hv):
-            dS = dht[w, hv].clone() if dht is not None else torch.zeros(K, V, dtype=k.dtype)
+            dS = dht[w, hv].to(k.dtype) if dht is not None else torch.zeros(K, V, dtype=k.dtype)
             for i, (cs, ce) in reversed(list(enumerate(_chunks(s, e)))):
                 qq, kk, gm, x = q[cs:ce, hv * Hk // Hv], k[cs:ce, hv * Hk // Hv], gamma[cs:ce, hv], ag[cs:ce, hv]
                 n = ce - cs
@@ -68,7 +71,7 @@ def _bwd_scan(dht, cs, ms, rscan, num_segs):
     Hv, K, V = ms.shape[1], ms.shape[2], cs.shape[3]
     d_end = torch.full((num_segs, Hv, K, V), float("nan"), dtype=ms.dtype)
     for n, (first, count, first_c) in enumerate(rscan.tolist()):
-        dS = dht[n].clone() if dht is not None else torch.zeros(Hv, K, V, dtype=ms.dtype)
+        dS = dht[n].to(ms.dtype) if dht is not None else torch.zeros(Hv, K, V, dtype=ms.dtype)
         for j in range(count - 1, 0, -1):
             d_end[first + j] = dS
             dS = ms[first + j].transpose(-1, -2) @ dS + cs[first_c + j - 1]
@@ -153,3 +156,98 @@ def test_backward_plan_tables():
 ])
 def test_backward_split_rule(seq_chunks, Hv, want):
     assert plan.choose_bwd_segment_chunks(seq_chunks, Hv, 2, 132) == want
+
+
+# The chunk-parallel stages, each on one chunk through its float64 stage reference (a lone chunk is one sequence).
+
+def _one(x, cs, ce):
+    return x[cs:ce][None]
+
+
+def _kkt_solve(k, g, beta, chunks, Hv, q=None):
+    gamma = torch.full_like(g, float("nan"))
+    ag = torch.zeros(g.shape[0], Hv, C, dtype=k.dtype)
+    for cs, ce in chunks.tolist():
+        gamma[cs:ce] = g[cs:ce].cumsum(0)
+        A = reference.kkt_inverse_ref(_one(k, cs, ce), _one(beta, cs, ce), gamma[cs:ce][None])[0]
+        # X = A diag(beta): column j scaled by beta_j (columns past a tail chunk's length stay 0)
+        ag[cs:ce] = A * torch.cat([beta[cs:ce], beta.new_zeros(C - (ce - cs), Hv)]).T[None]
+    return gamma, ag, None
+
+
+def _dqkwg(q, k, v_new, do, dv, h, dh, gamma, chunks, *, scale):
+    T, Hv, K = q.shape[0], v_new.shape[1], q.shape[2]
+    dq, dk, dw = (torch.full((T, Hv, K), float("nan"), dtype=q.dtype) for _ in range(3))
+    dgp = torch.zeros(K // 64 if K >= 64 else 1, T, Hv, dtype=q.dtype)
+    for c, (cs, ce) in enumerate(chunks.tolist()):
+        out = reference_bwd.chunk_bwd_dqkwg_ref(
+            _one(q, cs, ce), _one(k, cs, ce), _one(v_new, cs, ce), torch.zeros(1, ce - cs, Hv, K, dtype=q.dtype),
+            h[c][None, None], dh[c][None, None], _one(do, cs, ce), _one(dv, cs, ce), _one(gamma, cs, ce), scale)
+        dq[cs:ce], dk[cs:ce], dw[cs:ce], dgp[0, cs:ce] = (x[0] for x in out)
+    return dq, dk, dw, dgp
+
+
+def _wy(k, v, beta, gamma, ag, dw, du, dgp, chunks):
+    T, Hv, K = k.shape[0], v.shape[1], k.shape[2]
+    dk = torch.full((T, Hv, K), float("nan"), dtype=k.dtype)
+    dv = torch.full_like(v, float("nan"))
+    dbeta, dgamma, dg = (torch.full((T, Hv), float("nan"), dtype=k.dtype) for _ in range(3))
+    for cs, ce in chunks.tolist():
+        A = reference.kkt_inverse_ref(_one(k, cs, ce), _one(beta, cs, ce), _one(gamma, cs, ce))
+        out = reference_bwd.chunk_bwd_wy_ref(_one(k, cs, ce), _one(v, cs, ce), _one(beta, cs, ce), A,
+                                             _one(gamma, cs, ce), _one(dw, cs, ce), _one(du, cs, ce))
+        dk[cs:ce], dv[cs:ce], dbeta[cs:ce], dgamma[cs:ce] = (x[0] for x in out)
+        dg[cs:ce] = (dgamma[cs:ce] + dgp[:, cs:ce].sum(0)).flip(0).cumsum(0).flip(0)
+    return dk, dv, dbeta, dgamma, dg
+
+
+def _l2norm_fwd(x, chunks):
+    r = (x.pow(2).sum(-1) + 1e-6).rsqrt()
+    return x * r[..., None], r
+
+
+def _gva(a, b, chunks, Hk, dtype, x=None, r=None):
+    dy = reference_bwd.gva_reduce_ref((a if b is None else a + b)[None], Hk)[0]
+    return dy if x is None else reference_bwd.l2norm_bwd_ref(x[None], dy[None])[0]
+
+
+@pytest.fixture
+def emulated_backward(emulated_stages, monkeypatch):
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, bwd_wy, chunk_bwd, forward, kkt_solve
+
+    monkeypatch.setattr(forward, "unsupported_reason", lambda *a: None)  # float64 CPU inputs into the launcher
+    monkeypatch.setattr(kkt_solve, "kkt_solve", _kkt_solve)
+    monkeypatch.setattr(bwd_dqkwg, "bwd_dqkwg", _dqkwg)
+    monkeypatch.setattr(bwd_wy, "bwd_wy", _wy)
+    monkeypatch.setattr(chunk_bwd, "l2norm_fwd", _l2norm_fwd)
+    monkeypatch.setattr(chunk_bwd, "gva_bwd", _gva)
+
+
+@pytest.mark.parametrize("segment_chunks", [0, 1, 3])
+@pytest.mark.parametrize("l2norm,K,V,Hk,Hv", [(True, 64, 64, 1, 2), (False, 48, 40, 2, 4)])
+def test_launcher_composes_the_stages_into_the_reference_backward(emulated_backward, segment_chunks, l2norm, K, V,
+                                                                  Hk, Hv):
+    """The launcher's wiring (l2norm, gamma and Ag, the walks with or without a split, dqkwg, WY, dg's partial sums,
+    the GVA sum and l2norm backward, padded head dims, the padded tail) with every kernel replaced by its float64
+    stage reference gives ``chunk_gated_delta_rule_bwd_ref``'s gradients."""
+    gen = torch.Generator().manual_seed(3)
+    lens, pad = [1, 130, 64, 200], 5
+    T = sum(lens) + pad
+    rand = (lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64))
+    q, k = rand(1, T, Hk, K), rand(1, T, Hk, K)
+    if not l2norm:
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    v, do = rand(1, T, Hv, V), rand(1, T, Hv, V)
+    g = torch.nn.functional.logsigmoid(rand(1, T, Hv)) / 4
+    beta = torch.sigmoid(rand(1, T, Hv))
+    h0, dht = rand(len(lens), Hv, K, V), rand(len(lens), Hv, K, V)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    got = backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
+                                              use_qk_l2norm_in_kernel=l2norm, segment_chunks=segment_chunks)
+    want = reference_bwd.chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do, dht, initial_state=h0,
+                                                        use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu)
+    for label, x, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        assert x.shape == ref.shape, label
+        # the launcher hands the kernels g, beta and the states in fp32: agreement to fp32 rounding, where a wiring
+        # mistake is off by O(1)
+        torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5, msg=f"{label} differs from the reference")
