@@ -82,7 +82,7 @@ def floor_ms(Hk, Hv, seqlen, nseq) -> tuple[float, float]:
 
 def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     """Internal: medians (ms) of the Hopper backward's stages on these inputs, each launched alone on the others'
-    outputs (``backward._launch``'s order). Not the user's number: that is the "ours" column."""
+    outputs, in the launcher's order. Not the user's number: that is the "ours" column."""
     import triton.testing
 
     from flashqla_kernels.gated_delta_rule import checks
