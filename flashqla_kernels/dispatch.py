@@ -43,7 +43,10 @@ def check_backend(backend: str | None) -> None:
 
 @functools.lru_cache(maxsize=16)
 def _capability(device: torch.device) -> tuple[tuple[int, int], str]:
-    return torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
+    # get_device_properties, not get_device_name: torch.compile folds it to a constant (a traced call returning a
+    # str breaks a fullgraph compile of the public op)
+    props = torch.cuda.get_device_properties(device)
+    return (props.major, props.minor), props.name
 
 
 def hopper_reason(*tensors: torch.Tensor | None) -> str | None:
