@@ -41,12 +41,12 @@ def check_backend(backend: str | None) -> None:
         raise ValueError(f"backend must be None (automatic), 'tilelang' or 'torch'; got {backend!r}")
 
 
+# a device's capability never changes: torch.compile calls this once while tracing and keeps the result as a
+# constant (traced, torch.cuda.get_device_name returns a str, which breaks a fullgraph compile of the public op)
 @functools.lru_cache(maxsize=16)
+@torch.compiler.assume_constant_result
 def _capability(device: torch.device) -> tuple[tuple[int, int], str]:
-    # get_device_properties, not get_device_name: torch.compile folds it to a constant (a traced call returning a
-    # str breaks a fullgraph compile of the public op)
-    props = torch.cuda.get_device_properties(device)
-    return (props.major, props.minor), props.name
+    return torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
 
 
 def hopper_reason(*tensors: torch.Tensor | None) -> str | None:
