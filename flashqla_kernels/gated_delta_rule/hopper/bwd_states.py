@@ -19,9 +19,11 @@ from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import C, load_gates, lo
 
 
 def block_v(K: int, V: int) -> int:
-    """V slice per CTA of the sequential backward stages (states, dh): 32 at K = 256 (the fp32 state and its
-    gradient stay in registers), else 64."""
-    return min(V, 32 if K > 128 else 64)
+    """V slice per CTA of the sequential backward stages (states, dh): 32. The walks are latency-bound (one
+    warpgroup waits on its loads and GEMMs in turn), so twice the CTAs at half the width, with fewer registers and
+    less shared memory each, keep more warps per SM busy; at K = 256 it is also what keeps the fp32 state and its
+    gradient in registers."""
+    return min(V, 32)
 
 
 def build_bwd_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, has_h0: bool):
