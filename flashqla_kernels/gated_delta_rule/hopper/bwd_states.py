@@ -19,11 +19,10 @@ from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import C, load_gates, lo
 
 
 def block_v(K: int, V: int) -> int:
-    """V slice per CTA of the sequential backward stages (states, dh): 32. The walks are latency-bound (one
-    warpgroup waits on its loads and GEMMs in turn), so twice the CTAs at half the width, with fewer registers and
-    less shared memory each, keep more warps per SM busy; at K = 256 it is also what keeps the fp32 state and its
-    gradient in registers."""
-    return min(V, 32)
+    """V slice per CTA of the sequential backward stages (states, dh): 64, or 32 at K = 256 (the fp32 state and its
+    gradient stay in registers). Measured on an H100 at 16/32 8192x4: 32-wide slices run the two walks in 5.8 ms
+    against 3.6 ms at 64, because each chunk's loads, index math and barriers cost the same whatever the width."""
+    return min(V, 32 if K > 128 else 64)
 
 
 def build_bwd_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, has_h0: bool):
