@@ -87,7 +87,7 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
 
     from flashqla_kernels.gated_delta_rule import checks
     from flashqla_kernels.gated_delta_rule.hopper import (
-        backward, bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve, plan,
+        backward, bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve, plan, segment_states, state_scan,
     )
 
     Tn, Hk, Kd = q.shape[1], q.shape[2], q.shape[3]
@@ -107,6 +107,19 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     def sequential():
         return backward.sequential_stages(q3, k3, v3, do3, ag, gamma, b3, h0, dht, pl, scale)
 
+    # the states alone: the bwd_states walk (split as the backward splits) and the forward's step over its own plan
+    bdv = plan.block_dv(seq_chunks, Hv, Kd, v.shape[3], plan.num_sms(q.device))
+    fpl = plan.make_plan(cu_host, Hv, v.shape[3] // bdv, True, q.device)
+    NC = chunks.shape[0]
+
+    def walk_states():
+        if not pl.segment_chunks:
+            return bwd_states.bwd_states(k3, v3, ag, gamma, h0, pl.walks, NC)
+        hs, ms = segment_states.segment_states(k3, v3, ag, gamma, b3, pl.maps,
+                                               bDV=bwd_states.block_v(Kd, v.shape[3]))
+        h_init = state_scan.state_scan(h0, hs, ms, pl.scan, pl.walks.shape[0])
+        return bwd_states.bwd_states(k3, v3, ag, gamma, h_init, pl.walks, NC)
+
     h, v_new, dh, du, _ = sequential()
     dq_v, dk_v, dw, dgp = bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
     dk_wy = bwd_wy.bwd_wy(k3, v3, b3, gamma, ag, dw, du, dgp, chunks)[0]
@@ -114,6 +127,8 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
         "segment_chunks": L,
         "kkt_solve": bench(lambda: kkt_solve.kkt_solve(k3, g3, b3, chunks, Hv)),
         "states + dh": bench(sequential),
+        "states (walk)": bench(walk_states),
+        "states (forward step)": bench(lambda: backward.recompute_states(k3, v3, ag, gamma, b3, h0, NC, fpl, bdv)),
         "dqkwg": bench(lambda: bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)),
         "wy": bench(lambda: bwd_wy.bwd_wy(k3, v3, b3, gamma, ag, dw, du, dgp, chunks)),
         "gva": bench(lambda: (chunk_bwd.gva_bwd(dq_v, None, chunks, Hk, q.dtype),
@@ -170,8 +185,9 @@ def precompile(rows) -> int:
     from flashqla_kernels import toolkit
     from flashqla_kernels.gated_delta_rule.hopper import backward
 
-    specs = {spec for Hk, Hv, _, _ in rows
-             for spec in backward.kernel_specs(Hk, Hv, fwd.K, fwd.V, "bfloat16", False, True, True)}
+    specs = {spec for Hk, Hv, _, _ in rows for recompute in backward.RECOMPUTES
+             for spec in backward.kernel_specs(Hk, Hv, fwd.K, fwd.V, "bfloat16", False, True, True,
+                                               recompute=recompute)}
     for builder, args in sorted(specs, key=lambda s: (s[0].__name__, str(s[1]))):
         toolkit.compile_kernel(builder, *args)
     return len(specs)

@@ -45,6 +45,14 @@ def _states(k, v, ag, gamma, h0, walks, num_chunks):
     return h, v_new
 
 
+def _chunk_states(k, v, ag, gamma, beta, h_init, segs, seg_chunk0, num_chunks, *, bDV):
+    """``chunk_fwd.chunk_states``' contract: the forward plan's segments, each from its ``h_init`` row (or zeros)."""
+    walks = torch.tensor([(s, e, c0) for (s, e, _, _), c0 in zip(segs.tolist(), seg_chunk0.tolist())])
+    inits = [init for _, _, init, _ in segs.tolist()]
+    starts = torch.stack([h_init[i] if i >= 0 else torch.zeros_like(h_init[0]) for i in inits])
+    return _states(k, v, ag, gamma, starts, walks, num_chunks)
+
+
 def _dh(q, k, do, ag, gamma, dht, walks, num_chunks, *, scale, store_dh0, store_grads=True):
     T, Hk, K = k.shape
     Hv, V = do.shape[1], do.shape[2]
@@ -81,9 +89,10 @@ def _bwd_scan(dht, cs, ms, rscan, num_segs):
 
 @pytest.fixture
 def emulated_stages(monkeypatch):
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_states, segment_states, state_scan
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_states, chunk_fwd, segment_states, state_scan
 
     monkeypatch.setattr(bwd_states, "bwd_states", _states)
+    monkeypatch.setattr(chunk_fwd, "chunk_states", _chunk_states)
     monkeypatch.setattr(bwd_dh, "bwd_dh", _dh)
     monkeypatch.setattr(segment_states, "segment_states", _torch_segment_states)
     monkeypatch.setattr(state_scan, "state_scan", _torch_state_scan)
@@ -122,15 +131,22 @@ def test_context_parallel_walks_equal_whole_sequence_walks(emulated_stages, segm
         pl = plan.make_bwd_plan(cu, L, torch.device("cpu"))
         return backward.sequential_stages(q, k, v, do, ag, gamma, beta, h0, dht, pl, 0.5)
 
-    whole, split = run(0), run(segment_chunks)
+    def on_forward_step(L):
+        # the states recomputed over the forward's plan (its own split), the dh walk over the backward's
+        fpl = plan.make_plan(list(cu), v.shape[1], 1, h0 is not None, torch.device("cpu"), L)
+        pl = plan.make_bwd_plan(cu, L, torch.device("cpu"))
+        return backward.sequential_stages(q, k, v, do, ag, gamma, beta, h0, dht, pl, 0.5, (fpl, v.shape[2]))
+
+    whole = run(0)
     assert plan.make_bwd_plan(cu, segment_chunks, torch.device("cpu")).walks.shape[0] > len(cu) - 1
-    for label, a, b in zip(("h", "v_new", "dh", "dv", "dh0"), whole, split):
-        if label == "dh0" and h0 is None:
-            assert a is None and b is None
-            continue
-        n = cu[-1] if label in ("v_new", "dv") else a.shape[0]
-        assert not b[:n].isnan().any(), f"{label}: an element no walk wrote"
-        torch.testing.assert_close(b[:n], a[:n], rtol=1e-10, atol=1e-10, msg=f"{label} differs under the split")
+    for other in (run(segment_chunks), on_forward_step(0), on_forward_step(segment_chunks)):
+        for label, a, b in zip(("h", "v_new", "dh", "dv", "dh0"), whole, other):
+            if label == "dh0" and h0 is None:
+                assert a is None and b is None
+                continue
+            n = cu[-1] if label in ("v_new", "dv") else a.shape[0]
+            assert not b[:n].isnan().any(), f"{label}: an element no walk wrote"
+            torch.testing.assert_close(b[:n], a[:n], rtol=1e-10, atol=1e-10, msg=f"{label} differs")
 
 
 def test_backward_plan_tables():
@@ -223,10 +239,11 @@ def emulated_backward(emulated_stages, monkeypatch):
     monkeypatch.setattr(chunk_bwd, "gva_bwd", _gva)
 
 
+@pytest.mark.parametrize("recompute", backward.RECOMPUTES)
 @pytest.mark.parametrize("segment_chunks", [0, 1, 3])
 @pytest.mark.parametrize("l2norm,K,V,Hk,Hv", [(True, 64, 64, 1, 2), (False, 48, 40, 2, 4)])
 def test_launcher_composes_the_stages_into_the_reference_backward(emulated_backward, segment_chunks, l2norm, K, V,
-                                                                  Hk, Hv):
+                                                                  Hk, Hv, recompute):
     """The launcher's wiring (l2norm, gamma and Ag, the walks with or without a split, dqkwg, WY, dg's partial sums,
     the GVA sum and l2norm backward, padded head dims, the padded tail) with every kernel replaced by its float64
     stage reference gives ``chunk_gated_delta_rule_bwd_ref``'s gradients."""
@@ -243,7 +260,8 @@ def test_launcher_composes_the_stages_into_the_reference_backward(emulated_backw
     h0, dht = rand(len(lens), Hv, K, V), rand(len(lens), Hv, K, V)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     got = backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
-                                              use_qk_l2norm_in_kernel=l2norm, segment_chunks=segment_chunks)
+                                              use_qk_l2norm_in_kernel=l2norm, segment_chunks=segment_chunks,
+                                              recompute=recompute)
     want = reference_bwd.chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do, dht, initial_state=h0,
                                                         use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu)
     for label, x, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):

@@ -26,8 +26,9 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc to compile for 
 def _specs(*layouts):
     seen = {}
     for layout in layouts:
-        for builder, args in backward.kernel_specs(*layout):
-            seen.setdefault((builder.__name__, args), (builder, args))
+        for recompute in backward.RECOMPUTES:
+            for builder, args in backward.kernel_specs(*layout, recompute=recompute):
+                seen.setdefault((builder.__name__, args), (builder, args))
     return list(seen.values())
 
 
@@ -107,18 +108,33 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
     q, k, v, g, beta, do, N, cu = _cpu_inputs(Hk, Hv, K, V, dtype, [1, 70, 130], pad=5)
     h0 = torch.randn(N, Hv, K, V) if has_h0 else None
     dht = torch.randn(N, Hv, K, V) if has_dht else None
-    # whole sequences (the plan's choice at this size), then forced 1-chunk segments (context parallelism)
-    for segment_chunks in (None, 1):
-        dq, dk, dv, dg, dbeta, dh0 = backward.chunk_gated_delta_rule_bwd(
-            q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2,
-            segment_chunks=segment_chunks)
-        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dv.dtype == v.dtype
-        assert dg.shape == g.shape and dbeta.shape == beta.shape and (dh0 is None) == (h0 is None)
-        for x in (dq, dk, dv, dg, dbeta):
-            assert not x[:, -5:].any(), "the padded tail's gradients must be exactly 0"
     Kp, Vp = (backward.forward.padded_head_dim(d) for d in (K, V))
-    want = {(b, a) for b, a in backward.kernel_specs(Hk, Hv, Kp, Vp, dtype, l2, has_h0, has_dht, scale=K ** -0.5)}
-    assert set(asked) == want
+    for recompute in backward.RECOMPUTES:
+        asked.clear()
+        # whole sequences (the plan's choice at this size), then forced 1-chunk segments (context parallelism)
+        for segment_chunks in (None, 1):
+            dq, dk, dv, dg, dbeta, dh0 = backward.chunk_gated_delta_rule_bwd(
+                q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2,
+                segment_chunks=segment_chunks, recompute=recompute)
+            assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dv.dtype == v.dtype
+            assert dg.shape == g.shape and dbeta.shape == beta.shape and (dh0 is None) == (h0 is None)
+            for x in (dq, dk, dv, dg, dbeta):
+                assert not x[:, -5:].any(), "the padded tail's gradients must be exactly 0"
+        want = {(b, a) for b, a in backward.kernel_specs(Hk, Hv, Kp, Vp, dtype, l2, has_h0, has_dht,
+                                                          scale=K ** -0.5, recompute=recompute)}
+        if recompute == "walk":
+            assert set(asked) == want
+        else:
+            # the forward's plan picks one V slice of those listed for this layout
+            assert set(asked) <= want and any(b.__name__ == "build_chunk_fwd" for b, _ in asked)
+
+
+def test_backward_refuses_an_unknown_recompute():
+    q = torch.randn(1, 8, 1, 64, dtype=torch.bfloat16)
+    v = torch.randn(1, 8, 1, 64, dtype=torch.bfloat16)
+    g, beta = -torch.rand(1, 8, 1), torch.rand(1, 8, 1)
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        backward.chunk_gated_delta_rule_bwd(q, q, v, g, beta, v, recompute="saved")
 
 
 def test_gpu_test_cases_are_all_precompiled():

@@ -94,31 +94,55 @@ def test_hopper_backward_matches_float64_reference(name):
             assert not x[:, int(cu[-1]):].any(), f"{name}: {label} of the padded tail is not 0"
 
 
+def _check_variant(name, run, variant, baseline, what):
+    """``run(variant)`` twice and ``run(baseline)`` under NaN-poisoned outputs: the variant's gradients within FLA's
+    RMSE ratios of the float64 reference and of the baseline's, every element written, two runs bit-identical."""
+    q, k, v, g, beta, do, dht, h0, cu, l2 = _case(name)
+    with toolkit.poisoned_outputs():
+        got, again, base = run(variant), run(variant), run(baseline)
+    want = chunk_gated_delta_rule_bwd_ref(_d(q), _d(k), _d(v), _d(g), _d(beta), _d(do), _d(dht),
+                                          initial_state=_d(h0), use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
+    for label, x, ref, x2, xb in zip(NAMES, got, want, again, base):
+        if ref is None:
+            assert x is None, label
+            continue
+        assert not x.isnan().any(), f"{name}: {label} has an unwritten (NaN) element"
+        assert _ratio(x, ref) <= RMSE_RATIO[label], f"{name}: {label} RMSE ratio {_ratio(x, ref):.2e}"
+        assert _ratio(x, xb) <= RMSE_RATIO[label], f"{name}: {label} {what} {_ratio(x, xb):.2e}"
+        assert torch.equal(x, x2), f"{name}: two runs differ in {label}"
+
+
 @pytest.mark.parametrize("name,segment_chunks", [("qwen_layout_l2norm_varlen", 2), ("ragged_gva2_l2norm_padded_tail", 1),
                                                   ("dense_gva4_T200_no_dht", 1), ("gva1_fp16_l2norm_no_h0", 1),
                                                   ("dim256_gva1", 1)])
 def test_context_parallel_backward_matches_float64_reference(name, segment_chunks):
     """Sequences split into segments (the sequential stages per segment, the state gradient carried back across
-    them by the segment maps) give the reference's gradients, deterministically."""
+    them by the segment maps) give the reference's gradients, deterministically; the split changes only where the
+    carried gradient is rounded (bf16 scan operands)."""
     q, k, v, g, beta, do, dht, h0, cu, l2 = _case(name)
 
     def run(segments):
         return backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
                                                    use_qk_l2norm_in_kernel=l2, segment_chunks=segments)
 
-    with toolkit.poisoned_outputs():
-        got, again, whole = run(segment_chunks), run(segment_chunks), run(0)
-    want = chunk_gated_delta_rule_bwd_ref(_d(q), _d(k), _d(v), _d(g), _d(beta), _d(do), _d(dht),
-                                          initial_state=_d(h0), use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
-    for label, x, ref, x2, x0 in zip(NAMES, got, want, again, whole):
-        if ref is None:
-            assert x is None, label
-            continue
-        assert not x.isnan().any(), f"{name}: {label} has an unwritten (NaN) element"
-        assert _ratio(x, ref) <= RMSE_RATIO[label], f"{name}: {label} RMSE ratio {_ratio(x, ref):.2e}"
-        # the split changes only where the carried gradient is rounded (bf16 scan operands)
-        assert _ratio(x, x0) <= RMSE_RATIO[label], f"{name}: {label} split vs whole {_ratio(x, x0):.2e}"
-        assert torch.equal(x, x2), f"{name}: two runs differ in {label}"
+    _check_variant(name, run, segment_chunks, 0, "split vs whole")
+
+
+@pytest.mark.parametrize("name,segment_chunks", [("qwen_layout_l2norm_varlen", None), ("ragged_gva2_l2norm_padded_tail", 1),
+                                                  ("gva1_fp16_l2norm_no_h0", 1), ("dim64_l2norm", None),
+                                                  ("dim256_gva1", 2)])
+def test_states_recomputed_on_the_forward_step_give_the_reference_gradients(name, segment_chunks):
+    """``recompute="forward"``: h and v_new from the forward's warp-specialised step (``chunk_fwd.chunk_states``,
+    over the forward's plan and split) instead of the ``bwd_states`` walk: the reference's gradients, the walk's
+    to rounding, deterministically."""
+    q, k, v, g, beta, do, dht, h0, cu, l2 = _case(name)
+
+    def run(recompute):
+        return backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
+                                                   use_qk_l2norm_in_kernel=l2, segment_chunks=segment_chunks,
+                                                   recompute=recompute)
+
+    _check_variant(name, run, "forward", "walk", "forward step vs walk")
 
 
 class _Stages:

@@ -10,21 +10,24 @@ from flashqla_kernels.gated_delta_rule.hopper import plan
 
 
 def test_plan_tables_for_ragged_varlen():
-    chunks, segs, maps, seqs = plan._tables((0, 1, 48, 200), 0, True)
+    chunks, segs, maps, seqs, chunk0 = plan._tables((0, 1, 48, 200), 0, True)
     assert chunks == [(0, 1), (1, 48), (48, 112), (112, 176), (176, 200)]
     # unsplit: one segment per sequence, starting from its own initial state, writing its own final state
     assert segs == [(0, 1, 0, 0), (1, 48, 1, 1), (48, 200, 2, 2)]
     assert maps == []
-    _, segs0, _, _ = plan._tables((0, 5), 0, False)
+    # each segment's first row of the chunk table
+    assert chunk0 == [(0,), (1,), (2,)]
+    _, segs0, _, _, _ = plan._tables((0, 5), 0, False)
     assert segs0 == [(0, 5, -1, 0)]
 
 
 def test_plan_tables_with_context_parallel_segments():
-    chunks, segs, maps, seqs = plan._tables((0, 300, 301), 2, True)
+    chunks, segs, maps, seqs, chunk0 = plan._tables((0, 300, 301), 2, True)
     assert len(chunks) == 6
     # 300 tokens in 128-token segments: three segments, only the last writes the final state; every segment
     # starts from the scan's row with its own index
     assert segs == [(0, 128, 0, -1), (128, 256, 1, -1), (256, 300, 2, 0), (300, 301, 3, 1)]
+    assert chunk0 == [(0,), (2,), (4,), (5,)] and all(chunks[c][0] == seg[0] for (c,), seg in zip(chunk0, segs))
     assert maps == [(0, 128), (128, 256)]
     assert seqs == [(0, 3, 0), (3, 1, 2)]
 

@@ -29,8 +29,11 @@ TESTED_LAYOUTS = (
 )
 
 
+RECOMPUTES = ("walk", "forward")
+
+
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None, cu_seqlens=None,
-                               use_qk_l2norm_in_kernel=False, segment_chunks=None):
+                               use_qk_l2norm_in_kernel=False, segment_chunks=None, recompute="walk"):
     """Gradients of the chunked gated delta rule on the TileLang Hopper kernels (chunk size 64).
 
     Args:
@@ -40,6 +43,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
             use_qk_l2norm_in_kernel: as the forward (``forward.chunk_gated_delta_rule_fwd``).
         segment_chunks: intra-card context parallelism of the sequential stages: None (default) picks by
             ``plan.choose_bwd_segment_chunks``, 0 never splits, L > 0 forces L-chunk segments (tests, benchmarks).
+        recompute: how the forward's per-chunk states and v_new are recomputed: "walk" (``bwd_states``, one
+            warpgroup per sequence or segment) or "forward" (``chunk_fwd.chunk_states``: the forward's
+            warp-specialised step over the forward's own plan, storing them instead of o).
 
     Returns:
         (dq [B, T, Hk, K] in q's dtype, dk [B, T, Hk, K] in k's, dv [B, T, Hv, V] in v's, dg [B, T, Hv] in g's,
@@ -56,6 +62,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
     reason = forward.unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens)
     if reason is not None:
         raise ValueError(reason)
+    if recompute not in RECOMPUTES:
+        raise ValueError(f"recompute must be one of {RECOMPUTES}; got {recompute!r}")
     B, Tn, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -75,18 +83,20 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
     Kp, Vp = forward.padded_head_dim(K), forward.padded_head_dim(V)
     if (Kp, Vp) == (K, V):
         return _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
-                       segment_chunks)
+                       segment_chunks, recompute)
     # other head dims run zero-padded, as in the forward: zero channels get and pass no gradient
     pad = torch.nn.functional.pad
     pad_state = (lambda x: None if x is None else pad(x.to(torch.float32), (0, Vp - V, 0, Kp - K)))
     dq, dk, dv, dg, dbeta, dh0 = _launch(
         pad(q, (0, Kp - K)), pad(k, (0, Kp - K)), pad(v, (0, Vp - V)), g, beta, pad(do, (0, Vp - V)),
-        pad_state(dht), scale, pad_state(initial_state), cu_seqlens, use_qk_l2norm_in_kernel, segment_chunks)
+        pad_state(dht), scale, pad_state(initial_state), cu_seqlens, use_qk_l2norm_in_kernel, segment_chunks,
+        recompute)
     return (dq[..., :K].contiguous(), dk[..., :K].contiguous(), dv[..., :V].contiguous(), dg, dbeta,
             None if dh0 is None else dh0[:, :, :K, :V].contiguous())
 
 
-def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm, segment_chunks=None):
+def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm, segment_chunks=None,
+            recompute="walk"):
     # inputs checked, T > 0, head dims the kernels take
     from flashqla_kernels.gated_delta_rule import checks
     from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve
@@ -94,6 +104,7 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
     B, Tn, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     cu = list(range(0, B * Tn + 1, Tn)) if cu_seqlens is None else checks.host_offsets(cu_seqlens)
+    forced = segment_chunks
     if segment_chunks is None:
         seq_chunks = [-(-(e - s) // plan.CHUNK) for s, e in zip(cu, cu[1:])]
         segment_chunks = plan.choose_bwd_segment_chunks(seq_chunks, Hv, V // bwd_states.block_v(K, V),
@@ -115,7 +126,15 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
         # backward at the end
         (qn, rq), (kn, rk) = chunk_bwd.l2norm_fwd(q3, chunks), chunk_bwd.l2norm_fwd(k3, chunks)
     gamma, ag, _ = kkt_solve.kkt_solve(kn, g3, b3, chunks, Hv)
-    h, v_new, dh, du, dh0 = sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale)
+    states = None
+    if recompute == "forward":
+        # the forward's own plan: its V slice and split rule (a forced segment_chunks splits it the same way)
+        seq_chunks = [-(-(e - s) // plan.CHUNK) for s, e in zip(cu, cu[1:])]
+        sms = plan.num_sms(q.device) if q.is_cuda else 0
+        bdv = plan.block_dv(seq_chunks, Hv, K, V, sms, forced)
+        fL = forced if forced is not None else plan.choose_segment_chunks(seq_chunks, Hv, V // bdv, sms)
+        states = (plan.make_plan(cu, Hv, V // bdv, h0 is not None, q.device, fL), bdv)
+    h, v_new, dh, du, dh0 = sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, states)
     dq_v, dk_v, dw, dgp = bwd_dqkwg.bwd_dqkwg(qn, kn, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
     dk_wy, dv, dbeta, _, dg = bwd_wy.bwd_wy(kn, v3, b3, gamma, ag, dw, du, dgp, chunks)
     dq = chunk_bwd.gva_bwd(dq_v, None, chunks, Hk, q.dtype, *((q3, rq) if l2norm else ()))
@@ -128,21 +147,28 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
             dg.view(B, Tn, Hv).to(g.dtype), dbeta.view(B, Tn, Hv).to(beta.dtype), dh0)
 
 
-def sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale):
+def sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, states=None):
     """The stages that walk sequences in order, per sequence or (``pl.segment_chunks``) per segment (``chunk_bwd``'s
-    docstring): (h, v_new, dh, dv of v_new, dh0 or None)."""
+    docstring): (h, v_new, dh, dv of v_new, dh0 or None). ``states``: None recomputes h and v_new with the
+    ``bwd_states`` walk over ``pl``; a (``plan.Plan``, bDV) pair recomputes them on the forward's step over that
+    plan (``recompute_states``)."""
     from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_states, segment_states, state_scan
 
     NC, S = pl.chunks.shape[0], pl.walks.shape[0]
+    if states is not None:
+        h, v_new = recompute_states(kn, v3, ag, gamma, b3, h0, NC, *states)
     if not pl.segment_chunks:
-        h, v_new = bwd_states.bwd_states(kn, v3, ag, gamma, h0, pl.walks, NC)
+        if states is None:
+            h, v_new = bwd_states.bwd_states(kn, v3, ag, gamma, h0, pl.walks, NC)
         dh, du, dh0 = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, dht, pl.walks, NC, scale=scale,
                                     store_dh0=h0 is not None)
         return h, v_new, dh, du, dh0
     K, V = kn.shape[2], v3.shape[2]
+    # the maps M serve the dh pass below; the offsets H the states walk
     hs, ms = segment_states.segment_states(kn, v3, ag, gamma, b3, pl.maps, bDV=bwd_states.block_v(K, V))
-    h_init = state_scan.state_scan(h0, hs, ms, pl.scan, S)
-    h, v_new = bwd_states.bwd_states(kn, v3, ag, gamma, h_init, pl.walks, NC)
+    if states is None:
+        h_init = state_scan.state_scan(h0, hs, ms, pl.scan, S)
+        h, v_new = bwd_states.bwd_states(kn, v3, ag, gamma, h_init, pl.walks, NC)
     _, _, c = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, None, pl.rest, NC, scale=scale, store_dh0=True,
                             store_grads=False)
     d_end = state_scan.state_scan_bwd(dht, c, ms, pl.rscan, S)
@@ -151,13 +177,28 @@ def sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale):
     return h, v_new, dh, du, (None if h0 is None else d_start.index_select(0, pl.first))
 
 
+def recompute_states(kn, v3, ag, gamma, b3, h0, num_chunks, fpl, bdv):
+    """h [NC, Hv, K, V] and v_new [T, Hv, V] on the forward's warp-specialised step (``chunk_fwd.chunk_states``)
+    over the forward's plan ``fpl`` with V slices ``bdv``, its context parallelism included (``segment_states`` +
+    ``state_scan`` give each segment's start state, as in the forward)."""
+    from flashqla_kernels.gated_delta_rule.hopper import chunk_fwd, segment_states, state_scan
+
+    Hv, K, V = v3.shape[1], kn.shape[2], v3.shape[2]
+    if fpl.segment_chunks:
+        hs, ms = segment_states.segment_states(kn, v3, ag, gamma, b3, fpl.maps, bDV=bdv)
+        h_init = state_scan.state_scan(h0, hs, ms, fpl.seqs, fpl.segs.shape[0])
+    else:
+        h_init = h0 if h0 is not None else torch.zeros((1, Hv, K, V), dtype=torch.float32, device=kn.device)
+    return chunk_fwd.chunk_states(kn, v3, ag, gamma, b3, h_init, fpl.segs, fpl.seg_chunk0, num_chunks, bDV=bdv)
+
+
 def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has_h0: bool, has_dht: bool,
-                 scale: float | None = None) -> list[tuple]:
+                 scale: float | None = None, recompute: str = "walk") -> list[tuple]:
     """The (builder, args) of every kernel ``chunk_gated_delta_rule_bwd`` compiles for one layout (kernel head dims
     K, V in 64 / 128 / 256; dtype "bfloat16" or "float16"; scale None = K^-0.5), with and without context
-    parallelism."""
+    parallelism. ``recompute="forward"``: the states on the forward's step, at every V slice its plan may pick."""
     from flashqla_kernels.gated_delta_rule.hopper import (
-        bwd_dh, bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve, segment_states, state_scan,
+        bwd_dh, bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, chunk_fwd, kkt_solve, segment_states, state_scan,
     )
 
     scale = K ** -0.5 if scale is None else float(scale)
@@ -165,20 +206,27 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
     specs = [(chunk_bwd.build_l2norm_fwd, (Hk, K, dtype))] if l2norm else []
     specs += [
         (kkt_solve.build_kkt_solve, (Hk, Hv, K, dtype, False)),
-        (bwd_states.build_bwd_states, (Hk, Hv, K, V, bDV, dtype, has_h0)),
         (bwd_dh.build_bwd_dh, (Hk, Hv, K, V, bDV, dtype, scale, has_dht, has_h0, True)),
         (bwd_dqkwg.build_bwd_dqkwg, (Hk, Hv, K, V, dtype, scale)),
         (bwd_wy.build_bwd_wy, (Hk, Hv, K, V, dtype)),
         (chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, False)),
         (chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, True)),
-        # context parallelism: the maps, the two scans, the segment walks (states always from h_init, dh from d_end)
+        # context parallelism of the dh walk: the maps, the reverse scan, the two passes
         (segment_states.build_segment_states, (Hk, Hv, K, V, bDV, dtype, False)),
-        (state_scan.build_state_scan, (Hv, K, V, has_h0)),
-        (bwd_states.build_bwd_states, (Hk, Hv, K, V, bDV, dtype, True)),
         (bwd_dh.build_bwd_dh, (Hk, Hv, K, V, bDV, dtype, scale, False, True, False)),
         (state_scan.build_state_scan, (Hv, K, V, has_dht, True)),
         (bwd_dh.build_bwd_dh, (Hk, Hv, K, V, bDV, dtype, scale, True, has_h0, True)),
+        # the start states of split walks (the forward's scan)
+        (state_scan.build_state_scan, (Hv, K, V, has_h0)),
     ]
+    if recompute == "walk":
+        specs += [(bwd_states.build_bwd_states, (Hk, Hv, K, V, bDV, dtype, has_h0)),
+                  (bwd_states.build_bwd_states, (Hk, Hv, K, V, bDV, dtype, True))]
+    else:
+        fwd_bdvs = {min(V, 32)} if K > 128 else {min(V, 64), min(V, 128)}
+        for b in sorted(fwd_bdvs):
+            specs += [(chunk_fwd.build_chunk_fwd, (Hk, Hv, K, V, b, dtype, 1.0, False, False, True)),
+                      (segment_states.build_segment_states, (Hk, Hv, K, V, b, dtype, False))]
     return specs
 
 
@@ -192,7 +240,8 @@ def precompile(layouts=TESTED_LAYOUTS) -> int:
     """
     from flashqla_kernels import toolkit
 
-    specs = {spec for layout in layouts for spec in kernel_specs(*layout)}
+    specs = {spec for layout in layouts for recompute in RECOMPUTES for spec in kernel_specs(*layout,
+                                                                                            recompute=recompute)}
     for builder, args in sorted(specs, key=lambda s: (s[0].__name__, str(s[1]))):
         toolkit.compile_kernel(builder, *args)
     return len(specs)

@@ -33,6 +33,11 @@ head), folded into the row scalings the chunk step already applies: ``K_n S = di
 ``(gamma_i log2 e + log2 rq_i) - (gamma_j log2 e - log2 rk_j)``, the same instruction count as without l2norm) and
 ``K_n^T Vn = K^T diag(rk) Vn`` (Vn carries rk).
 
+The backward's recompute (``chunk_states``, ``build_chunk_fwd(store_states=True)``) runs the same step and writes each
+chunk's entering state (WG0, from registers, while WG1 forms Vn) and Vd = v_new (WG1) instead of o: the output
+warpgroup keeps only its part of the barrier protocol and the producer loads no q. The forward's specialisations
+compile to the same CUDA with or without this mode in the builder.
+
 Grid (V / bDV, Hv, segments), 512 threads. ``segs[s] = (start, end, init, final)``: token range, the row of ``h_init``
 to start from (-1: zeros) and the row of ``ht`` to write (-1: none).
 """
@@ -61,9 +66,14 @@ def set_nreg(count: int):
 
 
 def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool,
-                    l2norm: bool = False):
+                    l2norm: bool = False, store_states: bool = False):
     """The chunk_fwd kernel for q/k/v in ``dtype`` (bfloat16 or float16); ``store_final``: write ``ht``;
-    ``l2norm``: normalise q and k by ``rn`` (the module doc)."""
+    ``l2norm``: normalise q and k by ``rn`` (the module doc); ``store_states``: the backward's recompute, a kernel
+    ``gdn_chunk_states`` that writes every chunk's entering state and v_new (Vd) instead of o and ht (the step is
+    the same; only the stores differ)."""
+    if store_states and (store_final or l2norm):
+        raise ValueError("store_states recomputes from normalised keys and writes no final state: pass "
+                         "store_final=False, l2norm=False")
     group = Hv // Hk
     # the operands of the Ag W and Pg Vd GEMMs: W, Ag, Vd, Pg
     idt = "float16"
@@ -74,21 +84,10 @@ def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
     num_init = T.dynamic("num_init")
     num_final = T.dynamic("num_final")
     num_rn = T.dynamic("num_rn")
+    num_chunks = T.dynamic("num_chunks")
 
-    @T.prim_func
-    def gdn_chunk_fwd(
-        q: T.Tensor((num_tokens, Hk, K), dtype),
-        k: T.Tensor((num_tokens, Hk, K), dtype),
-        v: T.Tensor((num_tokens, Hv, V), dtype),
-        a0: T.Tensor((num_tokens, Hv, C), "float16"),
-        gamma: T.Tensor((num_tokens, Hv), "float32"),
-        beta: T.Tensor((num_tokens, Hv), "float32"),
-        h_init: T.Tensor((num_init, Hv, K, V), "float32"),
-        segs: T.Tensor((num_segs, 4), "int32"),
-        o: T.Tensor((num_tokens, Hv, V), dtype),
-        ht: T.Tensor((num_final, Hv, K, V), "float32"),
-        rn: T.Tensor((num_rn, Hk, 2), "float32"),
-    ):
+    @T.macro
+    def chunk_step(q, k, v, a0, gamma, beta, h_init, segs, o, ht, rn, hs, vns, seg_chunk0):
         with T.Kernel(V // bDV, Hv, num_segs, threads=THREADS) as (bv, bh, bs):
             hk = bh // group
             v0 = bv * bDV
@@ -154,6 +153,10 @@ def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
                     T.fence_proxy_async()
                     T.barrier_arrive(bar_state)
                     T.barrier_wait(bar_state, it % 2)
+                    if store_states:
+                        # the state entering this chunk, rounded as h_sh holds it; fire-and-forget stores from
+                        # registers while the values warpgroup forms Vn
+                        T.copy(s_f, hs[seg_chunk0[bs] + it, bh, :, v0:v0 + bDV])
                     for i, j in T.Parallel(K, bDV):
                         s_f[i, j] = s_f[i, j] * eg_sh[C - 1]
                     T.barrier_wait(bar_vn, it % 2)
@@ -207,6 +210,14 @@ def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
                     T.fence_proxy_async()
                     T.barrier_arrive(bar_vn)
                     T.barrier_arrive(free[it % 2])
+                    if store_states:
+                        cs = s0 + it * C
+                        if cs + C <= s1:
+                            T.copy(vd_f, vns[cs:cs + C, bh, v0:v0 + bDV])
+                        else:
+                            for i, j in T.Parallel(C, bDV):
+                                if cs + i < s1:
+                                    vns[cs + i, bh, v0 + j] = vd_f[i, j]
 
             elif tx < 384:
                 set_nreg(NREG_OUTPUT)
@@ -215,37 +226,39 @@ def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
                     if it == 0:  # later steps: arrived at the end of the previous one, before its O store
                         T.barrier_arrive(bar_start)
                     T.barrier_wait(bar_start, it % 2)
-                    T.gemm(q_sh[it % 2, :, :], k_sh[it % 2, :, :], p_f, transpose_B=True, clear_accum=True)
-                    if l2norm:
-                        for i, j in T.Parallel(C, C):
-                            p_f[i, j] = T.if_then_else(
-                                j <= i, p_f[i, j] * T.exp2(lq_sh[it % 2, i] - lk_sh[it % 2, j]) * scale, 0.0)
-                    else:
-                        for i, j in T.Parallel(C, C):
-                            p_f[i, j] = T.if_then_else(
-                                j <= i, p_f[i, j] * T.exp2((g_sh[it % 2, i] - g_sh[it % 2, j]) * LOG2E) * scale,
-                                0.0)
-                    T.copy(p_f, pg_f)
-                    T.barrier_wait(bar_state, it % 2)
-                    T.gemm(q_sh[it % 2, :, :], h_sh, o_f, clear_accum=True)
-                    if l2norm:
-                        for i, j in T.Parallel(C, bDV):
-                            o_f[i, j] = o_f[i, j] * eq_sh[i] * scale
-                    else:
-                        for i, j in T.Parallel(C, bDV):
-                            o_f[i, j] = o_f[i, j] * eg_sh[i] * scale
-                    T.barrier_wait(bar_vd, it % 2)
-                    T.gemm(pg_f, vd_sh, o_f)
+                    if not store_states:  # the recompute needs no output: only the barrier protocol
+                        T.gemm(q_sh[it % 2, :, :], k_sh[it % 2, :, :], p_f, transpose_B=True, clear_accum=True)
+                        if l2norm:
+                            for i, j in T.Parallel(C, C):
+                                p_f[i, j] = T.if_then_else(
+                                    j <= i, p_f[i, j] * T.exp2(lq_sh[it % 2, i] - lk_sh[it % 2, j]) * scale, 0.0)
+                        else:
+                            for i, j in T.Parallel(C, C):
+                                p_f[i, j] = T.if_then_else(
+                                    j <= i, p_f[i, j] * T.exp2((g_sh[it % 2, i] - g_sh[it % 2, j]) * LOG2E) * scale,
+                                    0.0)
+                        T.copy(p_f, pg_f)
+                        T.barrier_wait(bar_state, it % 2)
+                        T.gemm(q_sh[it % 2, :, :], h_sh, o_f, clear_accum=True)
+                        if l2norm:
+                            for i, j in T.Parallel(C, bDV):
+                                o_f[i, j] = o_f[i, j] * eq_sh[i] * scale
+                        else:
+                            for i, j in T.Parallel(C, bDV):
+                                o_f[i, j] = o_f[i, j] * eg_sh[i] * scale
+                        T.barrier_wait(bar_vd, it % 2)
+                        T.gemm(pg_f, vd_sh, o_f)
                     # this step's shared-memory reads (h_sh, eg_sh, vd_sh) are done: release the next step to the
                     # other warpgroups now and store O while they run it
                     T.barrier_arrive(bar_start)
-                    cs = s0 + it * C
-                    if cs + C <= s1:
-                        T.copy(o_f, o[cs:cs + C, bh, v0:v0 + bDV])
-                    else:
-                        for i, j in T.Parallel(C, bDV):
-                            if cs + i < s1:
-                                o[cs + i, bh, v0 + j] = o_f[i, j]
+                    if not store_states:
+                        cs = s0 + it * C
+                        if cs + C <= s1:
+                            T.copy(o_f, o[cs:cs + C, bh, v0:v0 + bDV])
+                        else:
+                            for i, j in T.Parallel(C, bDV):
+                                if cs + i < s1:
+                                    o[cs + i, bh, v0 + j] = o_f[i, j]
                     T.barrier_arrive(free[it % 2])
 
             else:
@@ -254,9 +267,16 @@ def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
                     for it in T.serial(n_it):
                         T.barrier_wait(free[it % 2], (it // 2 + 1) % 2)
                         cs = s0 + it * C
+                        # the recompute reads no q (its output warpgroup is idle)
                         if cs + C <= s1:
-                            T.tma_copy(q[cs:cs + C, hk, :], q_sh[it % 2, :, :], barrier=ready[it % 2])
+                            if not store_states:
+                                T.tma_copy(q[cs:cs + C, hk, :], q_sh[it % 2, :, :], barrier=ready[it % 2])
                             T.tma_copy(k[cs:cs + C, hk, :], k_sh[it % 2, :, :], barrier=ready[it % 2])
+                        elif store_states:
+                            for i, j in T.Parallel(C, K):
+                                k_sh[it % 2, i, j] = T.if_then_else(cs + i < s1, k[T.min(cs + i, s1 - 1), hk, j],
+                                                                    T.cast(0, dtype))
+                            T.fence_proxy_async()
                         else:
                             for i, j in T.Parallel(C, K):
                                 q_sh[it % 2, i, j] = T.if_then_else(cs + i < s1, q[T.min(cs + i, s1 - 1), hk, j],
@@ -304,7 +324,68 @@ def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
                                                     - T.log2(rn[T.min(cs + i, s1 - 1), hk, 1]))
                         T.barrier_arrive(ready[it % 2])
 
+
+    # a prim_func's parameters are its Python signature, so each mode spells its own; the step is chunk_step
+    if store_states:
+        @T.prim_func
+        def gdn_chunk_states(
+            q: T.Tensor((num_tokens, Hk, K), dtype),
+            k: T.Tensor((num_tokens, Hk, K), dtype),
+            v: T.Tensor((num_tokens, Hv, V), dtype),
+            a0: T.Tensor((num_tokens, Hv, C), "float16"),
+            gamma: T.Tensor((num_tokens, Hv), "float32"),
+            beta: T.Tensor((num_tokens, Hv), "float32"),
+            h_init: T.Tensor((num_init, Hv, K, V), "float32"),
+            segs: T.Tensor((num_segs, 4), "int32"),
+            seg_chunk0: T.Tensor((num_segs,), "int32"),
+            hs: T.Tensor((num_chunks, Hv, K, V), dtype),
+            vns: T.Tensor((num_tokens, Hv, V), dtype),
+        ):
+            chunk_step(q, k, v, a0, gamma, beta, h_init, segs, None, None, None, hs, vns, seg_chunk0)
+
+        return gdn_chunk_states
+
+    @T.prim_func
+    def gdn_chunk_fwd(
+        q: T.Tensor((num_tokens, Hk, K), dtype),
+        k: T.Tensor((num_tokens, Hk, K), dtype),
+        v: T.Tensor((num_tokens, Hv, V), dtype),
+        a0: T.Tensor((num_tokens, Hv, C), "float16"),
+        gamma: T.Tensor((num_tokens, Hv), "float32"),
+        beta: T.Tensor((num_tokens, Hv), "float32"),
+        h_init: T.Tensor((num_init, Hv, K, V), "float32"),
+        segs: T.Tensor((num_segs, 4), "int32"),
+        o: T.Tensor((num_tokens, Hv, V), dtype),
+        ht: T.Tensor((num_final, Hv, K, V), "float32"),
+        rn: T.Tensor((num_rn, Hk, 2), "float32"),
+    ):
+        chunk_step(q, k, v, a0, gamma, beta, h_init, segs, o, ht, rn, None, None, None)
+
     return gdn_chunk_fwd
+
+
+def chunk_states(k, v, ag, gamma, beta, h_init, segs, seg_chunk0, num_chunks: int, *, bDV: int):
+    """The backward's recompute of the forward's per-chunk states on this stage's warp-specialised step.
+
+    Args:
+        k: [T, Hk, K] bf16/fp16, normalised if the op normalises. v: [T, Hv, V]; ag, gamma, beta: as ``chunk_fwd``.
+        h_init, segs: as ``chunk_fwd`` (a ``plan.Plan``'s, with context parallelism's start states). seg_chunk0: [S]
+        int32, the plan's first chunk row of each segment. num_chunks: NC. bDV: V slice per CTA.
+
+    Returns:
+        (h [NC, Hv, K, V], the state entering every chunk; v_new [T, Hv, V]), both in k's dtype; rows of a padded
+        tail are not written.
+    """
+    Tn, Hk, K = k.shape
+    Hv, V = v.shape[1], v.shape[2]
+    # scale is unused (no output): one value keeps one specialisation
+    kernel = toolkit.compile_kernel(build_chunk_fwd, Hk, Hv, K, V, bDV, toolkit.tl_dtype(k.dtype), 1.0, False,
+                                    False, True)
+    h = toolkit.empty((num_chunks, Hv, K, V), k.dtype, k.device)
+    v_new = toolkit.empty((Tn, Hv, V), k.dtype, k.device)
+    if segs.shape[0] > 0:
+        kernel(k, k, v, ag, gamma, beta, h_init, segs, seg_chunk0, h, v_new)
+    return h, v_new
 
 
 def chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale: float, bDV: int, rn=None):

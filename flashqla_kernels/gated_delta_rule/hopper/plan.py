@@ -34,6 +34,7 @@ class Plan:
     chunks [NC, 2]: (start, end) of every chunk. segs [S, 4]: (start, end, init row, final row) per segment.
     maps [R, 2]: token ranges of the non-final segments, each one's affine map (context parallelism only, else None).
     seqs [N, 3]: (first segment, number of segments, first map row) per sequence (None without context parallelism).
+    seg_chunk0 [S]: the row of ``chunks`` each segment starts at (where the backward's recompute writes its states).
     segment_chunks: the segment length in chunks, 0 when sequences are not split.
     """
 
@@ -42,6 +43,7 @@ class Plan:
     maps: torch.Tensor | None
     seqs: torch.Tensor | None
     segment_chunks: int
+    seg_chunk0: torch.Tensor
 
 
 def choose_segment_chunks(seq_chunks: list[int], Hv: int, nV: int, num_sms: int) -> int:
@@ -117,9 +119,10 @@ def block_dv(seq_chunks: list[int], Hv: int, K: int, V: int, num_sms: int, segme
 
 @functools.lru_cache(maxsize=64)
 def _tables(cu: tuple[int, ...], L: int, has_init: bool):
-    chunks, segs, maps, seqs = [], [], [], []
+    chunks, segs, maps, seqs, seg_chunk0 = [], [], [], [], []
     for n in range(len(cu) - 1):
         bos, eos = cu[n], cu[n + 1]
+        chunk0 = len(chunks)
         chunks += [(s, min(s + CHUNK, eos)) for s in range(bos, eos, CHUNK)]
         step = L * CHUNK if L else max(eos - bos, 1)
         starts = list(range(bos, eos, step)) or [bos]
@@ -129,10 +132,11 @@ def _tables(cu: tuple[int, ...], L: int, has_init: bool):
             last = i == len(starts) - 1
             init = len(segs) if L else (n if has_init else -1)
             segs.append((s, e, init, n if last else -1))
+            seg_chunk0.append((chunk0 + (s - bos) // CHUNK,))
             if not last:
                 maps.append((s, e))
         seqs.append((first, len(starts), first_map))
-    return chunks, segs, maps, seqs
+    return chunks, segs, maps, seqs, seg_chunk0
 
 
 def make_plan(cu_seqlens: list[int], Hv: int, nV: int, has_init: bool, device: torch.device,
@@ -153,12 +157,12 @@ def _device_plan(cu: tuple[int, ...], L: int, has_init: bool, device: torch.devi
     # one host-to-device copy for all tables
     buf = torch.tensor([x for p in parts for x in p], dtype=torch.int32).to(device, non_blocking=True)
     views, at = [], 0
-    for p, width in zip(parts, (2, 4, 2, 3)):
+    for p, width in zip(parts, (2, 4, 2, 3, 1)):
         views.append(buf[at:at + len(p)].view(-1, width))
         at += len(p)
     cp = bool(L)
     return Plan(chunks=views[0], segs=views[1], maps=views[2] if cp else None, seqs=views[3] if cp else None,
-                segment_chunks=L)
+                segment_chunks=L, seg_chunk0=views[4].view(-1))
 
 
 # The backward's sequential stages (states, dh) run 128-thread CTAs of which two or more share an SM: segments aim
