@@ -126,7 +126,7 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
             assert set(asked) == want
         else:
             # the forward's plan picks one V slice of those listed for this layout
-            assert set(asked) <= want and any(b.__name__ == "build_chunk_fwd" for b, _ in asked)
+            assert set(asked) <= want and any(b.__name__ == "build_chunk_states" for b, _ in asked)
 
 
 def test_backward_refuses_an_unknown_recompute():

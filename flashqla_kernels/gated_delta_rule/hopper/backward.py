@@ -225,7 +225,7 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
     else:
         fwd_bdvs = {min(V, 32)} if K > 128 else {min(V, 64), min(V, 128)}
         for b in sorted(fwd_bdvs):
-            specs += [(chunk_fwd.build_chunk_fwd, (Hk, Hv, K, V, b, dtype, 1.0, False, False, True)),
+            specs += [(chunk_fwd.build_chunk_states, (Hk, Hv, K, V, b, dtype)),
                       (segment_states.build_segment_states, (Hk, Hv, K, V, b, dtype, False))]
     return specs
 

@@ -33,7 +33,7 @@ head), folded into the row scalings the chunk step already applies: ``K_n S = di
 ``(gamma_i log2 e + log2 rq_i) - (gamma_j log2 e - log2 rk_j)``, the same instruction count as without l2norm) and
 ``K_n^T Vn = K^T diag(rk) Vn`` (Vn carries rk).
 
-The backward's recompute (``chunk_states``, ``build_chunk_fwd(store_states=True)``) runs the same step and writes each
+The backward's recompute (``chunk_states``, ``build_chunk_states``) runs the same step and writes each
 chunk's entering state (WG0, from registers, while WG1 forms Vn) and Vd = v_new (WG1) instead of o: the output
 warpgroup keeps only its part of the barrier protocol and the producer loads no q. The forward's specialisations
 compile to the same CUDA with or without this mode in the builder.
@@ -65,30 +65,19 @@ def set_nreg(count: int):
     return T.set_max_nreg(count, 1 if count >= NREG_LAUNCH else 0)
 
 
-def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool,
-                    l2norm: bool = False, store_states: bool = False):
-    """The chunk_fwd kernel for q/k/v in ``dtype`` (bfloat16 or float16); ``store_final``: write ``ht``;
-    ``l2norm``: normalise q and k by ``rn`` (the module doc); ``store_states``: the backward's recompute, a kernel
-    ``gdn_chunk_states`` that writes every chunk's entering state and v_new (Vd) instead of o and ht (the step is
-    the same; only the stores differ)."""
-    if store_states and (store_final or l2norm):
-        raise ValueError("store_states recomputes from normalised keys and writes no final state: pass "
-                         "store_final=False, l2norm=False")
+def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool,
+                l2norm: bool, store_states: bool):
+    """The step both kernels run (the module doc), as a macro over their tensors; ``store_states``: write each
+    chunk's entering state and v_new instead of o and ht."""
     group = Hv // Hk
     # the operands of the Ag W and Pg Vd GEMMs: W, Ag, Vd, Pg
     idt = "float16"
     # bf16 inputs: W gets its own fp16 tile; fp16 inputs: W is written over this chunk's V tile
     separate_w = idt != dtype
-    num_tokens = T.dynamic("num_tokens")
-    num_segs = T.dynamic("num_segs")
-    num_init = T.dynamic("num_init")
-    num_final = T.dynamic("num_final")
-    num_rn = T.dynamic("num_rn")
-    num_chunks = T.dynamic("num_chunks")
 
     @T.macro
     def chunk_step(q, k, v, a0, gamma, beta, h_init, segs, o, ht, rn, hs, vns, seg_chunk0):
-        with T.Kernel(V // bDV, Hv, num_segs, threads=THREADS) as (bv, bh, bs):
+        with T.Kernel(V // bDV, Hv, segs.shape[0], threads=THREADS) as (bv, bh, bs):
             hk = bh // group
             v0 = bv * bDV
             s0 = T.alloc_var("int32")
@@ -325,25 +314,19 @@ def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
                         T.barrier_arrive(ready[it % 2])
 
 
-    # a prim_func's parameters are its Python signature, so each mode spells its own; the step is chunk_step
-    if store_states:
-        @T.prim_func
-        def gdn_chunk_states(
-            q: T.Tensor((num_tokens, Hk, K), dtype),
-            k: T.Tensor((num_tokens, Hk, K), dtype),
-            v: T.Tensor((num_tokens, Hv, V), dtype),
-            a0: T.Tensor((num_tokens, Hv, C), "float16"),
-            gamma: T.Tensor((num_tokens, Hv), "float32"),
-            beta: T.Tensor((num_tokens, Hv), "float32"),
-            h_init: T.Tensor((num_init, Hv, K, V), "float32"),
-            segs: T.Tensor((num_segs, 4), "int32"),
-            seg_chunk0: T.Tensor((num_segs,), "int32"),
-            hs: T.Tensor((num_chunks, Hv, K, V), dtype),
-            vns: T.Tensor((num_tokens, Hv, V), dtype),
-        ):
-            chunk_step(q, k, v, a0, gamma, beta, h_init, segs, None, None, None, hs, vns, seg_chunk0)
+    return chunk_step
 
-        return gdn_chunk_states
+
+def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool,
+                    l2norm: bool = False):
+    """The chunk_fwd kernel for q/k/v in ``dtype`` (bfloat16 or float16); ``store_final``: write ``ht``;
+    ``l2norm``: normalise q and k by ``rn`` (the module doc)."""
+    step = _chunk_step(Hk, Hv, K, V, bDV, dtype, scale, store_final, l2norm, False)
+    num_tokens = T.dynamic("num_tokens")
+    num_segs = T.dynamic("num_segs")
+    num_init = T.dynamic("num_init")
+    num_final = T.dynamic("num_final")
+    num_rn = T.dynamic("num_rn")
 
     @T.prim_func
     def gdn_chunk_fwd(
@@ -359,9 +342,37 @@ def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
         ht: T.Tensor((num_final, Hv, K, V), "float32"),
         rn: T.Tensor((num_rn, Hk, 2), "float32"),
     ):
-        chunk_step(q, k, v, a0, gamma, beta, h_init, segs, o, ht, rn, None, None, None)
+        step(q, k, v, a0, gamma, beta, h_init, segs, o, ht, rn, None, None, None)
 
     return gdn_chunk_fwd
+
+
+def build_chunk_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str):
+    """The backward's recompute kernel ``gdn_chunk_states`` (the module doc): keys already normalised, every
+    chunk's entering state and v_new written in ``dtype``."""
+    step = _chunk_step(Hk, Hv, K, V, bDV, dtype, 1.0, False, False, True)
+    num_tokens = T.dynamic("num_tokens")
+    num_segs = T.dynamic("num_segs")
+    num_init = T.dynamic("num_init")
+    num_chunks = T.dynamic("num_chunks")
+
+    @T.prim_func
+    def gdn_chunk_states(
+        q: T.Tensor((num_tokens, Hk, K), dtype),
+        k: T.Tensor((num_tokens, Hk, K), dtype),
+        v: T.Tensor((num_tokens, Hv, V), dtype),
+        a0: T.Tensor((num_tokens, Hv, C), "float16"),
+        gamma: T.Tensor((num_tokens, Hv), "float32"),
+        beta: T.Tensor((num_tokens, Hv), "float32"),
+        h_init: T.Tensor((num_init, Hv, K, V), "float32"),
+        segs: T.Tensor((num_segs, 4), "int32"),
+        seg_chunk0: T.Tensor((num_segs,), "int32"),
+        hs: T.Tensor((num_chunks, Hv, K, V), dtype),
+        vns: T.Tensor((num_tokens, Hv, V), dtype),
+    ):
+        step(q, k, v, a0, gamma, beta, h_init, segs, None, None, None, hs, vns, seg_chunk0)
+
+    return gdn_chunk_states
 
 
 def chunk_states(k, v, ag, gamma, beta, h_init, segs, seg_chunk0, num_chunks: int, *, bDV: int):
@@ -378,9 +389,7 @@ def chunk_states(k, v, ag, gamma, beta, h_init, segs, seg_chunk0, num_chunks: in
     """
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
-    # scale is unused (no output): one value keeps one specialisation
-    kernel = toolkit.compile_kernel(build_chunk_fwd, Hk, Hv, K, V, bDV, toolkit.tl_dtype(k.dtype), 1.0, False,
-                                    False, True)
+    kernel = toolkit.compile_kernel(build_chunk_states, Hk, Hv, K, V, bDV, toolkit.tl_dtype(k.dtype))
     h = toolkit.empty((num_chunks, Hv, K, V), k.dtype, k.device)
     v_new = toolkit.empty((Tn, Hv, V), k.dtype, k.device)
     if segs.shape[0] > 0:
