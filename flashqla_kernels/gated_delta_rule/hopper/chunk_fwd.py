@@ -36,7 +36,7 @@ head), folded into the row scalings the chunk step already applies: ``K_n S = di
 The backward's recompute (``chunk_states``, ``build_chunk_states``) runs the same step and writes each
 chunk's entering state (WG0, from registers, while WG1 forms Vn) and Vd = v_new (WG1) instead of o: the output
 warpgroup keeps only its part of the barrier protocol and the producer loads no q. The forward's specialisations
-compile to the same CUDA with or without this mode in the builder.
+compile to the same CUDA as before the step gained this mode.
 
 Grid (V / bDV, Hv, segments), 512 threads. ``segs[s] = (start, end, init, final)``: token range, the row of ``h_init``
 to start from (-1: zeros) and the row of ``ht`` to write (-1: none).
@@ -358,7 +358,6 @@ def build_chunk_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str):
 
     @T.prim_func
     def gdn_chunk_states(
-        q: T.Tensor((num_tokens, Hk, K), dtype),
         k: T.Tensor((num_tokens, Hk, K), dtype),
         v: T.Tensor((num_tokens, Hv, V), dtype),
         a0: T.Tensor((num_tokens, Hv, C), "float16"),
@@ -370,7 +369,7 @@ def build_chunk_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str):
         hs: T.Tensor((num_chunks, Hv, K, V), dtype),
         vns: T.Tensor((num_tokens, Hv, V), dtype),
     ):
-        step(q, k, v, a0, gamma, beta, h_init, segs, None, None, None, hs, vns, seg_chunk0)
+        step(None, k, v, a0, gamma, beta, h_init, segs, None, None, None, hs, vns, seg_chunk0)
 
     return gdn_chunk_states
 
@@ -393,7 +392,7 @@ def chunk_states(k, v, ag, gamma, beta, h_init, segs, seg_chunk0, num_chunks: in
     h = toolkit.empty((num_chunks, Hv, K, V), k.dtype, k.device)
     v_new = toolkit.empty((Tn, Hv, V), k.dtype, k.device)
     if segs.shape[0] > 0:
-        kernel(k, k, v, ag, gamma, beta, h_init, segs, seg_chunk0, h, v_new)
+        kernel(k, v, ag, gamma, beta, h_init, segs, seg_chunk0, h, v_new)
     return h, v_new
 
 
