@@ -59,10 +59,19 @@ def arms(q, k, v, g, beta, h0, cu) -> dict:
     return {"ours": fwd.ours_fn(q, k, v, g, beta, h0, cu), **fwd.peer_runners(q, k, v, g, beta, h0, cu)}
 
 
-def fwd_bwd(fn, do, dht):
+def fwd_bwd(fn, do, dht, recompute=None):
+    """One forward + backward through ``fn``; ``recompute``: the Hopper backward's default for this step only (the
+    public op's backward takes ``backward.RECOMPUTE``)."""
+    from flashqla_kernels.gated_delta_rule.hopper import backward
+
     def step():
-        o, ht = fn()
-        torch.autograd.backward([o, ht], [do, dht])
+        prev = backward.RECOMPUTE
+        backward.RECOMPUTE = recompute or prev
+        try:
+            o, ht = fn()
+            torch.autograd.backward([o, ht], [do, dht])
+        finally:
+            backward.RECOMPUTE = prev
     return step
 
 
@@ -136,7 +145,7 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     }
 
 
-def run_row(cfg, stages=False) -> dict:
+def run_row(cfg, stages=False, ab_recompute=False) -> dict:
     import triton.testing
 
     Hk, Hv, seqlen, nseq = cfg
@@ -148,9 +157,13 @@ def run_row(cfg, stages=False) -> dict:
     row = {"Hk": Hk, "Hv": Hv, "seqlen": seqlen, "nseq": nseq, "ms": {}, "grad_rel_l2_vs_fla": {}}
     row["bytes_floor_ms"], row["flop_floor_ms"] = floor_ms(Hk, Hv, seqlen, nseq)
     grads = {}
-    for name, fn in arms(q, k, v, g, beta, h0, cu).items():
+    runs = arms(q, k, v, g, beta, h0, cu)
+    if ab_recompute:
+        # the same public call, its backward's states recomputed on the forward's step
+        runs["ours_forward_states"] = runs["ours"]
+    for name, fn in runs.items():
         try:
-            step = fwd_bwd(fn, do, dht)
+            step = fwd_bwd(fn, do, dht, "forward" if name == "ours_forward_states" else None)
             for x in leaves:
                 x.grad = None
             step()
@@ -211,6 +224,15 @@ def write(out: Path, result: dict) -> None:
                      f"{f(ms.get('flashqla'))} | {f(ms.get('ours'))} | {f(r.get('ratio_vs_flashqla'), 2)} | "
                      f"{r['bytes_floor_ms']:.3f} / {r['flop_floor_ms']:.3f} | {anchor} | {f(worst, 4)} | "
                      f"{'; '.join(f'{k}: {v}' for k, v in r.get('errors', {}).items())} |")
+    ab = [r for r in result["rows"] if "ours_forward_states" in r["ms"]]
+    if ab:
+        lines += ["", "The same public call with the backward's states recomputed on the forward's step "
+                  "(`backward.RECOMPUTE = \"forward\"`), ms:", "",
+                  "| Hk/Hv | seqs | ours (walk) | ours (forward-step states) | x FlashQLA |", "|---|---|---|---|---|"]
+        lines += [f"| {r['Hk']}/{r['Hv']} | {r['seqlen']}x{r['nseq']} | {f(r['ms'].get('ours'))} | "
+                  f"{f(r['ms']['ours_forward_states'])} | "
+                  f"{f(r['ms']['flashqla'] / r['ms']['ours_forward_states'] if 'flashqla' in r['ms'] else None, 2)} |"
+                  for r in ab]
     ratios = [r["ratio_vs_flashqla"] for r in result["rows"] if r.get("ratio_vs_flashqla")]
     if ratios:
         lines += ["", f"Geomean x FlashQLA: {fwd.geomean(ratios):.3f} over {len(ratios)} rows."]
@@ -235,6 +257,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-qla-fix", action="store_true", help="leave tilelang's buffer-init check as it is")
     parser.add_argument("--precompile-only", action="store_true", help="build the rows' backward kernels and stop")
     parser.add_argument("--stages", action="store_true", help="also time the backward's stages alone (internal)")
+    parser.add_argument("--ab-recompute", action="store_true",
+                        help="also time the public op with its backward's states recomputed on the forward's step")
     args = parser.parse_args(argv)
     if not args.no_qla_fix:
         force_qla_buffer_init_fix()
@@ -252,7 +276,7 @@ def main(argv=None) -> None:
         if time.perf_counter() - began > args.budget_s:
             print(f"past the {args.budget_s:.0f} s budget: {cfg} and later rows not run")
             break
-        result["rows"].append(run_row(cfg, args.stages))
+        result["rows"].append(run_row(cfg, args.stages, args.ab_recompute))
         print(result["rows"][-1], flush=True)
         write(args.out, result)
     print((args.out / "gdn_backward.md").read_text())

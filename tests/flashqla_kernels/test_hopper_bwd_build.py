@@ -111,11 +111,13 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
     Kp, Vp = (backward.forward.padded_head_dim(d) for d in (K, V))
     for recompute in backward.RECOMPUTES:
         asked.clear()
+        # the public op's backward passes recompute=None: the module default decides
+        monkeypatch.setattr(backward, "RECOMPUTE", recompute)
         # whole sequences (the plan's choice at this size), then forced 1-chunk segments (context parallelism)
         for segment_chunks in (None, 1):
             dq, dk, dv, dg, dbeta, dh0 = backward.chunk_gated_delta_rule_bwd(
                 q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2,
-                segment_chunks=segment_chunks, recompute=recompute)
+                segment_chunks=segment_chunks)
             assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dv.dtype == v.dtype
             assert dg.shape == g.shape and dbeta.shape == beta.shape and (dh0 is None) == (h0 is None)
             for x in (dq, dk, dv, dg, dbeta):

@@ -30,10 +30,13 @@ TESTED_LAYOUTS = (
 
 
 RECOMPUTES = ("walk", "forward")
+# what recompute=None means (the public op's backward passes None): the walk until the forward step's GPU test
+# passes; benchmarks/gdn_backward.py --ab-recompute times the other beside it through the public op
+RECOMPUTE = "walk"
 
 
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None, cu_seqlens=None,
-                               use_qk_l2norm_in_kernel=False, segment_chunks=None, recompute="walk"):
+                               use_qk_l2norm_in_kernel=False, segment_chunks=None, recompute=None):
     """Gradients of the chunked gated delta rule on the TileLang Hopper kernels (chunk size 64).
 
     Args:
@@ -45,7 +48,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
             ``plan.choose_bwd_segment_chunks``, 0 never splits, L > 0 forces L-chunk segments (tests, benchmarks).
         recompute: how the forward's per-chunk states and v_new are recomputed: "walk" (``bwd_states``, one
             warpgroup per sequence or segment) or "forward" (``chunk_fwd.chunk_states``: the forward's
-            warp-specialised step over the forward's own plan, storing them instead of o).
+            warp-specialised step over the forward's own plan, storing them instead of o); None: ``RECOMPUTE``.
 
     Returns:
         (dq [B, T, Hk, K] in q's dtype, dk [B, T, Hk, K] in k's, dv [B, T, Hv, V] in v's, dg [B, T, Hv] in g's,
@@ -62,6 +65,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
     reason = forward.unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens)
     if reason is not None:
         raise ValueError(reason)
+    recompute = RECOMPUTE if recompute is None else recompute
     if recompute not in RECOMPUTES:
         raise ValueError(f"recompute must be one of {RECOMPUTES}; got {recompute!r}")
     B, Tn, Hk, K = k.shape
