@@ -59,19 +59,35 @@ def arms(q, k, v, g, beta, h0, cu) -> dict:
     return {"ours": fwd.ours_fn(q, k, v, g, beta, h0, cu), **fwd.peer_runners(q, k, v, g, beta, h0, cu)}
 
 
-def fwd_bwd(fn, do, dht, recompute=None):
-    """One forward + backward through ``fn``; ``recompute``: the Hopper backward's default for this step only (the
-    public op's backward takes ``backward.RECOMPUTE``)."""
-    from flashqla_kernels.gated_delta_rule.hopper import backward
+# --ab: the public call again with one backward default changed for the step (module, attribute, value), each an
+# arm beside "ours" (the defaults as shipped)
+AB_ARMS = {
+    "ours_serial_dh": ("bwd_dh", "KERNEL", "serial"),
+    "ours_walk_states": ("backward", "RECOMPUTE", "walk"),
+    "ours_forward_states": ("backward", "RECOMPUTE", "forward"),
+}
+
+
+def fwd_bwd(fn, do, dht, override=None):
+    """One forward + backward through ``fn``; ``override``: an ``AB_ARMS`` entry set for this step only (the public
+    op's backward reads the module defaults)."""
+    from flashqla_kernels.gated_delta_rule.hopper import backward, bwd_dh
+
+    modules = {"backward": backward, "bwd_dh": bwd_dh}
 
     def step():
-        prev = backward.RECOMPUTE
-        backward.RECOMPUTE = recompute or prev
+        if override is None:
+            o, ht = fn()
+            torch.autograd.backward([o, ht], [do, dht])
+            return
+        module, attr, value = override
+        prev = getattr(modules[module], attr)
+        setattr(modules[module], attr, value)
         try:
             o, ht = fn()
             torch.autograd.backward([o, ht], [do, dht])
         finally:
-            backward.RECOMPUTE = prev
+            setattr(modules[module], attr, prev)
     return step
 
 
@@ -96,7 +112,7 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
 
     from flashqla_kernels.gated_delta_rule import checks
     from flashqla_kernels.gated_delta_rule.hopper import (
-        backward, bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve, plan, segment_states, state_scan,
+        backward, bwd_dh, bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve, plan, segment_states, state_scan,
     )
 
     Tn, Hk, Kd = q.shape[1], q.shape[2], q.shape[3]
@@ -138,6 +154,10 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
         "states + dh": bench(sequential),
         "states (walk)": bench(walk_states),
         "states (forward step)": bench(lambda: backward.recompute_states(k3, v3, ag, gamma, b3, h0, NC, fpl, bdv)),
+        # one pass of the dh walk over the backward's walks (from zeros), on each kernel
+        **{f"dh walk ({kernel})": bench(lambda kernel=kernel: bwd_dh.bwd_dh(
+            q3, k3, do3, ag, gamma, None, pl.walks, NC, scale=scale, store_dh0=False, kernel=kernel))
+           for kernel in bwd_dh.KERNELS},
         "dqkwg": bench(lambda: bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)),
         "wy": bench(lambda: bwd_wy.bwd_wy(k3, v3, b3, gamma, ag, dw, du, dgp, chunks)),
         "gva": bench(lambda: (chunk_bwd.gva_bwd(dq_v, None, chunks, Hk, q.dtype),
@@ -145,7 +165,7 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     }
 
 
-def run_row(cfg, stages=False, ab_recompute=False) -> dict:
+def run_row(cfg, stages=False, ab=False) -> dict:
     import triton.testing
 
     Hk, Hv, seqlen, nseq = cfg
@@ -158,12 +178,17 @@ def run_row(cfg, stages=False, ab_recompute=False) -> dict:
     row["bytes_floor_ms"], row["flop_floor_ms"] = floor_ms(Hk, Hv, seqlen, nseq)
     grads = {}
     runs = arms(q, k, v, g, beta, h0, cu)
-    if ab_recompute:
-        # the same public call, its backward's states recomputed on the forward's step
-        runs["ours_forward_states"] = runs["ours"]
+    if ab:
+        # the same public call with one backward default changed (an arm equal to the defaults is skipped)
+        from flashqla_kernels.gated_delta_rule.hopper import backward, bwd_dh
+
+        current = {"backward": backward, "bwd_dh": bwd_dh}
+        for name, (module, attr, value) in AB_ARMS.items():
+            if getattr(current[module], attr) != value:
+                runs[name] = runs["ours"]
     for name, fn in runs.items():
         try:
-            step = fwd_bwd(fn, do, dht, "forward" if name == "ours_forward_states" else None)
+            step = fwd_bwd(fn, do, dht, AB_ARMS.get(name))
             for x in leaves:
                 x.grad = None
             step()
@@ -196,11 +221,11 @@ def precompile(rows) -> int:
     """Compile the backward kernels of ``rows`` (bf16, K = V = 128, no l2norm, h0 and dht as ``run_row`` passes
     them); needs nvcc, no GPU. Returns the number of kernels."""
     from flashqla_kernels import toolkit
-    from flashqla_kernels.gated_delta_rule.hopper import backward
+    from flashqla_kernels.gated_delta_rule.hopper import backward, bwd_dh
 
-    specs = {spec for Hk, Hv, _, _ in rows for recompute in backward.RECOMPUTES
+    specs = {spec for Hk, Hv, _, _ in rows for recompute in backward.RECOMPUTES for dh in bwd_dh.KERNELS
              for spec in backward.kernel_specs(Hk, Hv, fwd.K, fwd.V, "bfloat16", False, True, True,
-                                               recompute=recompute)}
+                                               recompute=recompute, dh_kernel=dh)}
     for builder, args in sorted(specs, key=lambda s: (s[0].__name__, str(s[1]))):
         toolkit.compile_kernel(builder, *args)
     return len(specs)
@@ -224,15 +249,13 @@ def write(out: Path, result: dict) -> None:
                      f"{f(ms.get('flashqla'))} | {f(ms.get('ours'))} | {f(r.get('ratio_vs_flashqla'), 2)} | "
                      f"{r['bytes_floor_ms']:.3f} / {r['flop_floor_ms']:.3f} | {anchor} | {f(worst, 4)} | "
                      f"{'; '.join(f'{k}: {v}' for k, v in r.get('errors', {}).items())} |")
-    ab = [r for r in result["rows"] if "ours_forward_states" in r["ms"]]
-    if ab:
-        lines += ["", "The same public call with the backward's states recomputed on the forward's step "
-                  "(`backward.RECOMPUTE = \"forward\"`), ms:", "",
-                  "| Hk/Hv | seqs | ours (walk) | ours (forward-step states) | x FlashQLA |", "|---|---|---|---|---|"]
+    ab_names = [n for n in AB_ARMS if any(n in r["ms"] for r in result["rows"])]
+    if ab_names:
+        lines += ["", "The same public call with one backward default changed (`" + "`, `".join(
+            f"{n}: {m}.{a} = {v!r}" for n, (m, a, v) in AB_ARMS.items() if n in ab_names) + "`), ms:", "",
+            "| Hk/Hv | seqs | ours | " + " | ".join(ab_names) + " |", "|---|---|---|" + "---|" * len(ab_names)]
         lines += [f"| {r['Hk']}/{r['Hv']} | {r['seqlen']}x{r['nseq']} | {f(r['ms'].get('ours'))} | "
-                  f"{f(r['ms']['ours_forward_states'])} | "
-                  f"{f(r['ms']['flashqla'] / r['ms']['ours_forward_states'] if 'flashqla' in r['ms'] else None, 2)} |"
-                  for r in ab]
+                  + " | ".join(f(r["ms"].get(n)) for n in ab_names) + " |" for r in result["rows"]]
     ratios = [r["ratio_vs_flashqla"] for r in result["rows"] if r.get("ratio_vs_flashqla")]
     if ratios:
         lines += ["", f"Geomean x FlashQLA: {fwd.geomean(ratios):.3f} over {len(ratios)} rows."]
@@ -257,8 +280,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-qla-fix", action="store_true", help="leave tilelang's buffer-init check as it is")
     parser.add_argument("--precompile-only", action="store_true", help="build the rows' backward kernels and stop")
     parser.add_argument("--stages", action="store_true", help="also time the backward's stages alone (internal)")
-    parser.add_argument("--ab-recompute", action="store_true",
-                        help="also time the public op with its backward's states recomputed on the forward's step")
+    parser.add_argument("--ab", action="store_true",
+                        help="also time the public op with each of AB_ARMS' backward defaults changed")
     args = parser.parse_args(argv)
     if not args.no_qla_fix:
         force_qla_buffer_init_fix()
@@ -276,7 +299,7 @@ def main(argv=None) -> None:
         if time.perf_counter() - began > args.budget_s:
             print(f"past the {args.budget_s:.0f} s budget: {cfg} and later rows not run")
             break
-        result["rows"].append(run_row(cfg, args.stages, args.ab_recompute))
+        result["rows"].append(run_row(cfg, args.stages, args.ab))
         print(result["rows"][-1], flush=True)
         write(args.out, result)
     print((args.out / "gdn_backward.md").read_text())

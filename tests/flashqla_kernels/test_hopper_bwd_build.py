@@ -24,11 +24,14 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc to compile for 
 
 
 def _specs(*layouts):
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh
+
     seen = {}
     for layout in layouts:
         for recompute in backward.RECOMPUTES:
-            for builder, args in backward.kernel_specs(*layout, recompute=recompute):
-                seen.setdefault((builder.__name__, args), (builder, args))
+            for dh in bwd_dh.KERNELS:
+                for builder, args in backward.kernel_specs(*layout, recompute=recompute, dh_kernel=dh):
+                    seen.setdefault((builder.__name__, args), (builder, args))
     return list(seen.values())
 
 
@@ -66,7 +69,7 @@ def _check(builder, args):
     # every cross-CTA sum is a fixed-order loop over partials: a float atomic would make runs differ
     assert "atomicAdd" not in src and "AtomicAdd" not in src, f"{builder.__name__}{args}: atomics"
     name = builder.__name__
-    if name in ("build_bwd_states", "build_bwd_dh", "build_bwd_dqkwg", "build_bwd_wy"):
+    if name in ("build_bwd_states", "build_bwd_dh", "build_bwd_dh_ws", "build_bwd_dqkwg", "build_bwd_wy"):
         assert "wgmma" in src, f"{name}{args}: its GEMMs should run on warpgroup MMA"
 
 

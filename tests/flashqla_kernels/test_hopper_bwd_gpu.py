@@ -145,6 +145,24 @@ def test_states_recomputed_on_the_forward_step_give_the_reference_gradients(name
     _check_variant(name, run, "forward", "walk", "forward step vs walk")
 
 
+@pytest.mark.parametrize("name,segment_chunks", [("qwen_layout_l2norm_varlen", None), ("ragged_gva2_l2norm_padded_tail", 1),
+                                                  ("gva1_fp16_l2norm_no_h0", 1), ("dim64_l2norm", None),
+                                                  ("dim256_gva1", 2), ("dense_gva4_T200_no_dht", None)])
+def test_warp_specialised_dh_walk_gives_the_reference_gradients(name, segment_chunks, monkeypatch):
+    """The whole backward with the dh walk on the warp-specialised kernel (the default) against the one-warpgroup
+    walk and the float64 reference, context parallelism's two passes included."""
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh
+
+    q, k, v, g, beta, do, dht, h0, cu, l2 = _case(name)
+
+    def run(kernel):
+        monkeypatch.setattr(bwd_dh, "KERNEL", kernel)
+        return backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
+                                                   use_qk_l2norm_in_kernel=l2, segment_chunks=segment_chunks)
+
+    _check_variant(name, run, "ws", "serial", "warp-specialised vs one-warpgroup dh walk")
+
+
 class _Stages:
     """The float64 stage references of one case, and the kernel-side tables and tensors of its inputs."""
 
@@ -199,17 +217,26 @@ def test_states_stage_matches_its_reference(name):
     s.check("v_new", v_new, s.ref["fwd"].v_new[0])
 
 
+@pytest.mark.parametrize("kernel", ["ws", "serial"])
 @pytest.mark.parametrize("name", STAGE_CASES)
-def test_dh_stage_matches_its_reference(name):
+def test_dh_stage_matches_its_reference(name, kernel):
+    """Both dh walks (warp-specialised and one-warpgroup) against the float64 stage reference, every element
+    written, two runs bit-identical."""
     from flashqla_kernels.gated_delta_rule.hopper import bwd_dh
 
     s = _Stages(name)
+
+    def run():
+        return bwd_dh.bwd_dh(s.q, s.k, s.do, s.ag, s.gamma, s.dht, s.seqs, s.chunks.shape[0], scale=s.scale,
+                             store_dh0=True, kernel=kernel)
+
     with toolkit.poisoned_outputs():
-        dh, dv, dh0 = bwd_dh.bwd_dh(s.q, s.k, s.do, s.ag, s.gamma, s.dht, s.seqs, s.chunks.shape[0], scale=s.scale,
-                                    store_dh0=True)
+        (dh, dv, dh0), again = run(), run()
     s.check("dh", dh, s.ref["dh"][0])
     s.check("dv", dv, s.ref["dv"][0])
     s.check("dh0", dh0, s.ref["dh0"])
+    for label, x, x2 in zip(("dh", "dv", "dh0"), (dh, dv, dh0), again):
+        assert torch.equal(x, x2), f"{name} ({kernel}): two runs differ in {label}"
 
 
 @pytest.mark.parametrize("name", STAGE_CASES)

@@ -197,29 +197,32 @@ def recompute_states(kn, v3, ag, gamma, b3, h0, num_chunks, fpl, bdv):
 
 
 def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has_h0: bool, has_dht: bool,
-                 scale: float | None = None, recompute: str = "walk") -> list[tuple]:
+                 scale: float | None = None, recompute: str = "walk", dh_kernel: str | None = None) -> list[tuple]:
     """The (builder, args) of every kernel ``chunk_gated_delta_rule_bwd`` compiles for one layout (kernel head dims
     K, V in 64 / 128 / 256; dtype "bfloat16" or "float16"; scale None = K^-0.5), with and without context
-    parallelism. ``recompute="forward"``: the states on the forward's step, at every V slice its plan may pick."""
+    parallelism. ``recompute="forward"``: the states on the forward's step, at every V slice its plan may pick.
+    ``dh_kernel``: the dh walk's kernel (``bwd_dh.KERNELS``; None: ``bwd_dh.KERNEL``)."""
     from flashqla_kernels.gated_delta_rule.hopper import (
         bwd_dh, bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, chunk_fwd, kkt_solve, segment_states, state_scan,
     )
 
     scale = K ** -0.5 if scale is None else float(scale)
     bDV = bwd_states.block_v(K, V)
+    dh_kernel = bwd_dh.KERNEL if dh_kernel is None else dh_kernel
+    build_dh = bwd_dh.build_bwd_dh_ws if dh_kernel == "ws" else bwd_dh.build_bwd_dh
     specs = [(chunk_bwd.build_l2norm_fwd, (Hk, K, dtype))] if l2norm else []
     specs += [
         (kkt_solve.build_kkt_solve, (Hk, Hv, K, dtype, False)),
-        (bwd_dh.build_bwd_dh, (Hk, Hv, K, V, bDV, dtype, scale, has_dht, has_h0, True)),
+        (build_dh, (Hk, Hv, K, V, bDV, dtype, scale, has_dht, has_h0, True)),
         (bwd_dqkwg.build_bwd_dqkwg, (Hk, Hv, K, V, dtype, scale)),
         (bwd_wy.build_bwd_wy, (Hk, Hv, K, V, dtype)),
         (chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, False)),
         (chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, True)),
         # context parallelism of the dh walk: the maps, the reverse scan, the two passes
         (segment_states.build_segment_states, (Hk, Hv, K, V, bDV, dtype, False)),
-        (bwd_dh.build_bwd_dh, (Hk, Hv, K, V, bDV, dtype, scale, False, True, False)),
+        (build_dh, (Hk, Hv, K, V, bDV, dtype, scale, False, True, False)),
         (state_scan.build_state_scan, (Hv, K, V, has_dht, True)),
-        (bwd_dh.build_bwd_dh, (Hk, Hv, K, V, bDV, dtype, scale, True, has_h0, True)),
+        (build_dh, (Hk, Hv, K, V, bDV, dtype, scale, True, has_h0, True)),
         # the start states of split walks (the forward's scan)
         (state_scan.build_state_scan, (Hv, K, V, has_h0)),
     ]
@@ -243,9 +246,10 @@ def precompile(layouts=TESTED_LAYOUTS) -> int:
         >>> #     backward; backward.precompile()"
     """
     from flashqla_kernels import toolkit
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh
 
-    specs = {spec for layout in layouts for recompute in RECOMPUTES for spec in kernel_specs(*layout,
-                                                                                            recompute=recompute)}
+    specs = {spec for layout in layouts for recompute in RECOMPUTES for dh in bwd_dh.KERNELS
+             for spec in kernel_specs(*layout, recompute=recompute, dh_kernel=dh)}
     for builder, args in sorted(specs, key=lambda s: (s[0].__name__, str(s[1]))):
         toolkit.compile_kernel(builder, *args)
     return len(specs)

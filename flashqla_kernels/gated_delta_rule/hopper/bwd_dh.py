@@ -10,9 +10,14 @@ in fp32 registers for the whole walk (exact: nothing truncated, nothing rounded 
     dS'  <- exp(gamma_C) dS' + (scale diag(exp(gamma)) Q)^T dO - K^T (diag(exp(gamma)) X^T dv)
 
 The last term is ``w^T dv`` with ``w = X diag(exp(gamma)) K`` never formed. After the sequence's first chunk the
-carried gradient is dh0. Pt and X^T dv go through shared memory in the input dtype (X is converted from fp16 on load).
+carried gradient is dh0. Pt, X and X^T dv go through shared memory in the input dtype (X is converted from fp16).
 
-Grid (V / bDV, Hv, N), 128 threads. ``seqs[n] = (start, end, first chunk)``.
+Two kernels walk the same math (``KERNEL`` picks; both are checked against the float64 reference on a GPU):
+``build_bwd_dh_ws`` splits each chunk's step over four warpgroups as the forward's ``chunk_fwd`` does (a TMA
+producer filling a 2-deep ring, the chain dS' -> K dS' -> X^T dv -> K^T Y on two warpgroups, Pt and the scaled dO
+formed beside it); ``build_bwd_dh`` is one warpgroup running the step's loads and GEMMs in turn.
+
+Grid (V / bDV, Hv, N): 512 threads (``ws``) or 128 (``serial``). ``seqs[n] = (start, end, first chunk)``.
 """
 import tilelang.language as T
 import torch
@@ -20,6 +25,7 @@ import torch
 from flashqla_kernels import toolkit
 from flashqla_kernels.gated_delta_rule.hopper.bwd_states import block_v
 from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import C, LOG2E, load_gates, load_rows, store_rows
+from flashqla_kernels.gated_delta_rule.hopper.chunk_fwd import set_nreg
 
 
 def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, has_dht: bool,
@@ -114,8 +120,237 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
     return gdn_bwd_dh
 
 
+# The warp-specialised walk (FlashQLA's layout, as ``chunk_fwd``): per chunk the critical chain is dS' -> smem,
+# K dS', + Pt dO, X^T dv, -exp(gamma) rows, K^T Y; Pt, X in the input dtype and diag(exp(gamma)) dO are formed beside
+# it, and the next chunk's tiles land while this one computes.
+#
+#   WG0 state    dS' (fp32 registers): dS' -> smem (and dh), dS' *= exp(gamma_C), += Q^T Doe, += K^T Y
+#   WG1 values   dv = diag(r) K dS' + Pt dO (stored), Y = -diag(exp(gamma)) X^T dv -> smem
+#   WG2 aux      Pt = scale (K Q^T) * Gamma^T (upper triangle), X in the input dtype (bf16 inputs), Doe = scale
+#                diag(exp(gamma)) dO
+#   WG3 producer warp 0: q, k; warp 1: the dO slice, gamma; warp 2: X (TMA for full chunks, masked loads for the
+#                ragged one), double-buffered against ``ready`` / ``free``
+WS_THREADS = 512
+# setmaxnreg budgets (sum 504 <= 512): the state warpgroup holds dS' (K bDV / 128 fp32 a thread)
+WS_NREG_STATE, WS_NREG_VALUES, WS_NREG_AUX, WS_NREG_PRODUCER = 160, 120, 136, 88
+
+
+def build_bwd_dh_ws(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, has_dht: bool,
+                    store_dh0: bool, store_grads: bool = True):
+    """The warp-specialised dh kernel: grid (V / bDV, Hv, N), 512 threads; arguments and outputs as
+    ``build_bwd_dh``'s."""
+    group = Hv // Hk
+    # bf16 inputs: X (fp16 from kkt_solve) is converted for the X^T dv product; fp16 inputs read it as loaded
+    convert_x = dtype != "float16"
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+    num_seqs = T.dynamic("num_seqs")
+    num_dht = T.dynamic("num_dht")
+    num_dh0 = T.dynamic("num_dh0")
+    num_dv = T.dynamic("num_dv")
+
+    @T.prim_func
+    def gdn_bwd_dh_ws(
+        q: T.Tensor((num_tokens, Hk, K), dtype),
+        k: T.Tensor((num_tokens, Hk, K), dtype),
+        do: T.Tensor((num_tokens, Hv, V), dtype),
+        ag: T.Tensor((num_tokens, Hv, C), "float16"),
+        gamma: T.Tensor((num_tokens, Hv), "float32"),
+        dht: T.Tensor((num_dht, Hv, K, V), "float32"),
+        seqs: T.Tensor((num_seqs, 3), "int32"),
+        dh: T.Tensor((num_chunks, Hv, K, V), dtype),
+        dv: T.Tensor((num_dv, Hv, V), dtype),
+        dh0: T.Tensor((num_dh0, Hv, K, V), "float32"),
+    ):
+        with T.Kernel(V // bDV, Hv, num_seqs, threads=WS_THREADS) as (bv, bh, bn):
+            hk = bh // group
+            v0 = bv * bDV
+            bos = T.alloc_var("int32")
+            eos = T.alloc_var("int32")
+            c0 = T.alloc_var("int32")
+            n_it = T.alloc_var("int32")
+            bos = seqs[bn, 0]
+            eos = seqs[bn, 1]
+            c0 = seqs[bn, 2]
+            n_it = T.ceildiv(eos - bos, C)
+            tx = T.get_thread_binding()
+
+            q_sh = T.alloc_shared((2, C, K), dtype)
+            k_sh = T.alloc_shared((2, C, K), dtype)
+            do_sh = T.alloc_shared((2, C, bDV), dtype)
+            a_sh = T.alloc_shared((2, C, C), "float16")
+            g_sh = T.alloc_shared((2, C), "float32", scope="shared")
+            dh_sh = T.alloc_shared((K, bDV), dtype)
+            pt_sh = T.alloc_shared((C, C), dtype)
+            x_sh = T.alloc_shared((C, C), dtype) if convert_x else None
+            doe_sh = T.alloc_shared((C, bDV), dtype)
+            dv_sh = T.alloc_shared((C, bDV), dtype)
+            y_sh = T.alloc_shared((C, bDV), dtype)
+            eg_sh = T.alloc_shared((C,), "float32", scope="shared")
+            er_sh = T.alloc_shared((C,), "float32", scope="shared")
+
+            ds_f = T.alloc_fragment((K, bDV), "float32")
+            dv_f = T.alloc_fragment((C, bDV), "float32")
+            y_f = T.alloc_fragment((C, bDV), "float32")
+            p_f = T.alloc_fragment((C, C), "float32")
+            xa_f = T.alloc_fragment((C, C), "float32")
+            doe_f = T.alloc_fragment((C, bDV), "float32")
+
+            ready = T.alloc_barrier(arrive_count=[96] * 2)
+            free = T.alloc_barrier(arrive_count=[384] * 2)
+            bar_start = T.alloc_barrier(arrive_count=384)
+            bar_state = T.alloc_barrier(arrive_count=256)
+            bar_pt = T.alloc_barrier(arrive_count=128)
+            bar_doe = T.alloc_barrier(arrive_count=128)
+            bar_y = T.alloc_barrier(arrive_count=128)
+
+            if tx < 128:
+                set_nreg(WS_NREG_STATE)
+                if has_dht:
+                    T.copy(dht[bn, bh, :, v0:v0 + bDV], ds_f)
+                else:
+                    T.clear(ds_f)
+                for it in T.serial(n_it):
+                    T.barrier_wait(ready[it % 2], (it // 2) % 2)
+                    T.barrier_arrive(bar_start)
+                    T.barrier_wait(bar_start, it % 2)
+                    T.copy(ds_f, dh_sh)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_state)
+                    T.barrier_wait(bar_state, it % 2)
+                    if store_grads:
+                        # the gradient leaving this chunk, rounded as dh_sh holds it; stores from registers while
+                        # the values warpgroup runs the chain
+                        T.copy(ds_f, dh[c0 + n_it - 1 - it, bh, :, v0:v0 + bDV])
+                    for i, j in T.Parallel(K, bDV):
+                        ds_f[i, j] = ds_f[i, j] * eg_sh[C - 1]
+                    T.barrier_wait(bar_doe, it % 2)
+                    T.gemm(q_sh[it % 2, :, :], doe_sh, ds_f, transpose_A=True)
+                    T.barrier_wait(bar_y, it % 2)
+                    T.gemm(k_sh[it % 2, :, :], y_sh, ds_f, transpose_A=True)
+                    T.barrier_arrive(free[it % 2])
+                if store_dh0:
+                    T.copy(ds_f, dh0[bn, bh, :, v0:v0 + bDV])
+
+            elif tx < 256:
+                set_nreg(WS_NREG_VALUES)
+                for it in T.serial(n_it):
+                    T.barrier_wait(ready[it % 2], (it // 2) % 2)
+                    T.barrier_arrive(bar_start)
+                    T.barrier_wait(bar_start, it % 2)
+                    for i in T.Parallel(C):
+                        eg_sh[i] = T.exp2(g_sh[it % 2, i] * LOG2E)
+                        er_sh[i] = T.exp2((g_sh[it % 2, C - 1] - g_sh[it % 2, i]) * LOG2E)
+                    T.barrier_arrive(bar_state)
+                    T.barrier_wait(bar_state, it % 2)
+                    T.gemm(k_sh[it % 2, :, :], dh_sh, dv_f, clear_accum=True)
+                    for i, j in T.Parallel(C, bDV):
+                        dv_f[i, j] = dv_f[i, j] * er_sh[i]
+                    T.barrier_wait(bar_pt, it % 2)
+                    T.gemm(pt_sh, do_sh[it % 2, :, :], dv_f)
+                    T.copy(dv_f, dv_sh)
+                    T.fence_proxy_async()
+                    # Y = -diag(exp(gamma)) X^T dv: the w^T dv term of dS as K^T Y
+                    if convert_x:
+                        T.gemm(x_sh, dv_sh, y_f, transpose_A=True, clear_accum=True)
+                    else:
+                        T.gemm(a_sh[it % 2, :, :], dv_sh, y_f, transpose_A=True, clear_accum=True)
+                    for i, j in T.Parallel(C, bDV):
+                        y_f[i, j] = -eg_sh[i] * y_f[i, j]
+                    T.copy(y_f, y_sh)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_y)
+                    T.barrier_arrive(free[it % 2])
+                    if store_grads:
+                        cs = bos + (n_it - 1 - it) * C
+                        if cs + C <= eos:
+                            T.copy(dv_f, dv[cs:cs + C, bh, v0:v0 + bDV])
+                        else:
+                            for i, j in T.Parallel(C, bDV):
+                                if cs + i < eos:
+                                    dv[cs + i, bh, v0 + j] = dv_f[i, j]
+
+            elif tx < 384:
+                set_nreg(WS_NREG_AUX)
+                for it in T.serial(n_it):
+                    T.barrier_wait(ready[it % 2], (it // 2) % 2)
+                    T.barrier_arrive(bar_start)
+                    T.barrier_wait(bar_start, it % 2)
+                    # Pt[i, j] = scale k_i . q_j exp(gamma_j - gamma_i) for j >= i (masked before exp)
+                    T.gemm(k_sh[it % 2, :, :], q_sh[it % 2, :, :], p_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        p_f[i, j] = T.if_then_else(
+                            j >= i, p_f[i, j] * T.exp2((g_sh[it % 2, j] - g_sh[it % 2, i]) * LOG2E) * scale, 0.0)
+                    T.copy(p_f, pt_sh)
+                    if convert_x:
+                        T.copy(a_sh[it % 2, :, :], xa_f)
+                        T.copy(xa_f, x_sh)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_pt)
+                    T.copy(do_sh[it % 2, :, :], doe_f)
+                    for i, j in T.Parallel(C, bDV):
+                        doe_f[i, j] = doe_f[i, j] * T.exp2(g_sh[it % 2, i] * LOG2E) * scale
+                    T.copy(doe_f, doe_sh)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(bar_doe)
+                    T.barrier_arrive(free[it % 2])
+
+            else:
+                set_nreg(WS_NREG_PRODUCER)
+                if tx < 384 + 32:
+                    for it in T.serial(n_it):
+                        T.barrier_wait(free[it % 2], (it // 2 + 1) % 2)
+                        cs = bos + (n_it - 1 - it) * C
+                        if cs + C <= eos:
+                            T.tma_copy(q[cs:cs + C, hk, :], q_sh[it % 2, :, :], barrier=ready[it % 2])
+                            T.tma_copy(k[cs:cs + C, hk, :], k_sh[it % 2, :, :], barrier=ready[it % 2])
+                        else:
+                            for i, j in T.Parallel(C, K):
+                                q_sh[it % 2, i, j] = T.if_then_else(cs + i < eos, q[T.min(cs + i, eos - 1), hk, j],
+                                                                    T.cast(0, dtype))
+                                k_sh[it % 2, i, j] = T.if_then_else(cs + i < eos, k[T.min(cs + i, eos - 1), hk, j],
+                                                                    T.cast(0, dtype))
+                            T.fence_proxy_async()
+                        T.barrier_arrive(ready[it % 2])
+                elif tx < 384 + 64:
+                    for it in T.serial(n_it):
+                        T.barrier_wait(free[it % 2], (it // 2 + 1) % 2)
+                        cs = bos + (n_it - 1 - it) * C
+                        if cs + C <= eos:
+                            T.tma_copy(do[cs:cs + C, bh, v0:v0 + bDV], do_sh[it % 2, :, :], barrier=ready[it % 2])
+                        else:
+                            for i, j in T.Parallel(C, bDV):
+                                do_sh[it % 2, i, j] = T.if_then_else(
+                                    cs + i < eos, do[T.min(cs + i, eos - 1), bh, v0 + j], T.cast(0, dtype))
+                            T.fence_proxy_async()
+                        # padded rows repeat the last valid gamma: every padded gate is <= 1, their terms are zero
+                        for i in T.Parallel(C):
+                            g_sh[it % 2, i] = gamma[T.min(cs + i, eos - 1), bh]
+                        T.barrier_arrive(ready[it % 2])
+                elif tx < 384 + 96:
+                    for it in T.serial(n_it):
+                        T.barrier_wait(free[it % 2], (it // 2 + 1) % 2)
+                        cs = bos + (n_it - 1 - it) * C
+                        if cs + C <= eos:
+                            T.tma_copy(ag[cs:cs + C, bh, :], a_sh[it % 2, :, :], barrier=ready[it % 2])
+                        else:
+                            for i, j in T.Parallel(C, C):
+                                a_sh[it % 2, i, j] = T.if_then_else(
+                                    cs + i < eos, ag[T.min(cs + i, eos - 1), bh, j], T.cast(0, "float16"))
+                            T.fence_proxy_async()
+                        T.barrier_arrive(ready[it % 2])
+
+    return gdn_bwd_dh_ws
+
+
+KERNELS = ("ws", "serial")
+# what kernel=None means: "ws" the warp-specialised walk, "serial" the one-warpgroup walk (benchmarks/gdn_backward.py
+# --ab times the other beside it through the public op)
+KERNEL = "ws"
+
+
 def bwd_dh(q, k, do, ag, gamma, dht, seqs, num_chunks: int, *, scale: float, store_dh0: bool,
-           store_grads: bool = True):
+           store_grads: bool = True, kernel: str | None = None):
     """The state gradient over the chunks of every walk (a sequence, or a segment of one), and dv.
 
     Args:
@@ -123,7 +358,7 @@ def bwd_dh(q, k, do, ag, gamma, dht, seqs, num_chunks: int, *, scale: float, sto
         fp16. gamma: [T, Hv] fp32. dht: [N, Hv, K, V] fp32, the gradient of each walk's end state, or None (zeros).
         seqs: [N, 3] int32 (start, end, first chunk) of each walk. num_chunks: NC. scale: the output scale.
         store_dh0: return the gradient of each walk's start state. store_grads: write dh and dv (False: neither is
-        returned).
+        returned). kernel: "ws" (``build_bwd_dh_ws``) or "serial" (``build_bwd_dh``); None: ``KERNEL``.
 
     Returns:
         (dh [NC, Hv, K, V] in q's dtype, the gradient of the state leaving each chunk; dv [T, Hv, V] in q's dtype, the
@@ -134,7 +369,11 @@ def bwd_dh(q, k, do, ag, gamma, dht, seqs, num_chunks: int, *, scale: float, sto
     Hv, V = do.shape[1], do.shape[2]
     N = seqs.shape[0]
     bDV = block_v(K, V)
-    kernel = toolkit.compile_kernel(build_bwd_dh, Hk, Hv, K, V, bDV, toolkit.tl_dtype(q.dtype), float(scale),
+    kernel = KERNEL if kernel is None else kernel
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
+    builder = build_bwd_dh_ws if kernel == "ws" else build_bwd_dh
+    kernel = toolkit.compile_kernel(builder, Hk, Hv, K, V, bDV, toolkit.tl_dtype(q.dtype), float(scale),
                                     dht is not None, store_dh0, store_grads)
     if store_grads:
         dh = toolkit.empty((num_chunks, Hv, K, V), q.dtype, q.device)
