@@ -19,7 +19,8 @@
 #                GDN_BENCH_ARGS="--skip-fla --skip-torch" times ours and FlashQLA only; gdn-bench:0,1,2 runs those
 #                configs, e.g. half the suite per GPU of a --split, joined afterwards by gdn_forward.py --merge)
 #   bwd-tests    the Hopper backward kernels against the float64 stage references (tests/flashqla_kernels/
-#                test_hopper_bwd_gpu.py), and the public op's dispatch under grad (test_dispatch_gpu.py)
+#                test_hopper_bwd_gpu.py), and the public op's dispatch under grad (test_dispatch_gpu.py);
+#                BWD_TESTS_K="qwen_layout or ragged" selects tests as pytest -k does
 #   gdn-bwd      benchmarks/gdn_backward.py: forward + backward of the public op beside FLA and FlashQLA (GDN_BWD_ARGS=
 #                "--rows anchors" narrows it)
 #   train        benchmarks/train_step.py: finetune's step on the 2B shape, transformers (FLA) / FlashQLA's op / ours
@@ -107,7 +108,8 @@ for p in "$@"; do
                    phase gdn-bench "${GDN_BENCH_S:-420}" python3 benchmarks/gdn_forward.py \
                        --configs "${cfg:-${GDN_CONFIGS:-}}" --stages --precompile 14 --out "$OUT" ${GDN_BENCH_ARGS:-} ;;
         bwd-tests) phase bwd-tests "${BWD_TESTS_S:-240}" python3 -m pytest -q -rfE --timeout 200 -p no:cacheprovider \
-                       tests/flashqla_kernels/test_hopper_bwd_gpu.py tests/flashqla_kernels/test_dispatch_gpu.py ;;
+                       ${BWD_TESTS_K:+-k "$BWD_TESTS_K"} tests/flashqla_kernels/test_hopper_bwd_gpu.py \
+                       tests/flashqla_kernels/test_dispatch_gpu.py ;;
         gdn-bwd) phase gdn-bwd "${GDN_BWD_S:-420}" python3 benchmarks/gdn_backward.py --out "$OUT" \
                      --budget-s "$(( ${GDN_BWD_S:-420} - 60 ))" ${GDN_BWD_ARGS:-} ;;
         train) phase train "${TRAIN_S:-300}" python3 benchmarks/train_step.py --out "$OUT" ${TRAIN_ARGS:-} ;;
