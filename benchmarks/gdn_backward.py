@@ -151,7 +151,7 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     return {
         "segment_chunks": L,
         "kkt_solve": bench(lambda: kkt_solve.kkt_solve(k3, g3, b3, chunks, Hv)),
-        "states + dh": bench(sequential),
+        "states (walk) + dh": bench(sequential),
         "states (walk)": bench(walk_states),
         "states (forward step)": bench(lambda: backward.recompute_states(k3, v3, ag, gamma, b3, h0, NC, fpl, bdv)),
         # one pass of the dh walk over the backward's walks (from zeros), on each kernel

@@ -30,9 +30,9 @@ TESTED_LAYOUTS = (
 
 
 RECOMPUTES = ("walk", "forward")
-# what recompute=None means (the public op's backward passes None): the walk until the forward step's GPU test
-# passes; benchmarks/gdn_backward.py --ab-recompute times the other beside it through the public op
-RECOMPUTE = "walk"
+# what recompute=None means (the public op's backward passes None): the forward's warp-specialised step, which the
+# GPU suite checks beside the walk; benchmarks/gdn_backward.py --ab times the walk beside it through the public op
+RECOMPUTE = "forward"
 
 
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None, cu_seqlens=None,
@@ -100,7 +100,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
 
 
 def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm, segment_chunks=None,
-            recompute="walk"):
+            recompute="forward"):
     # inputs checked, T > 0, head dims the kernels take
     from flashqla_kernels.gated_delta_rule import checks
     from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve
