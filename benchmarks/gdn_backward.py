@@ -59,35 +59,11 @@ def arms(q, k, v, g, beta, h0, cu) -> dict:
     return {"ours": fwd.ours_fn(q, k, v, g, beta, h0, cu), **fwd.peer_runners(q, k, v, g, beta, h0, cu)}
 
 
-# --ab: the public call again with one backward default changed for the step (module, attribute, value), each an
-# arm beside "ours" (the defaults as shipped)
-AB_ARMS = {
-    "ours_serial_dh": ("bwd_dh", "KERNEL", "serial"),
-    "ours_walk_states": ("backward", "RECOMPUTE", "walk"),
-    "ours_forward_states": ("backward", "RECOMPUTE", "forward"),
-}
-
-
-def fwd_bwd(fn, do, dht, override=None):
-    """One forward + backward through ``fn``; ``override``: an ``AB_ARMS`` entry set for this step only (the public
-    op's backward reads the module defaults)."""
-    from flashqla_kernels.gated_delta_rule.hopper import backward, bwd_dh
-
-    modules = {"backward": backward, "bwd_dh": bwd_dh}
-
+def fwd_bwd(fn, do, dht):
+    """One forward + backward through ``fn`` (the op, then the backward of (o, final state))."""
     def step():
-        if override is None:
-            o, ht = fn()
-            torch.autograd.backward([o, ht], [do, dht])
-            return
-        module, attr, value = override
-        prev = getattr(modules[module], attr)
-        setattr(modules[module], attr, value)
-        try:
-            o, ht = fn()
-            torch.autograd.backward([o, ht], [do, dht])
-        finally:
-            setattr(modules[module], attr, prev)
+        o, ht = fn()
+        torch.autograd.backward([o, ht], [do, dht])
     return step
 
 
@@ -111,39 +87,29 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     import triton.testing
 
     from flashqla_kernels.gated_delta_rule import checks
-    from flashqla_kernels.gated_delta_rule.hopper import (
-        backward, bwd_dh, bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve, plan, segment_states, state_scan,
-    )
+    from flashqla_kernels.gated_delta_rule.hopper import backward, bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, kkt_solve, plan
 
     Tn, Hk, Kd = q.shape[1], q.shape[2], q.shape[3]
-    Hv = v.shape[2]
+    Hv, Vd = v.shape[2], v.shape[3]
     q3, k3, v3, do3 = q[0].detach(), k[0].detach(), v[0].detach(), do[0]
     g3, b3 = g[0].detach().float().contiguous(), beta[0].detach().float().contiguous()
     h0, scale = h0.detach(), Kd ** -0.5
     cu_host = checks.host_offsets(cu)
     seq_chunks = [-(-(e - s) // fwd.CHUNK) for s, e in zip(cu_host, cu_host[1:])]
-    L = plan.choose_bwd_segment_chunks(seq_chunks, Hv, v.shape[3] // bwd_states.block_v(Kd, v.shape[3]),
-                                       plan.num_sms(q.device))
+    sms = plan.num_sms(q.device)
+    # the launcher's plans: the dh walk's split, and the forward's plan the states are recomputed over
+    L = plan.choose_bwd_segment_chunks(seq_chunks, Hv, Vd // bwd_dh.block_v(Kd, Vd), sms)
     pl = plan.make_bwd_plan(tuple(cu_host), L, q.device)
+    bdv = plan.block_dv(seq_chunks, Hv, Kd, Vd, sms)
+    fpl = plan.make_plan(cu_host, Hv, Vd // bdv, True, q.device,
+                         plan.choose_segment_chunks(seq_chunks, Hv, Vd // bdv, sms))
     chunks = pl.chunks
+    NC = chunks.shape[0]
     bench = (lambda fn: float(triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")))
     gamma, ag, _ = kkt_solve.kkt_solve(k3, g3, b3, chunks, Hv)
 
     def sequential():
-        return backward.sequential_stages(q3, k3, v3, do3, ag, gamma, b3, h0, dht, pl, scale)
-
-    # the states alone: the bwd_states walk (split as the backward splits) and the forward's step over its own plan
-    bdv = plan.block_dv(seq_chunks, Hv, Kd, v.shape[3], plan.num_sms(q.device))
-    fpl = plan.make_plan(cu_host, Hv, v.shape[3] // bdv, True, q.device)
-    NC = chunks.shape[0]
-
-    def walk_states():
-        if not pl.segment_chunks:
-            return bwd_states.bwd_states(k3, v3, ag, gamma, h0, pl.walks, NC)
-        hs, ms = segment_states.segment_states(k3, v3, ag, gamma, b3, pl.maps,
-                                               bDV=bwd_states.block_v(Kd, v.shape[3]))
-        h_init = state_scan.state_scan(h0, hs, ms, pl.scan, pl.walks.shape[0])
-        return bwd_states.bwd_states(k3, v3, ag, gamma, h_init, pl.walks, NC)
+        return backward.sequential_stages(q3, k3, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, bdv)
 
     h, v_new, dh, du, _ = sequential()
     dq_v, dk_v, dw, dgp = bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
@@ -151,13 +117,11 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     return {
         "segment_chunks": L,
         "kkt_solve": bench(lambda: kkt_solve.kkt_solve(k3, g3, b3, chunks, Hv)),
-        "states (walk) + dh": bench(sequential),
-        "states (walk)": bench(walk_states),
-        "states (forward step)": bench(lambda: backward.recompute_states(k3, v3, ag, gamma, b3, h0, NC, fpl, bdv)),
-        # one pass of the dh walk over the backward's walks (from zeros), on each kernel
-        **{f"dh walk ({kernel})": bench(lambda kernel=kernel: bwd_dh.bwd_dh(
-            q3, k3, do3, ag, gamma, None, pl.walks, NC, scale=scale, store_dh0=False, kernel=kernel))
-           for kernel in bwd_dh.KERNELS},
+        "states + dh": bench(sequential),
+        "states": bench(lambda: backward.recompute_states(k3, v3, ag, gamma, b3, h0, NC, fpl, bdv)),
+        # one pass of the dh walk over the backward's walks (from zeros)
+        "dh walk": bench(lambda: bwd_dh.bwd_dh(q3, k3, do3, ag, gamma, None, pl.walks, NC, scale=scale,
+                                               store_dh0=False)),
         "dqkwg": bench(lambda: bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)),
         "wy": bench(lambda: bwd_wy.bwd_wy(k3, v3, b3, gamma, ag, dw, du, dgp, chunks)),
         "gva": bench(lambda: (chunk_bwd.gva_bwd(dq_v, None, chunks, Hk, q.dtype),
@@ -165,7 +129,7 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     }
 
 
-def run_row(cfg, stages=False, ab=False) -> dict:
+def run_row(cfg, stages=False) -> dict:
     import triton.testing
 
     Hk, Hv, seqlen, nseq = cfg
@@ -177,18 +141,9 @@ def run_row(cfg, stages=False, ab=False) -> dict:
     row = {"Hk": Hk, "Hv": Hv, "seqlen": seqlen, "nseq": nseq, "ms": {}, "grad_rel_l2_vs_fla": {}}
     row["bytes_floor_ms"], row["flop_floor_ms"] = floor_ms(Hk, Hv, seqlen, nseq)
     grads = {}
-    runs = arms(q, k, v, g, beta, h0, cu)
-    if ab:
-        # the same public call with one backward default changed (an arm equal to the defaults is skipped)
-        from flashqla_kernels.gated_delta_rule.hopper import backward, bwd_dh
-
-        current = {"backward": backward, "bwd_dh": bwd_dh}
-        for name, (module, attr, value) in AB_ARMS.items():
-            if getattr(current[module], attr) != value:
-                runs[name] = runs["ours"]
-    for name, fn in runs.items():
+    for name, fn in arms(q, k, v, g, beta, h0, cu).items():
         try:
-            step = fwd_bwd(fn, do, dht, AB_ARMS.get(name))
+            step = fwd_bwd(fn, do, dht)
             for x in leaves:
                 x.grad = None
             step()
@@ -221,11 +176,10 @@ def precompile(rows) -> int:
     """Compile the backward kernels of ``rows`` (bf16, K = V = 128, no l2norm, h0 and dht as ``run_row`` passes
     them); needs nvcc, no GPU. Returns the number of kernels."""
     from flashqla_kernels import toolkit
-    from flashqla_kernels.gated_delta_rule.hopper import backward, bwd_dh
+    from flashqla_kernels.gated_delta_rule.hopper import backward
 
-    specs = {spec for Hk, Hv, _, _ in rows for recompute in backward.RECOMPUTES for dh in bwd_dh.KERNELS
-             for spec in backward.kernel_specs(Hk, Hv, fwd.K, fwd.V, "bfloat16", False, True, True,
-                                               recompute=recompute, dh_kernel=dh)}
+    specs = {spec for Hk, Hv, _, _ in rows
+             for spec in backward.kernel_specs(Hk, Hv, fwd.K, fwd.V, "bfloat16", False, True, True)}
     for builder, args in sorted(specs, key=lambda s: (s[0].__name__, str(s[1]))):
         toolkit.compile_kernel(builder, *args)
     return len(specs)
@@ -249,13 +203,6 @@ def write(out: Path, result: dict) -> None:
                      f"{f(ms.get('flashqla'))} | {f(ms.get('ours'))} | {f(r.get('ratio_vs_flashqla'), 2)} | "
                      f"{r['bytes_floor_ms']:.3f} / {r['flop_floor_ms']:.3f} | {anchor} | {f(worst, 4)} | "
                      f"{'; '.join(f'{k}: {v}' for k, v in r.get('errors', {}).items())} |")
-    ab_names = [n for n in AB_ARMS if any(n in r["ms"] for r in result["rows"])]
-    if ab_names:
-        lines += ["", "The same public call with one backward default changed (`" + "`, `".join(
-            f"{n}: {m}.{a} = {v!r}" for n, (m, a, v) in AB_ARMS.items() if n in ab_names) + "`), ms:", "",
-            "| Hk/Hv | seqs | ours | " + " | ".join(ab_names) + " |", "|---|---|---|" + "---|" * len(ab_names)]
-        lines += [f"| {r['Hk']}/{r['Hv']} | {r['seqlen']}x{r['nseq']} | {f(r['ms'].get('ours'))} | "
-                  + " | ".join(f(r["ms"].get(n)) for n in ab_names) + " |" for r in result["rows"]]
     ratios = [r["ratio_vs_flashqla"] for r in result["rows"] if r.get("ratio_vs_flashqla")]
     if ratios:
         lines += ["", f"Geomean x FlashQLA: {fwd.geomean(ratios):.3f} over {len(ratios)} rows."]
@@ -280,8 +227,6 @@ def main(argv=None) -> None:
     parser.add_argument("--no-qla-fix", action="store_true", help="leave tilelang's buffer-init check as it is")
     parser.add_argument("--precompile-only", action="store_true", help="build the rows' backward kernels and stop")
     parser.add_argument("--stages", action="store_true", help="also time the backward's stages alone (internal)")
-    parser.add_argument("--ab", action="store_true",
-                        help="also time the public op with each of AB_ARMS' backward defaults changed")
     args = parser.parse_args(argv)
     if not args.no_qla_fix:
         force_qla_buffer_init_fix()
@@ -299,7 +244,7 @@ def main(argv=None) -> None:
         if time.perf_counter() - began > args.budget_s:
             print(f"past the {args.budget_s:.0f} s budget: {cfg} and later rows not run")
             break
-        result["rows"].append(run_row(cfg, args.stages, args.ab))
+        result["rows"].append(run_row(cfg, args.stages))
         print(result["rows"][-1], flush=True)
         write(args.out, result)
     print((args.out / "gdn_backward.md").read_text())

@@ -89,9 +89,8 @@ def _bwd_scan(dht, cs, ms, rscan, num_segs):
 
 @pytest.fixture
 def emulated_stages(monkeypatch):
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_states, chunk_fwd, segment_states, state_scan
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, chunk_fwd, segment_states, state_scan
 
-    monkeypatch.setattr(bwd_states, "bwd_states", _states)
     monkeypatch.setattr(chunk_fwd, "chunk_states", _chunk_states)
     monkeypatch.setattr(bwd_dh, "bwd_dh", _dh)
     monkeypatch.setattr(segment_states, "segment_states", _torch_segment_states)
@@ -127,19 +126,15 @@ def test_context_parallel_walks_equal_whole_sequence_walks(emulated_stages, segm
     q, k, v, do, ag, gamma, beta, h0, dht, cu = _inputs([64, 1, 200, 130, 520], Hk=1, Hv=2)
     h0, dht = (h0 if with_h0 else None), (dht if with_dht else None)
 
-    def run(L):
-        pl = plan.make_bwd_plan(cu, L, torch.device("cpu"))
-        return backward.sequential_stages(q, k, v, do, ag, gamma, beta, h0, dht, pl, 0.5)
-
-    def on_forward_step(L):
+    def run(states_L, dh_L):
         # the states recomputed over the forward's plan (its own split), the dh walk over the backward's
-        fpl = plan.make_plan(list(cu), v.shape[1], 1, h0 is not None, torch.device("cpu"), L)
-        pl = plan.make_bwd_plan(cu, L, torch.device("cpu"))
-        return backward.sequential_stages(q, k, v, do, ag, gamma, beta, h0, dht, pl, 0.5, (fpl, v.shape[2]))
+        fpl = plan.make_plan(list(cu), v.shape[1], 1, h0 is not None, torch.device("cpu"), states_L)
+        pl = plan.make_bwd_plan(cu, dh_L, torch.device("cpu"))
+        return backward.sequential_stages(q, k, v, do, ag, gamma, beta, h0, dht, pl, 0.5, fpl, v.shape[2])
 
-    whole = run(0)
+    whole = run(0, 0)
     assert plan.make_bwd_plan(cu, segment_chunks, torch.device("cpu")).walks.shape[0] > len(cu) - 1
-    for other in (run(segment_chunks), on_forward_step(0), on_forward_step(segment_chunks)):
+    for other in (run(segment_chunks, segment_chunks), run(0, segment_chunks), run(segment_chunks, 0)):
         for label, a, b in zip(("h", "v_new", "dh", "dv", "dh0"), whole, other):
             if label == "dh0" and h0 is None:
                 assert a is None and b is None
@@ -155,7 +150,6 @@ def test_backward_plan_tables():
     assert pl.chunks.tolist() == [[0, 64], [64, 65], [65, 129], [129, 193], [193, 257], [257, 265]]
     assert pl.walks.tolist() == [[0, 64, 0], [64, 65, 1], [65, 193, 2], [193, 265, 4]]
     assert pl.maps.tolist() == [[0, 64], [64, 65], [65, 193], [193, 265]]
-    assert pl.scan.tolist() == [[0, 1, 0], [1, 1, 1], [2, 2, 2]]
     assert pl.rest.tolist() == [[193, 265, 4]] and pl.rscan.tolist() == [[0, 1, 0], [1, 1, 0], [2, 2, 0]]
     assert pl.first.tolist() == [0, 1, 2]
     whole = plan.make_bwd_plan((0, 64, 65, 265), 0, torch.device("cpu"))
@@ -239,11 +233,10 @@ def emulated_backward(emulated_stages, monkeypatch):
     monkeypatch.setattr(chunk_bwd, "gva_bwd", _gva)
 
 
-@pytest.mark.parametrize("recompute", backward.RECOMPUTES)
 @pytest.mark.parametrize("segment_chunks", [0, 1, 3])
 @pytest.mark.parametrize("l2norm,K,V,Hk,Hv", [(True, 64, 64, 1, 2), (False, 48, 40, 2, 4)])
 def test_launcher_composes_the_stages_into_the_reference_backward(emulated_backward, segment_chunks, l2norm, K, V,
-                                                                  Hk, Hv, recompute):
+                                                                  Hk, Hv):
     """The launcher's wiring (l2norm, gamma and Ag, the walks with or without a split, dqkwg, WY, dg's partial sums,
     the GVA sum and l2norm backward, padded head dims, the padded tail) with every kernel replaced by its float64
     stage reference gives ``chunk_gated_delta_rule_bwd_ref``'s gradients."""
@@ -260,8 +253,7 @@ def test_launcher_composes_the_stages_into_the_reference_backward(emulated_backw
     h0, dht = rand(len(lens), Hv, K, V), rand(len(lens), Hv, K, V)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     got = backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
-                                              use_qk_l2norm_in_kernel=l2norm, segment_chunks=segment_chunks,
-                                              recompute=recompute)
+                                              use_qk_l2norm_in_kernel=l2norm, segment_chunks=segment_chunks)
     want = reference_bwd.chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do, dht, initial_state=h0,
                                                         use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu)
     for label, x, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):

@@ -24,14 +24,10 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc to compile for 
 
 
 def _specs(*layouts):
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh
-
     seen = {}
     for layout in layouts:
-        for recompute in backward.RECOMPUTES:
-            for dh in bwd_dh.KERNELS:
-                for builder, args in backward.kernel_specs(*layout, recompute=recompute, dh_kernel=dh):
-                    seen.setdefault((builder.__name__, args), (builder, args))
+        for builder, args in backward.kernel_specs(*layout):
+            seen.setdefault((builder.__name__, args), (builder, args))
     return list(seen.values())
 
 
@@ -69,7 +65,7 @@ def _check(builder, args):
     # every cross-CTA sum is a fixed-order loop over partials: a float atomic would make runs differ
     assert "atomicAdd" not in src and "AtomicAdd" not in src, f"{builder.__name__}{args}: atomics"
     name = builder.__name__
-    if name in ("build_bwd_states", "build_bwd_dh", "build_bwd_dh_ws", "build_bwd_dqkwg", "build_bwd_wy"):
+    if name in ("build_chunk_states", "build_bwd_dh", "build_bwd_dqkwg", "build_bwd_wy"):
         assert "wgmma" in src, f"{name}{args}: its GEMMs should run on warpgroup MMA"
 
 
@@ -112,34 +108,20 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
     h0 = torch.randn(N, Hv, K, V) if has_h0 else None
     dht = torch.randn(N, Hv, K, V) if has_dht else None
     Kp, Vp = (backward.forward.padded_head_dim(d) for d in (K, V))
-    for recompute in backward.RECOMPUTES:
-        asked.clear()
-        # the public op's backward passes recompute=None: the module default decides
-        monkeypatch.setattr(backward, "RECOMPUTE", recompute)
-        # whole sequences (the plan's choice at this size), then forced 1-chunk segments (context parallelism)
-        for segment_chunks in (None, 1):
-            dq, dk, dv, dg, dbeta, dh0 = backward.chunk_gated_delta_rule_bwd(
-                q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2,
-                segment_chunks=segment_chunks)
-            assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dv.dtype == v.dtype
-            assert dg.shape == g.shape and dbeta.shape == beta.shape and (dh0 is None) == (h0 is None)
-            for x in (dq, dk, dv, dg, dbeta):
-                assert not x[:, -5:].any(), "the padded tail's gradients must be exactly 0"
-        want = {(b, a) for b, a in backward.kernel_specs(Hk, Hv, Kp, Vp, dtype, l2, has_h0, has_dht,
-                                                          scale=K ** -0.5, recompute=recompute)}
-        if recompute == "walk":
-            assert set(asked) == want
-        else:
-            # the forward's plan picks one V slice of those listed for this layout
-            assert set(asked) <= want and any(b.__name__ == "build_chunk_states" for b, _ in asked)
-
-
-def test_backward_refuses_an_unknown_recompute():
-    q = torch.randn(1, 8, 1, 64, dtype=torch.bfloat16)
-    v = torch.randn(1, 8, 1, 64, dtype=torch.bfloat16)
-    g, beta = -torch.rand(1, 8, 1), torch.rand(1, 8, 1)
-    with pytest.raises(ValueError, match="recompute must be one of"):
-        backward.chunk_gated_delta_rule_bwd(q, q, v, g, beta, v, recompute="saved")
+    # whole sequences (the plan's choice at this size), then forced 1-chunk segments (context parallelism)
+    for segment_chunks in (None, 1):
+        dq, dk, dv, dg, dbeta, dh0 = backward.chunk_gated_delta_rule_bwd(
+            q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2,
+            segment_chunks=segment_chunks)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dv.dtype == v.dtype
+        assert dg.shape == g.shape and dbeta.shape == beta.shape and (dh0 is None) == (h0 is None)
+        for x in (dq, dk, dv, dg, dbeta):
+            assert not x[:, -5:].any(), "the padded tail's gradients must be exactly 0"
+    want = {(b, a) for b, a in backward.kernel_specs(Hk, Hv, Kp, Vp, dtype, l2, has_h0, has_dht, scale=K ** -0.5)}
+    assert set(asked) <= want
+    # the forward's plan picks one of the V slices listed for the recomputed states: only those may go unasked
+    assert {b.__name__ for b, _ in want - set(asked)} <= {"build_chunk_states", "build_segment_states"}
+    assert any(b.__name__ == "build_chunk_states" for b, _ in asked)
 
 
 def test_gpu_test_cases_are_all_precompiled():

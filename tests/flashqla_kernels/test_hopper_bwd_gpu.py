@@ -131,41 +131,6 @@ def test_context_parallel_backward_matches_float64_reference(name, segment_chunk
     _check_variant(name, case, run, segment_chunks, 0, "split vs whole")
 
 
-@pytest.mark.parametrize("name,segment_chunks", [("qwen_layout_l2norm_varlen", None), ("ragged_gva2_l2norm_padded_tail", 1),
-                                                  ("gva1_fp16_l2norm_no_h0", 1), ("dim64_l2norm", None),
-                                                  ("dim256_gva1", 2)])
-def test_states_recomputed_on_the_forward_step_give_the_reference_gradients(name, segment_chunks):
-    """``recompute="forward"``: h and v_new from the forward's warp-specialised step (``chunk_fwd.chunk_states``,
-    over the forward's plan and split) instead of the ``bwd_states`` walk: the reference's gradients, the walk's
-    to rounding, deterministically."""
-    case = q, k, v, g, beta, do, dht, h0, cu, l2 = _case(name)
-
-    def run(recompute):
-        return backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
-                                                   use_qk_l2norm_in_kernel=l2, segment_chunks=segment_chunks,
-                                                   recompute=recompute)
-
-    _check_variant(name, case, run, "forward", "walk", "forward step vs walk")
-
-
-@pytest.mark.parametrize("name,segment_chunks", [("qwen_layout_l2norm_varlen", None), ("ragged_gva2_l2norm_padded_tail", 1),
-                                                  ("gva1_fp16_l2norm_no_h0", 1), ("dim64_l2norm", None),
-                                                  ("dim256_gva1", 2), ("dense_gva4_T200_no_dht", None)])
-def test_warp_specialised_dh_walk_gives_the_reference_gradients(name, segment_chunks, monkeypatch):
-    """The whole backward with the dh walk on the warp-specialised kernel (the default) against the one-warpgroup
-    walk and the float64 reference, context parallelism's two passes included."""
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh
-
-    case = q, k, v, g, beta, do, dht, h0, cu, l2 = _case(name)
-
-    def run(kernel):
-        monkeypatch.setattr(bwd_dh, "KERNEL", kernel)
-        return backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
-                                                   use_qk_l2norm_in_kernel=l2, segment_chunks=segment_chunks)
-
-    _check_variant(name, case, run, "ws", "serial", "warp-specialised vs one-warpgroup dh walk")
-
-
 class _Stages:
     """The float64 stage references of one case, and the kernel-side tables and tensors of its inputs."""
 
@@ -187,6 +152,7 @@ class _Stages:
         self.ref = dict(fwd=fwd, dh=dh, dv=dv, dh0=dh0, dq=dq, dk=dk, dw=dw, dgam=dgam, wy=wy,
                         dg=chunk_local_cumsum_bwd_ref(dgam + wy[3], cu), qn=qn)
         self.n = int(cu[-1]) if cu is not None else q.shape[1]
+        self.cu = cu
         pl = plan.make_bwd_plan(tuple(checks.host_offsets(cu)), 0, q.device)
         self.chunks, self.seqs = pl.chunks, pl.walks
         flat = (lambda x, dt=None: x[0].to(dt or x.dtype).contiguous())
@@ -211,27 +177,33 @@ STAGE_CASES = ["ragged_gva2_l2norm_padded_tail", "dim64_l2norm", "dim256_gva1"]
 
 @pytest.mark.parametrize("name", STAGE_CASES)
 def test_states_stage_matches_its_reference(name):
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_states
+    """h and v_new recomputed on the forward's step over the forward's plan, split into segments as the forward
+    splits (the maps, the scan, the segments walked at once) and whole."""
+    from flashqla_kernels.gated_delta_rule import checks
+    from flashqla_kernels.gated_delta_rule.hopper import plan
 
     s = _Stages(name)
-    with toolkit.poisoned_outputs():
-        h, v_new = bwd_states.bwd_states(s.k, s.v, s.ag, s.gamma, s.h0, s.seqs, s.chunks.shape[0])
-    s.check("h", h, s.ref["fwd"].h[0])
-    s.check("v_new", v_new, s.ref["fwd"].v_new[0])
+    cu = checks.host_offsets(s.cu)
+    Hv, K, V = s.v.shape[1], s.k.shape[2], s.v.shape[2]
+    bdv = min(V, 32 if K > 128 else 64)
+    for L in (0, 1):
+        fpl = plan.make_plan(cu, Hv, V // bdv, s.h0 is not None, s.k.device, L)
+        with toolkit.poisoned_outputs():
+            h, v_new = backward.recompute_states(s.k, s.v, s.ag, s.gamma, s.beta, s.h0, s.chunks.shape[0], fpl, bdv)
+        s.check(f"h (segments of {L} chunks)", h, s.ref["fwd"].h[0])
+        s.check(f"v_new (segments of {L} chunks)", v_new, s.ref["fwd"].v_new[0])
 
 
-@pytest.mark.parametrize("kernel", ["ws", "serial"])
 @pytest.mark.parametrize("name", STAGE_CASES)
-def test_dh_stage_matches_its_reference(name, kernel):
-    """Both dh walks (warp-specialised and one-warpgroup) against the float64 stage reference, every element
-    written, two runs bit-identical."""
+def test_dh_stage_matches_its_reference(name):
+    """The dh walk against the float64 stage reference, every element written, two runs bit-identical."""
     from flashqla_kernels.gated_delta_rule.hopper import bwd_dh
 
     s = _Stages(name)
 
     def run():
         return bwd_dh.bwd_dh(s.q, s.k, s.do, s.ag, s.gamma, s.dht, s.seqs, s.chunks.shape[0], scale=s.scale,
-                             store_dh0=True, kernel=kernel)
+                             store_dh0=True)
 
     with toolkit.poisoned_outputs():
         (dh, dv, dh0), again = run(), run()
@@ -241,7 +213,7 @@ def test_dh_stage_matches_its_reference(name, kernel):
     # dv's rows of a padded tail stay NaN-poisoned in both runs (no sequence owns them): compared as equal
     for label, x, x2 in zip(("dh", "dv", "dh0"), (dh, dv, dh0), again):
         assert torch.equal(x.nan_to_num(), x2.nan_to_num()) and torch.equal(x.isnan(), x2.isnan()), \
-            f"{name} ({kernel}): two runs differ in {label}"
+            f"{name}: two runs differ in {label}"
 
 
 @pytest.mark.parametrize("name", STAGE_CASES)

@@ -4,8 +4,9 @@ the backward stages (``chunk_bwd``'s docstring has the math of each):
     [l2norm fwd] -> kkt_solve -> states -> dh -> dqkwg -> wy (+ dg) -> gva [+ l2norm bwd]
 
 Saved versus recomputed: the backward takes only the forward's inputs (q, k, v, g, beta, h0) and recomputes gamma,
-X = Ag (the forward's ``kkt_solve``), the normalised q / k, the per-chunk states h and v_new (``bwd_states``), as
-FLA's backward does for everything but A. The public op reaches it through the custom op's autograd formula
+X = Ag (the forward's ``kkt_solve``), the normalised q / k, and the per-chunk states h and v_new on the forward's
+own warp-specialised step (``chunk_fwd.chunk_states``, over the forward's plan and split), as FLA's backward does
+for everything but A. The public op reaches it through the custom op's autograd formula
 (``custom_op.py``); ``tests/flashqla_kernels/test_hopper_bwd_gpu.py`` checks it on an sm_90 GPU.
 
 Imports torch only; the stage modules (and tilelang) load on the first call. ``precompile()`` compiles every
@@ -29,14 +30,8 @@ TESTED_LAYOUTS = (
 )
 
 
-RECOMPUTES = ("walk", "forward")
-# what recompute=None means (the public op's backward passes None): the forward's warp-specialised step, which the
-# GPU suite checks beside the walk; benchmarks/gdn_backward.py --ab times the walk beside it through the public op
-RECOMPUTE = "forward"
-
-
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None, cu_seqlens=None,
-                               use_qk_l2norm_in_kernel=False, segment_chunks=None, recompute=None):
+                               use_qk_l2norm_in_kernel=False, segment_chunks=None):
     """Gradients of the chunked gated delta rule on the TileLang Hopper kernels (chunk size 64).
 
     Args:
@@ -45,10 +40,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
             the final state, or None (zeros). scale, initial_state [N, Hv, K, V] or None, cu_seqlens [N+1] or None,
             use_qk_l2norm_in_kernel: as the forward (``forward.chunk_gated_delta_rule_fwd``).
         segment_chunks: intra-card context parallelism of the sequential stages: None (default) picks by
-            ``plan.choose_bwd_segment_chunks``, 0 never splits, L > 0 forces L-chunk segments (tests, benchmarks).
-        recompute: how the forward's per-chunk states and v_new are recomputed: "walk" (``bwd_states``, one
-            warpgroup per sequence or segment) or "forward" (``chunk_fwd.chunk_states``: the forward's
-            warp-specialised step over the forward's own plan, storing them instead of o); None: ``RECOMPUTE``.
+            ``plan.choose_bwd_segment_chunks`` for the dh walk and by the forward's rule for the recomputed states,
+            0 never splits, L > 0 forces L-chunk segments on both (tests, benchmarks).
 
     Returns:
         (dq [B, T, Hk, K] in q's dtype, dk [B, T, Hk, K] in k's, dv [B, T, Hv, V] in v's, dg [B, T, Hv] in g's,
@@ -65,9 +58,6 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
     reason = forward.unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens)
     if reason is not None:
         raise ValueError(reason)
-    recompute = RECOMPUTE if recompute is None else recompute
-    if recompute not in RECOMPUTES:
-        raise ValueError(f"recompute must be one of {RECOMPUTES}; got {recompute!r}")
     B, Tn, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -87,33 +77,36 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
     Kp, Vp = forward.padded_head_dim(K), forward.padded_head_dim(V)
     if (Kp, Vp) == (K, V):
         return _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
-                       segment_chunks, recompute)
+                       segment_chunks)
     # other head dims run zero-padded, as in the forward: zero channels get and pass no gradient
     pad = torch.nn.functional.pad
     pad_state = (lambda x: None if x is None else pad(x.to(torch.float32), (0, Vp - V, 0, Kp - K)))
     dq, dk, dv, dg, dbeta, dh0 = _launch(
         pad(q, (0, Kp - K)), pad(k, (0, Kp - K)), pad(v, (0, Vp - V)), g, beta, pad(do, (0, Vp - V)),
-        pad_state(dht), scale, pad_state(initial_state), cu_seqlens, use_qk_l2norm_in_kernel, segment_chunks,
-        recompute)
+        pad_state(dht), scale, pad_state(initial_state), cu_seqlens, use_qk_l2norm_in_kernel, segment_chunks)
     return (dq[..., :K].contiguous(), dk[..., :K].contiguous(), dv[..., :V].contiguous(), dg, dbeta,
             None if dh0 is None else dh0[:, :, :K, :V].contiguous())
 
 
-def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm, segment_chunks=None,
-            recompute="forward"):
+def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm, segment_chunks=None):
     # inputs checked, T > 0, head dims the kernels take
     from flashqla_kernels.gated_delta_rule import checks
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, kkt_solve
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, kkt_solve
 
     B, Tn, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     cu = list(range(0, B * Tn + 1, Tn)) if cu_seqlens is None else checks.host_offsets(cu_seqlens)
-    forced = segment_chunks
-    if segment_chunks is None:
-        seq_chunks = [-(-(e - s) // plan.CHUNK) for s, e in zip(cu, cu[1:])]
-        segment_chunks = plan.choose_bwd_segment_chunks(seq_chunks, Hv, V // bwd_states.block_v(K, V),
-                                                        plan.num_sms(q.device) if q.is_cuda else 0)
-    pl = plan.make_bwd_plan(tuple(cu), segment_chunks, q.device)
+    seq_chunks = [-(-(e - s) // plan.CHUNK) for s, e in zip(cu, cu[1:])]
+    sms = plan.num_sms(q.device) if q.is_cuda else 0
+    L = segment_chunks
+    if L is None:
+        L = plan.choose_bwd_segment_chunks(seq_chunks, Hv, V // bwd_dh.block_v(K, V), sms)
+    pl = plan.make_bwd_plan(tuple(cu), L, q.device)
+    # the states are recomputed over the forward's own plan: its V slice and split rule (a forced segment_chunks
+    # splits it the same way)
+    bdv = plan.block_dv(seq_chunks, Hv, K, V, sms, segment_chunks)
+    fL = segment_chunks if segment_chunks is not None else plan.choose_segment_chunks(seq_chunks, Hv, V // bdv, sms)
+    fpl = plan.make_plan(cu, Hv, V // bdv, initial_state is not None, q.device, fL)
     chunks = pl.chunks
     q3 = q.reshape(B * Tn, Hk, K).contiguous()
     k3 = k.reshape(B * Tn, Hk, K).contiguous()
@@ -130,15 +123,7 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
         # backward at the end
         (qn, rq), (kn, rk) = chunk_bwd.l2norm_fwd(q3, chunks), chunk_bwd.l2norm_fwd(k3, chunks)
     gamma, ag, _ = kkt_solve.kkt_solve(kn, g3, b3, chunks, Hv)
-    states = None
-    if recompute == "forward":
-        # the forward's own plan: its V slice and split rule (a forced segment_chunks splits it the same way)
-        seq_chunks = [-(-(e - s) // plan.CHUNK) for s, e in zip(cu, cu[1:])]
-        sms = plan.num_sms(q.device) if q.is_cuda else 0
-        bdv = plan.block_dv(seq_chunks, Hv, K, V, sms, forced)
-        fL = forced if forced is not None else plan.choose_segment_chunks(seq_chunks, Hv, V // bdv, sms)
-        states = (plan.make_plan(cu, Hv, V // bdv, h0 is not None, q.device, fL), bdv)
-    h, v_new, dh, du, dh0 = sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, states)
+    h, v_new, dh, du, dh0 = sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, bdv)
     dq_v, dk_v, dw, dgp = bwd_dqkwg.bwd_dqkwg(qn, kn, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
     dk_wy, dv, dbeta, _, dg = bwd_wy.bwd_wy(kn, v3, b3, gamma, ag, dw, du, dgp, chunks)
     dq = chunk_bwd.gva_bwd(dq_v, None, chunks, Hk, q.dtype, *((q3, rq) if l2norm else ()))
@@ -151,28 +136,21 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
             dg.view(B, Tn, Hv).to(g.dtype), dbeta.view(B, Tn, Hv).to(beta.dtype), dh0)
 
 
-def sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, states=None):
-    """The stages that walk sequences in order, per sequence or (``pl.segment_chunks``) per segment (``chunk_bwd``'s
-    docstring): (h, v_new, dh, dv of v_new, dh0 or None). ``states``: None recomputes h and v_new with the
-    ``bwd_states`` walk over ``pl``; a (``plan.Plan``, bDV) pair recomputes them on the forward's step over that
-    plan (``recompute_states``)."""
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_states, segment_states, state_scan
+def sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, bdv):
+    """The stages that walk sequences in order (``chunk_bwd``'s docstring): (h, v_new, dh, dv of v_new, dh0 or
+    None). h and v_new are recomputed on the forward's step over the forward's plan ``fpl`` with V slices ``bdv``
+    (``recompute_states``); the dh walk runs per sequence or (``pl.segment_chunks``) per segment of ``pl``."""
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, segment_states, state_scan
 
     NC, S = pl.chunks.shape[0], pl.walks.shape[0]
-    if states is not None:
-        h, v_new = recompute_states(kn, v3, ag, gamma, b3, h0, NC, *states)
+    h, v_new = recompute_states(kn, v3, ag, gamma, b3, h0, NC, fpl, bdv)
     if not pl.segment_chunks:
-        if states is None:
-            h, v_new = bwd_states.bwd_states(kn, v3, ag, gamma, h0, pl.walks, NC)
         dh, du, dh0 = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, dht, pl.walks, NC, scale=scale,
                                     store_dh0=h0 is not None)
         return h, v_new, dh, du, dh0
     K, V = kn.shape[2], v3.shape[2]
-    # the maps M serve the dh pass below; the offsets H the states walk
-    hs, ms = segment_states.segment_states(kn, v3, ag, gamma, b3, pl.maps, bDV=bwd_states.block_v(K, V))
-    if states is None:
-        h_init = state_scan.state_scan(h0, hs, ms, pl.scan, S)
-        h, v_new = bwd_states.bwd_states(kn, v3, ag, gamma, h_init, pl.walks, NC)
+    # the maps M of the segments carry the state gradient back across them
+    _, ms = segment_states.segment_states(kn, v3, ag, gamma, b3, pl.maps, bDV=bwd_dh.block_v(K, V))
     _, _, c = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, None, pl.rest, NC, scale=scale, store_dh0=True,
                             store_grads=False)
     d_end = state_scan.state_scan_bwd(dht, c, ms, pl.rscan, S)
@@ -197,19 +175,17 @@ def recompute_states(kn, v3, ag, gamma, b3, h0, num_chunks, fpl, bdv):
 
 
 def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has_h0: bool, has_dht: bool,
-                 scale: float | None = None, recompute: str = "walk", dh_kernel: str | None = None) -> list[tuple]:
+                 scale: float | None = None) -> list[tuple]:
     """The (builder, args) of every kernel ``chunk_gated_delta_rule_bwd`` compiles for one layout (kernel head dims
     K, V in 64 / 128 / 256; dtype "bfloat16" or "float16"; scale None = K^-0.5), with and without context
-    parallelism. ``recompute="forward"``: the states on the forward's step, at every V slice its plan may pick.
-    ``dh_kernel``: the dh walk's kernel (``bwd_dh.KERNELS``; None: ``bwd_dh.KERNEL``)."""
+    parallelism, the states at every V slice the forward's plan may pick."""
     from flashqla_kernels.gated_delta_rule.hopper import (
-        bwd_dh, bwd_dqkwg, bwd_states, bwd_wy, chunk_bwd, chunk_fwd, kkt_solve, segment_states, state_scan,
+        bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, chunk_fwd, kkt_solve, segment_states, state_scan,
     )
 
     scale = K ** -0.5 if scale is None else float(scale)
-    bDV = bwd_states.block_v(K, V)
-    dh_kernel = bwd_dh.KERNEL if dh_kernel is None else dh_kernel
-    build_dh = bwd_dh.build_bwd_dh_ws if dh_kernel == "ws" else bwd_dh.build_bwd_dh
+    bDV = bwd_dh.block_v(K, V)
+    build_dh = bwd_dh.build_bwd_dh
     specs = [(chunk_bwd.build_l2norm_fwd, (Hk, K, dtype))] if l2norm else []
     specs += [
         (kkt_solve.build_kkt_solve, (Hk, Hv, K, dtype, False)),
@@ -223,17 +199,12 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
         (build_dh, (Hk, Hv, K, V, bDV, dtype, scale, False, True, False)),
         (state_scan.build_state_scan, (Hv, K, V, has_dht, True)),
         (build_dh, (Hk, Hv, K, V, bDV, dtype, scale, True, has_h0, True)),
-        # the start states of split walks (the forward's scan)
+        # the start states of split segments (the forward's scan)
         (state_scan.build_state_scan, (Hv, K, V, has_h0)),
     ]
-    if recompute == "walk":
-        specs += [(bwd_states.build_bwd_states, (Hk, Hv, K, V, bDV, dtype, has_h0)),
-                  (bwd_states.build_bwd_states, (Hk, Hv, K, V, bDV, dtype, True))]
-    else:
-        fwd_bdvs = {min(V, 32)} if K > 128 else {min(V, 64), min(V, 128)}
-        for b in sorted(fwd_bdvs):
-            specs += [(chunk_fwd.build_chunk_states, (Hk, Hv, K, V, b, dtype)),
-                      (segment_states.build_segment_states, (Hk, Hv, K, V, b, dtype, False))]
+    for b in sorted({min(V, 32)} if K > 128 else {min(V, 64), min(V, 128)}):
+        specs += [(chunk_fwd.build_chunk_states, (Hk, Hv, K, V, b, dtype)),
+                  (segment_states.build_segment_states, (Hk, Hv, K, V, b, dtype, False))]
     return specs
 
 
@@ -246,10 +217,8 @@ def precompile(layouts=TESTED_LAYOUTS) -> int:
         >>> #     backward; backward.precompile()"
     """
     from flashqla_kernels import toolkit
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh
 
-    specs = {spec for layout in layouts for recompute in RECOMPUTES for dh in bwd_dh.KERNELS
-             for spec in kernel_specs(*layout, recompute=recompute, dh_kernel=dh)}
+    specs = {spec for layout in layouts for spec in kernel_specs(*layout)}
     for builder, args in sorted(specs, key=lambda s: (s[0].__name__, str(s[1]))):
         toolkit.compile_kernel(builder, *args)
     return len(specs)

@@ -143,8 +143,8 @@ def bwd_dqkwg(q, k, v_new, do, dv, h, dh, gamma, chunks, *, scale: float):
 
     Args:
         q, k: [T, Hk, K] bf16/fp16 (normalised if the op normalises). v_new, do: [T, Hv, V] same dtype. dv: [T, Hv, V]
-        same dtype (``bwd_dh``'s). h, dh: [NC, Hv, K, V] (``bwd_states``' and ``bwd_dh``'s). gamma: [T, Hv] fp32.
-        chunks: [NC, 2] int32. scale: the output scale.
+        same dtype (``bwd_dh``'s). h, dh: [NC, Hv, K, V] (``chunk_fwd.chunk_states``' and ``bwd_dh``'s).
+        gamma: [T, Hv] fp32. chunks: [NC, 2] int32. scale: the output scale.
 
     Returns:
         (dq, dk [T, Hv, K] fp32 per value head, dw [T, Hv, K] in q's dtype; dgp [K / 64, T, Hv] fp32, dgamma's partial sums per K block).

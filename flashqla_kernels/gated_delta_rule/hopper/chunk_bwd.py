@@ -8,8 +8,8 @@ gated inverse). q and k are the normalised keys when ``use_qk_l2norm_in_kernel``
 
     l2norm fwd   (this file)     qn = rq q, kn = rk k, r = rsqrt(|x|^2 + 1e-6)                       [T, Hk, K], [T, Hk]
     kkt_solve    (forward's)     gamma [T, Hv], X [T, Hv, C] on kn
-    states       (bwd_states)    per chunk, walking forward: h_c = S, W = V - diag(e) K S, v_new = X W,
-                                 S <- e_C S + K^T diag(r) v_new                          h [NC, Hv, K, V], v_new
+    states       (chunk_fwd's    per chunk, walking forward: h_c = S, W = V - diag(e) K S, v_new = X W,
+                 chunk_states)   S <- e_C S + K^T diag(r) v_new                          h [NC, Hv, K, V], v_new
     dh           (bwd_dh)        per chunk, walking backward from dht: dh_c = dS',
                                  dv = diag(r) K dS' + (scale Q K^T * Gamma)^T dO           (dv_local fused in)
                                  dS = e_C dS' + scale Q^T diag(e) dO - K^T diag(e) X^T dv   (= w^T dv, w = X diag(e) K)
@@ -27,11 +27,11 @@ gated inverse). q and k are the normalised keys when ``use_qk_l2norm_in_kernel``
     gva + l2norm (this file)     dq, dk summed over the Hv / Hk value heads of each key head, in head order, then
                                  dx = r (dy - (y.dy) y), y = r x, when use_qk_l2norm_in_kernel     [T, Hk, K]
 
-Context parallelism (few long sequences, ``plan.choose_bwd_segment_chunks``): the states and dh walks run per
-segment instead of per sequence, each exact. A segment's forward map is affine, S_end = M S_start + H, so
-    states       segment_states (the forward's) gives every segment's M and H, state_scan every segment's start
-                 state, and bwd_states walks all segments at once from them;
-    dh           bwd_dh walks every segment but each sequence's first from dS_end = 0 (its own start gradient c),
+Context parallelism (few long sequences): the states and dh walks run per segment instead of per sequence, each
+exact. A segment's forward map is affine, S_end = M S_start + H, so
+    states       as in the forward (its plan and split rule): segment_states gives every segment's M and H,
+                 state_scan every segment's start state, and chunk_states walks all segments at once from them;
+    dh           over ``plan.choose_bwd_segment_chunks``' segments, segment_states gives their maps M, bwd_dh walks every segment but each sequence's first from dS_end = 0 (its own start gradient c),
                  state_scan_bwd carries dS_end[i - 1] = M_i^T dS_end[i] + c_i back from dht, and bwd_dh walks all
                  segments again from their true dS_end (dh, dv; the first segments' start gradients are dh0).
 

@@ -165,9 +165,9 @@ def _device_plan(cu: tuple[int, ...], L: int, has_init: bool, device: torch.devi
                 segment_chunks=L, seg_chunk0=views[4].view(-1))
 
 
-# The backward's sequential stages (states, dh) run 128-thread CTAs of which two or more share an SM: segments aim
-# at BWD_CTAS_PER_SM each, no shorter than BWD_MIN_SEGMENT_CHUNKS (a split costs the maps, a second dh walk and
-# the two scans).
+# The backward's dh walk: segments aim at BWD_CTAS_PER_SM walks a SM (a walk's CTA takes a whole SM: the second
+# wave evens out ragged segments), no shorter than BWD_MIN_SEGMENT_CHUNKS (a split costs the maps, a second dh walk
+# and the reverse scan).
 BWD_CTAS_PER_SM = 2
 BWD_MIN_SEGMENT_CHUNKS = 16
 
@@ -176,19 +176,17 @@ BWD_MIN_SEGMENT_CHUNKS = 16
 class BwdPlan:
     """The backward's tables (int32 on the device, ``first`` int64).
 
-    chunks [NC, 2]: (start, end) of every chunk. walks [S, 3]: (start, end, first chunk) of every walk of the
-    sequential stages: each sequence, or each segment under context parallelism. segment_chunks: 0 when sequences
-    are not split. With a split only: maps [S, 2] every segment's token range (``segment_states``); scan [N, 3]
-    (first segment, segments, first map row) for ``state_scan``; rest [S - N, 3] the walks of every segment but
-    each sequence's first (the start-gradient pass); rscan [N, 3] (first segment, segments, row in rest of its
-    second segment) for ``state_scan_bwd``; first [N] each sequence's first segment.
+    chunks [NC, 2]: (start, end) of every chunk. walks [S, 3]: (start, end, first chunk) of every walk of the dh
+    stage: each sequence, or each segment under context parallelism. segment_chunks: 0 when sequences are not
+    split. With a split only: maps [S, 2] every segment's token range (``segment_states``); rest [S - N, 3] the
+    walks of every segment but each sequence's first (the start-gradient pass); rscan [N, 3] (first segment,
+    segments, row in rest of its second segment) for ``state_scan_bwd``; first [N] each sequence's first segment.
     """
 
     chunks: torch.Tensor
     walks: torch.Tensor
     segment_chunks: int
     maps: torch.Tensor | None = None
-    scan: torch.Tensor | None = None
     rest: torch.Tensor | None = None
     rscan: torch.Tensor | None = None
     first: torch.Tensor | None = None
@@ -213,12 +211,11 @@ def choose_bwd_segment_chunks(seq_chunks: list[int], Hv: int, nV: int, num_sms: 
 def make_bwd_plan(cu: tuple[int, ...], segment_chunks: int, device: torch.device) -> BwdPlan:
     """The backward's tables for packed sequences with offsets ``cu`` [N+1], split into ``segment_chunks``-chunk
     segments (0: whole sequences). One host-to-device copy, cached."""
-    chunks, walks, scan, rest, rscan = [], [], [], [], []
+    chunks, walks, rest, rscan = [], [], [], []
     step = segment_chunks * CHUNK
     for s, e in zip(cu, cu[1:]):
         starts = list(range(s, e, step)) if step else [s]
         starts = starts or [s]
-        scan.append((len(walks), len(starts), len(walks)))
         rscan.append((len(walks), len(starts), len(rest)))
         for i, a in enumerate(starts):
             b = min(a + step, e) if step else e
@@ -228,18 +225,17 @@ def make_bwd_plan(cu: tuple[int, ...], segment_chunks: int, device: torch.device
             chunks += [(c, min(c + CHUNK, b)) for c in range(a, b, CHUNK)]
     tables = [chunks, walks]
     if step:
-        tables += [[w[:2] for w in walks], scan, rest, rscan]
+        tables += [[w[:2] for w in walks], rest, rscan]
     parts = [[x for row in t for x in row] for t in tables]
     buf = torch.tensor([x for p in parts for x in p], dtype=torch.int32).to(device, non_blocking=True)
     views, at = [], 0
-    for p, width in zip(parts, (2, 3, 2, 3, 3, 3)):
+    for p, width in zip(parts, (2, 3, 2, 3, 3)):
         views.append(buf[at:at + len(p)].view(-1, width))
         at += len(p)
     if not step:
         return BwdPlan(chunks=views[0], walks=views[1], segment_chunks=0)
-    first = views[3][:, 0].long()
-    return BwdPlan(chunks=views[0], walks=views[1], segment_chunks=segment_chunks, maps=views[2], scan=views[3],
-                   rest=views[4], rscan=views[5], first=first)
+    return BwdPlan(chunks=views[0], walks=views[1], segment_chunks=segment_chunks, maps=views[2], rest=views[3],
+                   rscan=views[4], first=views[4][:, 0].long())
 
 
 @functools.lru_cache(maxsize=8)
