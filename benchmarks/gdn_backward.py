@@ -172,17 +172,15 @@ def run_row(cfg, stages=False) -> dict:
     return row
 
 
-def precompile(rows) -> int:
+def precompile(rows, workers: int = 1) -> int:
     """Compile the backward kernels of ``rows`` (bf16, K = V = 128, no l2norm, h0 and dht as ``run_row`` passes
-    them); needs nvcc, no GPU. Returns the number of kernels."""
+    them) on ``workers`` processes; needs nvcc, no GPU. Returns the number of kernels."""
     from flashqla_kernels import toolkit
     from flashqla_kernels.gated_delta_rule.hopper import backward
 
-    specs = {spec for Hk, Hv, _, _ in rows
-             for spec in backward.kernel_specs(Hk, Hv, fwd.K, fwd.V, "bfloat16", False, True, True)}
-    for builder, args in sorted(specs, key=lambda s: (s[0].__name__, str(s[1]))):
-        toolkit.compile_kernel(builder, *args)
-    return len(specs)
+    specs = [spec for Hk, Hv, _, _ in rows
+             for spec in backward.kernel_specs(Hk, Hv, fwd.K, fwd.V, "bfloat16", False, True, True)]
+    return toolkit.compile_many(specs, workers)
 
 
 def write(out: Path, result: dict) -> None:
@@ -226,6 +224,7 @@ def main(argv=None) -> None:
     parser.add_argument("--budget-s", type=float, default=500.0, help="stop starting rows after this many seconds")
     parser.add_argument("--no-qla-fix", action="store_true", help="leave tilelang's buffer-init check as it is")
     parser.add_argument("--precompile-only", action="store_true", help="build the rows' backward kernels and stop")
+    parser.add_argument("--jobs", type=int, default=1, help="processes compiling kernels (--precompile-only)")
     parser.add_argument("--stages", action="store_true", help="also time the backward's stages alone (internal)")
     args = parser.parse_args(argv)
     if not args.no_qla_fix:
@@ -233,7 +232,7 @@ def main(argv=None) -> None:
     suite = [fwd.SUITE[int(i)] for i in args.configs.split(",")] if args.configs else list(fwd.SUITE)
     rows = {"suite": suite, "anchors": ANCHOR_ROWS, "all": suite + [r for r in ANCHOR_ROWS if r not in suite]}
     if args.precompile_only:
-        print(f"precompiled {precompile(rows[args.rows])} backward kernels", flush=True)
+        print(f"precompiled {precompile(rows[args.rows], args.jobs)} backward kernels", flush=True)
         return
     began = time.perf_counter()
     import datetime

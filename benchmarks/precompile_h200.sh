@@ -31,8 +31,8 @@ quiet() { grep -v ' \[TileLang:.*INFO' || true; }
 if [ "$set_name" != layer ]; then
     $py benchmarks/gdn_forward.py --precompile "$jobs" --precompile-only --sms 132 2>&1 | quiet
     # the backward: the GPU test's layouts, then the fwd+bwd benchmark's
-    $py -c "from flashqla_kernels.gated_delta_rule.hopper import backward; backward.precompile()" 2>&1 | quiet
-    $py benchmarks/gdn_backward.py --precompile-only 2>&1 | quiet
+    $py -c "from flashqla_kernels.gated_delta_rule.hopper import backward as b; b.precompile(workers=$jobs)" 2>&1 | quiet
+    $py benchmarks/gdn_backward.py --precompile-only --jobs "$jobs" 2>&1 | quiet
     $py benchmarks/train_step.py --precompile-only 2>&1 | quiet
 fi
 $py benchmarks/topk_encode.py --precompile "$jobs" --precompile-only 2>&1 | quiet

@@ -1,6 +1,8 @@
-"""flashqla_kernels.toolkit: kernel outputs poisoned on request, and the kept arguments no kernel reads."""
+"""flashqla_kernels.toolkit: kernel outputs poisoned on request, the kept arguments no kernel reads, and compiling
+many kernels (in order, once each, on worker processes)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flashqla_kernels import toolkit
@@ -21,3 +23,29 @@ def test_unread_arguments_are_one_kept_tensor_per_shape_dtype_and_device():
     assert a is toolkit.unread((1, 4, 2), torch.float32, torch.device("cpu"))
     assert a is not toolkit.unread((1, 4, 2), torch.bfloat16, torch.device("cpu"))
     assert a.shape == (1, 4, 2) and a.dtype == torch.float32
+
+
+def _refusing_builder(width):
+    raise ValueError(f"no kernel for width {width}")
+
+
+def test_compile_many_compiles_each_spec_once_in_a_fixed_order(monkeypatch):
+    asked = []
+    monkeypatch.setattr(toolkit, "compile_kernel", lambda builder, *args: asked.append((builder.__name__, args)))
+
+    def build_b(*a):
+        return a
+
+    def build_a(*a):
+        return a
+
+    specs = [(build_b, (2,)), (build_a, (1, "x")), (build_b, (2,)), (build_b, (1,))]
+    assert toolkit.compile_many(specs) == 3
+    assert asked == [("build_a", (1, "x")), ("build_b", (1,)), ("build_b", (2,))]
+
+
+def test_compile_many_on_processes_reports_every_failure_with_its_arguments():
+    pytest.importorskip("tilelang")
+    with pytest.raises(RuntimeError, match=r"2 of 2 kernels failed to compile; first: _refusing_builder\(16,\): "
+                                           r"ValueError: no kernel for width 16"):
+        toolkit.compile_many([(_refusing_builder, (32,)), (_refusing_builder, (16,))], workers=2)

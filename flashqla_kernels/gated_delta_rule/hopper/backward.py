@@ -208,17 +208,14 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
     return specs
 
 
-def precompile(layouts=TESTED_LAYOUTS) -> int:
-    """Compile every backward kernel of ``layouts`` (default: the GPU test's) into TileLang's disk cache; needs
-    nvcc, no GPU. Returns the number of distinct kernels.
+def precompile(layouts=TESTED_LAYOUTS, workers: int = 1) -> int:
+    """Compile every backward kernel of ``layouts`` (default: the GPU test's) into TileLang's disk cache, on
+    ``workers`` processes (``toolkit.compile_many``); needs nvcc, no GPU. Returns the number of distinct kernels.
 
     Example:
         >>> # TILELANG_CACHE_DIR=/path/to/cache python -c "from flashqla_kernels.gated_delta_rule.hopper import
-        >>> #     backward; backward.precompile()"
+        >>> #     backward; backward.precompile(workers=2)"
     """
     from flashqla_kernels import toolkit
 
-    specs = {spec for layout in layouts for spec in kernel_specs(*layout)}
-    for builder, args in sorted(specs, key=lambda s: (s[0].__name__, str(s[1]))):
-        toolkit.compile_kernel(builder, *args)
-    return len(specs)
+    return toolkit.compile_many([spec for layout in layouts for spec in kernel_specs(*layout)], workers)

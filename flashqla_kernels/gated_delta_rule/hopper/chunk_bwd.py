@@ -31,7 +31,8 @@ Context parallelism (few long sequences): the states and dh walks run per segmen
 exact. A segment's forward map is affine, S_end = M S_start + H, so
     states       as in the forward (its plan and split rule): segment_states gives every segment's M and H,
                  state_scan every segment's start state, and chunk_states walks all segments at once from them;
-    dh           over ``plan.choose_bwd_segment_chunks``' segments, segment_states gives their maps M, bwd_dh walks every segment but each sequence's first from dS_end = 0 (its own start gradient c),
+    dh           over ``plan.choose_bwd_segment_chunks``' segments, segment_states gives their maps M, bwd_dh
+                 walks every segment but each sequence's first from dS_end = 0 (its own start gradient c),
                  state_scan_bwd carries dS_end[i - 1] = M_i^T dS_end[i] + c_i back from dht, and bwd_dh walks all
                  segments again from their true dS_end (dh, dv; the first segments' start gradients are dh0).
 
