@@ -89,7 +89,7 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     from flashqla_kernels.gated_delta_rule import checks
     from flashqla_kernels.gated_delta_rule.hopper import backward, bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, kkt_solve, plan
 
-    Tn, Hk, Kd = q.shape[1], q.shape[2], q.shape[3]
+    Hk, Kd = q.shape[2], q.shape[3]
     Hv, Vd = v.shape[2], v.shape[3]
     q3, k3, v3, do3 = q[0].detach(), k[0].detach(), v[0].detach(), do[0]
     g3, b3 = g[0].detach().float().contiguous(), beta[0].detach().float().contiguous()
