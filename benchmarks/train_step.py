@@ -95,12 +95,10 @@ def precompile(micro: int) -> int:
     Hk, Hv, Kd = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim
     fwd = chunk_specs([(Hk, Hv, Kd, "bfloat16", micro, True)], 132, final=(False,), scans=True)
     failed = compile_all(fwd, 1)
-    bwd = backward.kernel_specs(Hk, Hv, Kd, Kd, "bfloat16", True, False, False)
-    for builder, args in bwd:
-        toolkit.compile_kernel(builder, *args)
+    n_bwd = toolkit.compile_many(backward.kernel_specs(Hk, Hv, Kd, Kd, "bfloat16", True, False, False))
     for spec, err in failed:
         print(f"  FAILED {spec}: {err}", flush=True)
-    return len(fwd) + len(bwd)
+    return len(fwd) + n_bwd
 
 
 def main(argv=None) -> None:
