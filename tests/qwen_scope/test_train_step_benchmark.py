@@ -18,7 +18,9 @@ def test_tiny_dry_run_trains_through_finetune_on_every_arm_it_can(tmp_path):
     arms = {r["arm"]: r for r in result["arms"]}
     assert set(arms) == {"transformers", "flashqla", "ours"}
     for name in ("transformers", "ours"):
-        assert "error" not in arms[name] and arms[name]["tokens_per_s"] > 0, arms[name]
+        # trained without error; a tiny model's step may hide in the timer's noise, which the row then says
+        assert "error" not in arms[name], arms[name]
+        assert arms[name].get("tokens_per_s", 1) > 0 and ("tokens_per_s" in arms[name] or "note" in arms[name])
     assert "flash_qla" in arms["flashqla"]["error"]
     assert (result["batch"], result["micro"], result["seq_len"]) == (2, 1, 64)
     assert "| ours |" in (tmp_path / "train_step.md").read_text()
@@ -39,5 +41,6 @@ def test_precompile_builds_the_ops_kernels_of_the_2b_layer(monkeypatch):
     n = train_step.precompile(2)
     assert {s[0] for s in built} >= {"kkt_solve", "chunk_fwd"}
     assert all(s[1][:3] == (16, 16, 128) for s in built if s[0] != "state_scan")
-    assert compiled == backward.kernel_specs(16, 16, 128, 128, "bfloat16", True, False, False)
+    want = backward.kernel_specs(16, 16, 128, 128, "bfloat16", True, False, False)
+    assert set(compiled) == set(want) and len(compiled) == len(set(want))  # each once
     assert n == len(built) + len(compiled)
