@@ -59,10 +59,9 @@ def build_one(spec):
 
 
 def compile_all(specs, workers: int) -> list:
-    """Compile ``specs`` on ``workers`` processes (TileLang's disk cache then serves the runs); returns the failures
-    as (spec, error)."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
+    """Compile ``specs`` on ``workers`` processes (``toolkit.compile_many``; TileLang's disk cache then serves the
+    runs); returns the failures as (spec, error)."""
+    from flashqla_kernels import toolkit
 
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        return [(spec, err) for spec, _, err in ex.map(build_one, specs) if err]
+    names = {builder(stage): stage for stage in STAGES}
+    return [((names[b], a), err) for b, a, err in toolkit.compile_many([(builder(s), a) for s, a in specs], workers)]

@@ -175,12 +175,10 @@ def run_row(cfg, stages=False) -> dict:
 def precompile(rows, workers: int = 1) -> int:
     """Compile the backward kernels of ``rows`` (bf16, K = V = 128, no l2norm, h0 and dht as ``run_row`` passes
     them) on ``workers`` processes; needs nvcc, no GPU. Returns the number of kernels."""
-    from flashqla_kernels import toolkit
     from flashqla_kernels.gated_delta_rule.hopper import backward
 
-    specs = [spec for Hk, Hv, _, _ in rows
-             for spec in backward.kernel_specs(Hk, Hv, fwd.K, fwd.V, "bfloat16", False, True, True)]
-    return toolkit.compile_many(specs, workers)
+    layouts = {(Hk, Hv, fwd.K, fwd.V, "bfloat16", False, True, True) for Hk, Hv, _, _ in rows}
+    return backward.precompile(sorted(layouts), workers)
 
 
 def write(out: Path, result: dict) -> None:

@@ -88,14 +88,13 @@ def precompile(micro: int) -> int:
     no GPU. Returns the number of kernels."""
     from chunk_kernels import chunk_specs, compile_all
 
-    from flashqla_kernels import toolkit
     from flashqla_kernels.gated_delta_rule.hopper import backward
 
     cfg = ct.model_config()  # the 2B shape build_scope trains
     Hk, Hv, Kd = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim
     fwd = chunk_specs([(Hk, Hv, Kd, "bfloat16", micro, True)], 132, final=(False,), scans=True)
     failed = compile_all(fwd, 1)
-    n_bwd = toolkit.compile_many(backward.kernel_specs(Hk, Hv, Kd, Kd, "bfloat16", True, False, False))
+    n_bwd = backward.precompile([(Hk, Hv, Kd, Kd, "bfloat16", True, False, False)])
     for spec, err in failed:
         print(f"  FAILED {spec}: {err}", flush=True)
     return len(fwd) + n_bwd

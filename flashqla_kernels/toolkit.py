@@ -59,35 +59,32 @@ def compile_kernel(builder: Callable, *args):
     return _compile_cached(builder, tuple(args))
 
 
-def compile_many(specs, workers: int = 1) -> int:
-    """Compile every ``(builder, args)`` of ``specs`` into TileLang's disk cache (and, with one worker, this
-    process's cache); ``workers`` > 1 compiles on that many spawned processes (each nvcc run is single-threaded, so
-    a CPU machine filling a cache for a GPU one goes about ``workers`` times faster). Returns the number compiled.
+def compile_many(specs, workers: int = 1) -> list[tuple[Callable, tuple, str]]:
+    """Compile every ``(builder, args)`` of ``specs`` into TileLang's disk cache, each once, in a fixed order; with
+    ``workers`` > 1 on that many spawned processes (each nvcc run is single-threaded, so a CPU machine filling a
+    cache for a GPU one goes about ``workers`` times faster). A kernel that fails does not stop the others.
 
-    Raises:
-        RuntimeError: a kernel failed to compile in a worker (its builder, arguments and the error).
+    Returns:
+        The failures, as (builder, args, error text); empty when every kernel compiled.
     """
-    specs = sorted(set(specs), key=lambda s: (s[0].__name__, str(s[1])))
+    specs = sorted({(b, tuple(a)) for b, a in specs}, key=lambda s: (s[0].__name__, str(s[1])))
     if workers <= 1:
-        for builder, args in specs:
-            compile_kernel(builder, *args)
-        return len(specs)
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
+        errors = [_compile_reporting(spec) for spec in specs]
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        errors = [e for e in ex.map(_compile_in_worker, specs) if e]
-    if errors:
-        raise RuntimeError(f"{len(errors)} of {len(specs)} kernels failed to compile; first: {errors[0]}")
-    return len(specs)
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+            errors = list(ex.map(_compile_reporting, specs))
+    return [(b, a, err) for (b, a), err in zip(specs, errors) if err]
 
 
-def _compile_in_worker(spec) -> str | None:
+def _compile_reporting(spec) -> str | None:
     builder, args = spec
     try:
         compile_kernel(builder, *args)
-    except Exception as e:  # noqa: BLE001 - returned to the parent, which raises with every failure counted
-        return f"{builder.__name__}{tuple(args)}: {type(e).__name__}: {str(e)[-300:]}"
+    except Exception as e:  # noqa: BLE001 - returned: the caller reports every failure at once
+        return f"{type(e).__name__}: {str(e)[-300:]}"
     return None
 
 

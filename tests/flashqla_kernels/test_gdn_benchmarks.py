@@ -118,3 +118,22 @@ def test_the_flashqla_fix_adds_the_pass_config_to_every_jit(monkeypatch):
     assert seen == [(None, {"out_idx": [1], "pass_configs": {"tl.disable_tma_lower": True,
                                                              "tl.disable_buffer_init_check": True}}),
                     (print, {"pass_configs": {"tl.disable_buffer_init_check": True}})]
+
+
+def test_compile_all_names_each_failed_stage_spec(monkeypatch):
+    """The shared precompile (``chunk_kernels.compile_all``, over ``toolkit.compile_many``) goes on past a failed
+    kernel and reports it by its stage name and arguments."""
+    pytest.importorskip("tilelang")  # the stage modules import it
+    _gdn_forward()
+    import chunk_kernels
+
+    from flashqla_kernels import toolkit
+
+    def compile_kernel(builder, *args):
+        if args[0] == 2:
+            raise RuntimeError("ptxas: too many registers")
+
+    monkeypatch.setattr(toolkit, "compile_kernel", compile_kernel)
+    specs = [("kkt_solve", (1, 2, 128, "bfloat16", False)), ("state_scan", (2, 128, 128, True))]
+    assert chunk_kernels.compile_all(specs, 1) == [(("state_scan", (2, 128, 128, True)),
+                                                    "RuntimeError: ptxas: too many registers")]

@@ -40,12 +40,12 @@ def test_compile_many_compiles_each_spec_once_in_a_fixed_order(monkeypatch):
         return a
 
     specs = [(build_b, (2,)), (build_a, (1, "x")), (build_b, (2,)), (build_b, (1,))]
-    assert toolkit.compile_many(specs) == 3
+    assert toolkit.compile_many(specs) == []
     assert asked == [("build_a", (1, "x")), ("build_b", (1,)), ("build_b", (2,))]
 
 
-def test_compile_many_on_processes_reports_every_failure_with_its_arguments():
+def test_compile_many_on_processes_compiles_past_failures_and_returns_each():
     pytest.importorskip("tilelang")
-    with pytest.raises(RuntimeError, match=r"2 of 2 kernels failed to compile; first: _refusing_builder\(16,\): "
-                                           r"ValueError: no kernel for width 16"):
-        toolkit.compile_many([(_refusing_builder, (32,)), (_refusing_builder, (16,))], workers=2)
+    failed = toolkit.compile_many([(_refusing_builder, (32,)), (_refusing_builder, (16,))], workers=2)
+    assert failed == [(_refusing_builder, (16,), "ValueError: no kernel for width 16"),
+                      (_refusing_builder, (32,), "ValueError: no kernel for width 32")]

@@ -212,10 +212,19 @@ def precompile(layouts=TESTED_LAYOUTS, workers: int = 1) -> int:
     """Compile every backward kernel of ``layouts`` (default: the GPU test's) into TileLang's disk cache, on
     ``workers`` processes (``toolkit.compile_many``); needs nvcc, no GPU. Returns the number of distinct kernels.
 
+    Raises:
+        RuntimeError: a kernel failed to compile (how many, and the first with its arguments and error).
+
     Example:
         >>> # TILELANG_CACHE_DIR=/path/to/cache python -c "from flashqla_kernels.gated_delta_rule.hopper import
         >>> #     backward; backward.precompile(workers=2)"
     """
     from flashqla_kernels import toolkit
 
-    return toolkit.compile_many([spec for layout in layouts for spec in kernel_specs(*layout)], workers)
+    specs = {spec for layout in layouts for spec in kernel_specs(*layout)}
+    failed = toolkit.compile_many(specs, workers)
+    if failed:
+        b, a, err = failed[0]
+        raise RuntimeError(f"{len(failed)} of {len(specs)} backward kernels failed to compile; first: "
+                           f"{b.__name__}{a}: {err}")
+    return len(specs)
