@@ -59,11 +59,33 @@ def arms(q, k, v, g, beta, h0, cu) -> dict:
     return {"ours": fwd.ours_fn(q, k, v, g, beta, h0, cu), **fwd.peer_runners(q, k, v, g, beta, h0, cu)}
 
 
-def fwd_bwd(fn, do, dht):
-    """One forward + backward through ``fn`` (the op, then the backward of (o, final state))."""
+# --ab: the public call again with one backward default changed for the step (module, attribute, value), each an
+# arm beside "ours" (the defaults as shipped); an arm equal to the defaults is skipped
+AB_ARMS = {
+    "ours_dqkwg_ws": ("bwd_dqkwg", "KERNEL", "ws"),
+}
+
+
+def fwd_bwd(fn, do, dht, override=None):
+    """One forward + backward through ``fn`` (the op, then the backward of (o, final state)); ``override``: an
+    ``AB_ARMS`` entry set for this step only (the public op's backward reads the module defaults)."""
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg
+
+    modules = {"bwd_dqkwg": bwd_dqkwg}
+
     def step():
-        o, ht = fn()
-        torch.autograd.backward([o, ht], [do, dht])
+        if override is None:
+            o, ht = fn()
+            torch.autograd.backward([o, ht], [do, dht])
+            return
+        module, attr, value = override
+        prev = getattr(modules[module], attr)
+        setattr(modules[module], attr, value)
+        try:
+            o, ht = fn()
+            torch.autograd.backward([o, ht], [do, dht])
+        finally:
+            setattr(modules[module], attr, prev)
     return step
 
 
@@ -122,14 +144,15 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
         # one pass of the dh walk over the backward's walks (from zeros)
         "dh walk": bench(lambda: bwd_dh.bwd_dh(q3, k3, do3, ag, gamma, None, pl.walks, NC, scale=scale,
                                                store_dh0=False)),
-        "dqkwg": bench(lambda: bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)),
+        **{f"dqkwg ({kernel})": bench(lambda kernel=kernel: bwd_dqkwg.bwd_dqkwg(
+            q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale, kernel=kernel)) for kernel in bwd_dqkwg.KERNELS},
         "wy": bench(lambda: bwd_wy.bwd_wy(k3, v3, b3, gamma, ag, dw, du, dgp, chunks)),
         "gva": bench(lambda: (chunk_bwd.gva_bwd(dq_v, None, chunks, Hk, q.dtype),
                               chunk_bwd.gva_bwd(dk_v, dk_wy, chunks, Hk, q.dtype))),
     }
 
 
-def run_row(cfg, stages=False) -> dict:
+def run_row(cfg, stages=False, ab=False) -> dict:
     import triton.testing
 
     Hk, Hv, seqlen, nseq = cfg
@@ -141,9 +164,16 @@ def run_row(cfg, stages=False) -> dict:
     row = {"Hk": Hk, "Hv": Hv, "seqlen": seqlen, "nseq": nseq, "ms": {}, "grad_rel_l2_vs_fla": {}}
     row["bytes_floor_ms"], row["flop_floor_ms"] = floor_ms(Hk, Hv, seqlen, nseq)
     grads = {}
-    for name, fn in arms(q, k, v, g, beta, h0, cu).items():
+    runs = arms(q, k, v, g, beta, h0, cu)
+    if ab:
+        from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg
+
+        current = {"bwd_dqkwg": bwd_dqkwg}
+        runs.update({name: runs["ours"] for name, (module, attr, value) in AB_ARMS.items()
+                     if getattr(current[module], attr) != value})
+    for name, fn in runs.items():
         try:
-            step = fwd_bwd(fn, do, dht)
+            step = fwd_bwd(fn, do, dht, AB_ARMS.get(name))
             for x in leaves:
                 x.grad = None
             step()
@@ -199,6 +229,13 @@ def write(out: Path, result: dict) -> None:
                      f"{f(ms.get('flashqla'))} | {f(ms.get('ours'))} | {f(r.get('ratio_vs_flashqla'), 2)} | "
                      f"{r['bytes_floor_ms']:.3f} / {r['flop_floor_ms']:.3f} | {anchor} | {f(worst, 4)} | "
                      f"{'; '.join(f'{k}: {v}' for k, v in r.get('errors', {}).items())} |")
+    ab_names = [n for n in AB_ARMS if any(n in r["ms"] for r in result["rows"])]
+    if ab_names:
+        lines += ["", "The same public call with one backward default changed (`" + "`, `".join(
+            f"{n}: {m}.{a} = {v!r}" for n, (m, a, v) in AB_ARMS.items() if n in ab_names) + "`), ms:", "",
+            "| Hk/Hv | seqs | ours | " + " | ".join(ab_names) + " |", "|---|---|---|" + "---|" * len(ab_names)]
+        lines += [f"| {r['Hk']}/{r['Hv']} | {r['seqlen']}x{r['nseq']} | {f(r['ms'].get('ours'))} | "
+                  + " | ".join(f(r["ms"].get(n)) for n in ab_names) + " |" for r in result["rows"]]
     ratios = [r["ratio_vs_flashqla"] for r in result["rows"] if r.get("ratio_vs_flashqla")]
     if ratios:
         lines += ["", f"Geomean x FlashQLA: {fwd.geomean(ratios):.3f} over {len(ratios)} rows."]
@@ -221,6 +258,8 @@ def main(argv=None) -> None:
     parser.add_argument("--configs", default="", help="suite indices, e.g. 0,7 (default: all ten)")
     parser.add_argument("--budget-s", type=float, default=500.0, help="stop starting rows after this many seconds")
     parser.add_argument("--no-qla-fix", action="store_true", help="leave tilelang's buffer-init check as it is")
+    parser.add_argument("--ab", action="store_true",
+                        help="also time the public op with each of AB_ARMS' backward defaults changed")
     parser.add_argument("--precompile-only", action="store_true", help="build the rows' backward kernels and stop")
     parser.add_argument("--jobs", type=int, default=1, help="processes compiling kernels (--precompile-only)")
     parser.add_argument("--stages", action="store_true", help="also time the backward's stages alone (internal)")
@@ -241,7 +280,7 @@ def main(argv=None) -> None:
         if time.perf_counter() - began > args.budget_s:
             print(f"past the {args.budget_s:.0f} s budget: {cfg} and later rows not run")
             break
-        result["rows"].append(run_row(cfg, args.stages))
+        result["rows"].append(run_row(cfg, args.stages, args.ab))
         print(result["rows"][-1], flush=True)
         write(args.out, result)
     print((args.out / "gdn_backward.md").read_text())

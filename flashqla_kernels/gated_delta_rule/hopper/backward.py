@@ -178,7 +178,7 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
                  scale: float | None = None) -> list[tuple]:
     """The (builder, args) of every kernel ``chunk_gated_delta_rule_bwd`` compiles for one layout (kernel head dims
     K, V in 64 / 128 / 256; dtype "bfloat16" or "float16"; scale None = K^-0.5), with and without context
-    parallelism, the states at every V slice the forward's plan may pick."""
+    parallelism, the states at every V slice the forward's plan may pick, and each of ``bwd_dqkwg.KERNELS``."""
     from flashqla_kernels.gated_delta_rule.hopper import (
         bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, chunk_fwd, kkt_solve, segment_states, state_scan,
     )
@@ -191,6 +191,7 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
         (kkt_solve.build_kkt_solve, (Hk, Hv, K, dtype, False)),
         (build_dh, (Hk, Hv, K, V, bDV, dtype, scale, has_dht, has_h0, True)),
         (bwd_dqkwg.build_bwd_dqkwg, (Hk, Hv, K, V, dtype, scale)),
+        *([(bwd_dqkwg.build_bwd_dqkwg_ws, (Hk, Hv, K, V, dtype, scale))] if K <= 128 else []),
         (bwd_wy.build_bwd_wy, (Hk, Hv, K, V, dtype)),
         (chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, False)),
         (chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, True)),
