@@ -63,6 +63,7 @@ def arms(q, k, v, g, beta, h0, cu) -> dict:
 # arm beside "ours" (the defaults as shipped); an arm equal to the defaults is skipped
 AB_ARMS = {
     "ours_dqkwg_ws": ("bwd_dqkwg", "KERNEL", "ws"),
+    "ours_dqkwg_group": ("bwd_dqkwg", "KERNEL", "group"),
 }
 
 
@@ -136,6 +137,8 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     h, v_new, dh, du, _ = sequential()
     dq_v, dk_v, dw, dgp = bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
     dk_wy = bwd_wy.bwd_wy(k3, v3, b3, gamma, ag, dw, du, dgp, chunks)[0]
+    dk_k = (bwd_dqkwg.bwd_dqkwg_group(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)[1]
+            if bwd_dqkwg.grouped(Kd, "group") else None)
     return {
         "segment_chunks": L,
         "kkt_solve": bench(lambda: kkt_solve.kkt_solve(k3, g3, b3, chunks, Hv)),
@@ -145,10 +148,16 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
         "dh walk": bench(lambda: bwd_dh.bwd_dh(q3, k3, do3, ag, gamma, None, pl.walks, NC, scale=scale,
                                                store_dh0=False)),
         **{f"dqkwg ({kernel})": bench(lambda kernel=kernel: bwd_dqkwg.bwd_dqkwg(
-            q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale, kernel=kernel)) for kernel in bwd_dqkwg.KERNELS},
+            q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale, kernel=kernel))
+           for kernel in bwd_dqkwg.PER_VALUE_HEAD},
         "wy": bench(lambda: bwd_wy.bwd_wy(k3, v3, b3, gamma, ag, dw, du, dgp, chunks)),
         "gva": bench(lambda: (chunk_bwd.gva_bwd(dq_v, None, chunks, Hk, q.dtype),
                               chunk_bwd.gva_bwd(dk_v, dk_wy, chunks, Hk, q.dtype))),
+        # the grouped kernel writes dq finished and dk per key head: its GVA pass is dk's alone
+        **({"dqkwg (group, dq summed)": bench(lambda: bwd_dqkwg.bwd_dqkwg_group(
+               q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)),
+            "gva (after group: dk)": bench(lambda: chunk_bwd.gva_bwd(dk_wy, dk_k, chunks, Hk, q.dtype))}
+           if dk_k is not None else {}),
     }
 
 

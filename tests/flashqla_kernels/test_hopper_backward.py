@@ -197,6 +197,15 @@ def _dqkwg(q, k, v_new, do, dv, h, dh, gamma, chunks, *, scale):
     return dq, dk, dw, dgp
 
 
+def _dqkwg_group(q, k, v_new, do, dv, h, dh, gamma, chunks, *, scale, xq=None, rq=None):
+    Hk = q.shape[1]
+    dq, dk, dw, dgp = _dqkwg(q, k, v_new, do, dv, h, dh, gamma, chunks, scale=scale)
+    dq, dk = (reference_bwd.gva_reduce_ref(x[None], Hk)[0] for x in (dq, dk))
+    if xq is not None:
+        dq = reference_bwd.l2norm_bwd_ref(xq[None], dq[None])[0]
+    return dq, dk, dw, torch.cat([dgp[:1], torch.zeros_like(dgp[:1])])
+
+
 def _wy(k, v, beta, gamma, ag, dw, du, dgp, chunks):
     T, Hv, K = k.shape[0], v.shape[1], k.shape[2]
     dk = torch.full((T, Hv, K), float("nan"), dtype=k.dtype)
@@ -217,7 +226,10 @@ def _l2norm_fwd(x, chunks):
 
 
 def _gva(a, b, chunks, Hk, dtype, x=None, r=None):
-    dy = reference_bwd.gva_reduce_ref((a if b is None else a + b)[None], Hk)[0]
+    if b is not None and b.shape[1] != a.shape[1]:  # b already summed per key head
+        dy = reference_bwd.gva_reduce_ref(a[None], Hk)[0] + b
+    else:
+        dy = reference_bwd.gva_reduce_ref((a if b is None else a + b)[None], Hk)[0]
     return dy if x is None else reference_bwd.l2norm_bwd_ref(x[None], dy[None])[0]
 
 
@@ -228,18 +240,24 @@ def emulated_backward(emulated_stages, monkeypatch):
     monkeypatch.setattr(forward, "unsupported_reason", lambda *a: None)  # float64 CPU inputs into the launcher
     monkeypatch.setattr(kkt_solve, "kkt_solve", _kkt_solve)
     monkeypatch.setattr(bwd_dqkwg, "bwd_dqkwg", _dqkwg)
+    monkeypatch.setattr(bwd_dqkwg, "bwd_dqkwg_group", _dqkwg_group)
     monkeypatch.setattr(bwd_wy, "bwd_wy", _wy)
     monkeypatch.setattr(chunk_bwd, "l2norm_fwd", _l2norm_fwd)
     monkeypatch.setattr(chunk_bwd, "gva_bwd", _gva)
 
 
+@pytest.mark.parametrize("kernel", ["blocked", "group"])
 @pytest.mark.parametrize("segment_chunks", [0, 1, 3])
 @pytest.mark.parametrize("l2norm,K,V,Hk,Hv", [(True, 64, 64, 1, 2), (False, 48, 40, 2, 4)])
 def test_launcher_composes_the_stages_into_the_reference_backward(emulated_backward, segment_chunks, l2norm, K, V,
-                                                                  Hk, Hv):
-    """The launcher's wiring (l2norm, gamma and Ag, the walks with or without a split, dqkwg, WY, dg's partial sums,
-    the GVA sum and l2norm backward, padded head dims, the padded tail) with every kernel replaced by its float64
-    stage reference gives ``chunk_gated_delta_rule_bwd_ref``'s gradients."""
+                                                                  Hk, Hv, kernel, monkeypatch):
+    """The launcher's wiring (l2norm, gamma and Ag, the walks with or without a split, dqkwg per value head or
+    grouped per key head, WY, dg's partial sums, the GVA sum and l2norm backward, padded head dims, the padded
+    tail) with every kernel replaced by its float64 stage reference gives ``chunk_gated_delta_rule_bwd_ref``'s
+    gradients."""
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg
+
+    monkeypatch.setattr(bwd_dqkwg, "KERNEL", kernel)
     gen = torch.Generator().manual_seed(3)
     lens, pad = [1, 130, 64, 200], 5
     T = sum(lens) + pad

@@ -134,19 +134,21 @@ def test_context_parallel_backward_matches_float64_reference(name, segment_chunk
 @pytest.mark.parametrize("name,segment_chunks", [
     ("qwen_layout_l2norm_varlen", None), ("ragged_gva2_l2norm_padded_tail", 1), ("gva1_fp16_l2norm_no_h0", 1),
     ("dim64_l2norm", None), ("dense_gva4_T200_no_dht", None)])
-def test_warp_specialised_dqkwg_gives_the_reference_gradients(name, segment_chunks, monkeypatch):
-    """The whole backward with dq / dk / dw on the warp-specialised kernel (``bwd_dqkwg.KERNEL = "ws"``) against the
-    per-K-block kernel and the float64 reference."""
+@pytest.mark.parametrize("kernel", ["ws", "group"])
+def test_warp_specialised_dqkwg_gives_the_reference_gradients(name, segment_chunks, kernel, monkeypatch):
+    """The whole backward with dq / dk / dw on a warp-specialised kernel (``bwd_dqkwg.KERNEL``: "ws" per value
+    head, "group" per key head with dq and dk summed on chip) against the per-K-block kernel and the float64
+    reference."""
     from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg
 
     case = q, k, v, g, beta, do, dht, h0, cu, l2 = _case(name)
 
-    def run(kernel):
-        monkeypatch.setattr(bwd_dqkwg, "KERNEL", kernel)
+    def run(choice):
+        monkeypatch.setattr(bwd_dqkwg, "KERNEL", choice)
         return backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
                                                    use_qk_l2norm_in_kernel=l2, segment_chunks=segment_chunks)
 
-    _check_variant(name, case, run, "ws", "blocked", "warp-specialised vs per-K-block dqkwg")
+    _check_variant(name, case, run, kernel, "blocked", f"{kernel} vs per-K-block dqkwg")
 
 
 class _Stages:
@@ -257,6 +259,34 @@ def test_dqkwg_stage_matches_its_reference(name, kernel):
             f"{name} ({kernel}): two runs differ in {label}"
     for label, x, ref in (("dq", dq, r["dq"]), ("dk", dk, r["dk"]), ("dw", dw, r["dw"])):
         s.check(label, x, ref[0])
+    s.check("dgamma", dgp[:, :s.n].sum(0), r["dgam"][0], tol=0.02)
+
+
+@pytest.mark.parametrize("name", [n for n in STAGE_CASES if CASES[n][2] <= 128])
+def test_grouped_dqkwg_stage_matches_its_reference(name):
+    """The grouped kernel (one CTA per chunk and key head) against the float64 stage reference summed over each key
+    head's value heads, with the l2norm backward applied to dq, every element written, two runs bit-identical."""
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, chunk_bwd
+
+    s = _Stages(name)
+    r, f = s.ref, s.flat
+    l2 = CASES[name][6].get("l2norm", False)
+    norm = dict(xq=f(s.raw_q), rq=chunk_bwd.l2norm_fwd(f(s.raw_q), s.chunks)[1]) if l2 else {}
+
+    def run():
+        return bwd_dqkwg.bwd_dqkwg_group(s.q, s.k, f(r["fwd"].v_new, s.dtype), s.do, f(r["dv"], s.dtype),
+                                         f(r["fwd"].h, s.dtype), f(r["dh"], s.dtype), s.gamma, s.chunks,
+                                         scale=s.scale, **norm)
+
+    with toolkit.poisoned_outputs():
+        (dq, dk, dw, dgp), again = run(), run()
+    for label, x, x2 in zip(("dq", "dk", "dw", "dgp"), (dq, dk, dw, dgp), again):
+        assert torch.equal(x.nan_to_num(), x2.nan_to_num()) and torch.equal(x.isnan(), x2.isnan()), \
+            f"{name}: two runs differ in {label}"
+    dq_ref = gva_reduce_ref(r["dq"], s.Hk)
+    s.check("dq", dq, (l2norm_bwd_ref(_d(s.raw_q), dq_ref) if l2 else dq_ref)[0])
+    s.check("dk", dk, gva_reduce_ref(r["dk"], s.Hk)[0])
+    s.check("dw", dw, r["dw"][0])
     s.check("dgamma", dgp[:, :s.n].sum(0), r["dgam"][0], tol=0.02)
 
 

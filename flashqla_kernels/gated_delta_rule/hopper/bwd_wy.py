@@ -13,8 +13,8 @@ A = I - A L = I - X StrictLower(K K^T * Gamma) (exact; no division by beta). Wit
     dbeta  = e rowsum((A^T dw) * K) + rowsum((A^T du) * V) + rowsum(F)
     dgamma = beta e rowsum((A^T dw) * K) + rowsum(E) - colsum(E)
 
-then ``dg_t = sum_{s >= t in the chunk} (dgamma_s + sum_b dgp[b, s])`` with ``bwd_dqkwg``'s partial sums added in
-block order and the reverse cumsum one thread a token (fixed order: deterministic). GEMM operands are the input
+then ``dg_t = sum_{s >= t in the chunk} (dgamma_s + sum_b dgp[b, s])`` with the dqkwg stage's partial sums added in
+order and the reverse cumsum one thread a token (fixed order: deterministic). GEMM operands are the input
 dtype (A and the gradients, as FLA's), X and KKg fp16 (X arrives so). Grid (chunks, Hv), 256 threads.
 """
 import tilelang.language as T
@@ -26,8 +26,8 @@ from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import C, LOG2E, TILE, l
 THREADS = 256
 
 
-def build_bwd_wy(Hk: int, Hv: int, K: int, V: int, dtype: str):
-    """The WY kernel: grid (chunks, Hv), 256 threads."""
+def build_bwd_wy(Hk: int, Hv: int, K: int, V: int, dtype: str, parts: int):
+    """The WY kernel: grid (chunks, Hv), 256 threads; ``parts`` rows of dqkwg's partial dgamma sums."""
     group = Hv // Hk
     nK = K // TILE
     num_tokens = T.dynamic("num_tokens")
@@ -52,7 +52,7 @@ def build_bwd_wy(Hk: int, Hv: int, K: int, V: int, dtype: str):
         ag: T.Tensor((num_tokens, Hv, C), "float16"),
         dw: T.Tensor((num_tokens, Hv, K), dtype),
         du: T.Tensor((num_tokens, Hv, V), dtype),
-        dgp: T.Tensor((nK, num_tokens, Hv), "float32"),
+        dgp: T.Tensor((parts, num_tokens, Hv), "float32"),
         chunks: T.Tensor((num_chunks, 2), "int32"),
         dk: T.Tensor((num_tokens, Hv, K), "float32"),
         dv: T.Tensor((num_tokens, Hv, V), dtype),
@@ -168,9 +168,9 @@ def build_bwd_wy(Hk: int, Hv: int, K: int, V: int, dtype: str):
                 if tx < n:
                     dbeta[cs + tx, bh] = db_out[tx]
                     dgamma[cs + tx, bh] = dgm_sh[tx]
-                    # with dqkwg's partial sums, K blocks in order
+                    # with dqkwg's partial sums, in order
                     acc[0] = dgm_sh[tx]
-                    for b in T.serial(nK):
+                    for b in T.serial(parts):
                         acc[0] += dgp[b, cs + tx, bh]
                     db_out[tx] = acc[0]
                 else:
@@ -192,7 +192,7 @@ def bwd_wy(k, v, beta, gamma, ag, dw, du, dgp, chunks):
     Args:
         k: [T, Hk, K] bf16/fp16 (normalised if the op normalises). v: [T, Hv, V] same dtype. beta, gamma: [T, Hv]
         fp32. ag: [T, Hv, 64] fp16 (``kkt_solve``'s X). dw: [T, Hv, K] in k's dtype (``bwd_dqkwg``'s). du: [T, Hv, V]
-        in k's dtype (``bwd_dh``'s dv). dgp: [K / 64, T, Hv] fp32 (``bwd_dqkwg``'s). chunks: [NC, 2] int32.
+        in k's dtype (``bwd_dh``'s dv). dgp: [P, T, Hv] fp32, P partial sums (``bwd_dqkwg``'s K / 64, ``bwd_dqkwg_group``'s 2). chunks: [NC, 2] int32.
 
     Returns:
         (dk [T, Hv, K] fp32 the WY part, dv [T, Hv, V] in v's dtype, dbeta [T, Hv] fp32, dgamma [T, Hv] fp32 the WY
@@ -200,7 +200,7 @@ def bwd_wy(k, v, beta, gamma, ag, dw, du, dgp, chunks):
     """
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
-    kernel = toolkit.compile_kernel(build_bwd_wy, Hk, Hv, K, V, toolkit.tl_dtype(k.dtype))
+    kernel = toolkit.compile_kernel(build_bwd_wy, Hk, Hv, K, V, toolkit.tl_dtype(k.dtype), dgp.shape[0])
     dk = toolkit.empty((Tn, Hv, K), torch.float32, k.device)
     dv = toolkit.empty((Tn, Hv, V), v.dtype, k.device)
     dbeta, dgamma, dg = (toolkit.empty((Tn, Hv), torch.float32, k.device) for _ in range(3))
