@@ -137,8 +137,9 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     h, v_new, dh, du, _ = sequential()
     dq_v, dk_v, dw, dgp = bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
     dk_wy = bwd_wy.bwd_wy(k3, v3, b3, gamma, ag, dw, du, dgp, chunks)[0]
-    dk_k = (bwd_dqkwg.bwd_dqkwg_group(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)[1]
-            if bwd_dqkwg.grouped(Kd, "group") else None)
+    grouped = (bwd_dqkwg.bwd_dqkwg_group(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
+               if bwd_dqkwg.grouped(Kd, "group") else None)
+    _, dk_k, dw_g, dgp_g = grouped if grouped is not None else (None,) * 4
     return {
         "segment_chunks": L,
         "kkt_solve": bench(lambda: kkt_solve.kkt_solve(k3, g3, b3, chunks, Hv)),
@@ -153,11 +154,11 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
         "wy": bench(lambda: bwd_wy.bwd_wy(k3, v3, b3, gamma, ag, dw, du, dgp, chunks)),
         "gva": bench(lambda: (chunk_bwd.gva_bwd(dq_v, None, chunks, Hk, q.dtype),
                               chunk_bwd.gva_bwd(dk_v, dk_wy, chunks, Hk, q.dtype))),
-        # the grouped kernel writes dq finished and dk per key head: its GVA pass is dk's alone
-        **({"dqkwg (group, dq summed)": bench(lambda: bwd_dqkwg.bwd_dqkwg_group(
+        # the grouped kernels sum the value heads on chip: dq and dk leave them finished, no GVA pass
+        **({"dqkwg (group)": bench(lambda: bwd_dqkwg.bwd_dqkwg_group(
                q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)),
-            "gva (after group: dk)": bench(lambda: chunk_bwd.gva_bwd(dk_wy, dk_k, chunks, Hk, q.dtype))}
-           if dk_k is not None else {}),
+            "wy (group)": bench(lambda: bwd_wy.bwd_wy_group(k3, v3, b3, gamma, ag, dw_g, du, dgp_g, dk_k, chunks))}
+           if grouped is not None else {}),
     }
 
 

@@ -225,11 +225,16 @@ def _l2norm_fwd(x, chunks):
     return x * r[..., None], r
 
 
+def _wy_group(k, v, beta, gamma, ag, dw, du, dgp, dk_part, chunks, xk=None, rk=None):
+    dk, dv, dbeta, dgamma, dg = _wy(k, v, beta, gamma, ag, dw, du, dgp, chunks)
+    dk = reference_bwd.gva_reduce_ref(dk[None], k.shape[1])[0] + dk_part
+    if xk is not None:
+        dk = reference_bwd.l2norm_bwd_ref(xk[None], dk[None])[0]
+    return dk, dv, dbeta, dgamma, dg
+
+
 def _gva(a, b, chunks, Hk, dtype, x=None, r=None):
-    if b is not None and b.shape[1] != a.shape[1]:  # b already summed per key head
-        dy = reference_bwd.gva_reduce_ref(a[None], Hk)[0] + b
-    else:
-        dy = reference_bwd.gva_reduce_ref((a if b is None else a + b)[None], Hk)[0]
+    dy = reference_bwd.gva_reduce_ref((a if b is None else a + b)[None], Hk)[0]
     return dy if x is None else reference_bwd.l2norm_bwd_ref(x[None], dy[None])[0]
 
 
@@ -242,6 +247,7 @@ def emulated_backward(emulated_stages, monkeypatch):
     monkeypatch.setattr(bwd_dqkwg, "bwd_dqkwg", _dqkwg)
     monkeypatch.setattr(bwd_dqkwg, "bwd_dqkwg_group", _dqkwg_group)
     monkeypatch.setattr(bwd_wy, "bwd_wy", _wy)
+    monkeypatch.setattr(bwd_wy, "bwd_wy_group", _wy_group)
     monkeypatch.setattr(chunk_bwd, "l2norm_fwd", _l2norm_fwd)
     monkeypatch.setattr(chunk_bwd, "gva_bwd", _gva)
 

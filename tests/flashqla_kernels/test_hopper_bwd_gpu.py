@@ -311,6 +311,31 @@ def test_wy_stage_and_the_reverse_cumsum_match_their_references(name):
     s.check("dg", dg, r["dg"][0], tol=0.02)
 
 
+@pytest.mark.parametrize("name", [n for n in STAGE_CASES if CASES[n][2] <= 128])
+def test_grouped_wy_stage_finishes_dk(name):
+    """The grouped WY kernel (one CTA per chunk and key head): dk summed over the value heads with the grouped
+    dqkwg's part and the l2norm backward, dv, dbeta, dgamma and dg, against the float64 references."""
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_wy, chunk_bwd
+
+    s = _Stages(name)
+    r, f = s.ref, s.flat
+    l2 = CASES[name][6].get("l2norm", False)
+    norm = (f(s.raw_k), chunk_bwd.l2norm_fwd(f(s.raw_k), s.chunks)[1]) if l2 else ()
+    dgp = torch.zeros(2, *s.gamma.shape, device=s.k.device)
+    dgp[0] = f(r["dgam"], torch.float32)
+    dk_part = f(gva_reduce_ref(r["dk"], s.Hk), torch.float32)
+    with toolkit.poisoned_outputs():
+        dk, dv, dbeta, dgamma, dg = bwd_wy.bwd_wy_group(s.k, s.v, s.beta, s.gamma, s.ag, f(r["dw"], s.dtype),
+                                                        f(r["dv"], s.dtype), dgp, dk_part, s.chunks, *norm)
+    dk_r, dv_r, dbeta_r, dgamma_r = r["wy"]
+    dy = gva_reduce_ref(r["dk"] + dk_r, s.Hk)
+    s.check("dk", dk, (l2norm_bwd_ref(_d(s.raw_k), dy) if l2 else dy)[0])
+    s.check("dv", dv, dv_r[0])
+    s.check("dbeta", dbeta, dbeta_r[0], tol=0.02)
+    s.check("dgamma", dgamma, dgamma_r[0], tol=0.02)
+    s.check("dg", dg, r["dg"][0], tol=0.02)
+
+
 @pytest.mark.parametrize("name", ["ragged_gva2_l2norm_padded_tail", "dim64_l2norm"])
 def test_gva_reduction_and_l2norm_backward_match_their_references(name):
     from flashqla_kernels.gated_delta_rule.hopper import chunk_bwd

@@ -125,14 +125,16 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
     gamma, ag, _ = kkt_solve.kkt_solve(kn, g3, b3, chunks, Hv)
     h, v_new, dh, du, dh0 = sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, bdv)
     if bwd_dqkwg.grouped(K):
-        # dq finished and dk's dqkwg part summed per key head on chip; the GVA pass adds the WY part to dk
+        # per key head: dq finished by dqkwg, dk by WY (both summed over the value heads on chip, no GVA pass)
         dq, dk_k, dw, dgp = bwd_dqkwg.bwd_dqkwg_group(qn, kn, v_new, do3, du, h, dh, gamma, chunks, scale=scale,
                                                       **(dict(xq=q3, rq=rq) if l2norm else {}))
+        dk, dv, dbeta, _, dg = bwd_wy.bwd_wy_group(kn, v3, b3, gamma, ag, dw, du, dgp, dk_k, chunks,
+                                                   *((k3, rk) if l2norm else ()))
     else:
-        dq_v, dk_k, dw, dgp = bwd_dqkwg.bwd_dqkwg(qn, kn, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
+        dq_v, dk_v, dw, dgp = bwd_dqkwg.bwd_dqkwg(qn, kn, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
+        dk_wy, dv, dbeta, _, dg = bwd_wy.bwd_wy(kn, v3, b3, gamma, ag, dw, du, dgp, chunks)
         dq = chunk_bwd.gva_bwd(dq_v, None, chunks, Hk, q.dtype, *((q3, rq) if l2norm else ()))
-    dk_wy, dv, dbeta, _, dg = bwd_wy.bwd_wy(kn, v3, b3, gamma, ag, dw, du, dgp, chunks)
-    dk = chunk_bwd.gva_bwd(dk_wy, dk_k, chunks, Hk, k.dtype, *((k3, rk) if l2norm else ()))
+        dk = chunk_bwd.gva_bwd(dk_v, dk_wy, chunks, Hk, k.dtype, *((k3, rk) if l2norm else ()))
     if cu[-1] < B * Tn:
         # a padded tail is in no chunk: no kernel wrote it
         for x in (dq, dk, dv, dg, dbeta):
@@ -196,16 +198,15 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
         (kkt_solve.build_kkt_solve, (Hk, Hv, K, dtype, False)),
         (build_dh, (Hk, Hv, K, V, bDV, dtype, scale, has_dht, has_h0, True)),
         (bwd_dqkwg.build_bwd_dqkwg, (Hk, Hv, K, V, dtype, scale)),
-        (bwd_wy.build_bwd_wy, (Hk, Hv, K, V, dtype, K // 64)),
-        (chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, "none")),
-        (chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, "value")),
+        (bwd_wy.build_bwd_wy, (Hk, Hv, K, V, dtype)),
+        (chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, False)),
+        (chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, True)),
     ]
     if K <= 128:
         specs += [
             (bwd_dqkwg.build_bwd_dqkwg_ws, (Hk, Hv, K, V, dtype, scale)),
             (bwd_dqkwg.build_bwd_dqkwg_group, (Hk, Hv, K, V, dtype, scale, l2norm)),
-            (bwd_wy.build_bwd_wy, (Hk, Hv, K, V, dtype, 2)),
-            (chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, "key" if Hv > Hk else "value")),
+            (bwd_wy.build_bwd_wy_group, (Hk, Hv, K, V, dtype, l2norm)),
         ]
     specs += [
         # context parallelism of the dh walk: the maps, the reverse scan, the two passes

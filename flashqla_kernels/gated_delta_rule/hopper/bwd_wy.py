@@ -13,8 +13,8 @@ A = I - A L = I - X StrictLower(K K^T * Gamma) (exact; no division by beta). Wit
     dbeta  = e rowsum((A^T dw) * K) + rowsum((A^T du) * V) + rowsum(F)
     dgamma = beta e rowsum((A^T dw) * K) + rowsum(E) - colsum(E)
 
-then ``dg_t = sum_{s >= t in the chunk} (dgamma_s + sum_b dgp[b, s])`` with the dqkwg stage's partial sums added in
-order and the reverse cumsum one thread a token (fixed order: deterministic). GEMM operands are the input
+then ``dg_t = sum_{s >= t in the chunk} (dgamma_s + sum_b dgp[b, s])`` with ``bwd_dqkwg``'s partial sums added in
+block order and the reverse cumsum one thread a token (fixed order: deterministic). GEMM operands are the input
 dtype (A and the gradients, as FLA's), X and KKg fp16 (X arrives so). Grid (chunks, Hv), 256 threads.
 """
 import tilelang.language as T
@@ -26,8 +26,8 @@ from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import C, LOG2E, TILE, l
 THREADS = 256
 
 
-def build_bwd_wy(Hk: int, Hv: int, K: int, V: int, dtype: str, parts: int):
-    """The WY kernel: grid (chunks, Hv), 256 threads; ``parts`` rows of dqkwg's partial dgamma sums."""
+def build_bwd_wy(Hk: int, Hv: int, K: int, V: int, dtype: str):
+    """The WY kernel: grid (chunks, Hv), 256 threads."""
     group = Hv // Hk
     nK = K // TILE
     num_tokens = T.dynamic("num_tokens")
@@ -52,7 +52,7 @@ def build_bwd_wy(Hk: int, Hv: int, K: int, V: int, dtype: str, parts: int):
         ag: T.Tensor((num_tokens, Hv, C), "float16"),
         dw: T.Tensor((num_tokens, Hv, K), dtype),
         du: T.Tensor((num_tokens, Hv, V), dtype),
-        dgp: T.Tensor((parts, num_tokens, Hv), "float32"),
+        dgp: T.Tensor((nK, num_tokens, Hv), "float32"),
         chunks: T.Tensor((num_chunks, 2), "int32"),
         dk: T.Tensor((num_tokens, Hv, K), "float32"),
         dv: T.Tensor((num_tokens, Hv, V), dtype),
@@ -168,9 +168,9 @@ def build_bwd_wy(Hk: int, Hv: int, K: int, V: int, dtype: str, parts: int):
                 if tx < n:
                     dbeta[cs + tx, bh] = db_out[tx]
                     dgamma[cs + tx, bh] = dgm_sh[tx]
-                    # with dqkwg's partial sums, in order
+                    # with dqkwg's partial sums, K blocks in order
                     acc[0] = dgm_sh[tx]
-                    for b in T.serial(parts):
+                    for b in T.serial(nK):
                         acc[0] += dgp[b, cs + tx, bh]
                     db_out[tx] = acc[0]
                 else:
@@ -186,13 +186,221 @@ def build_bwd_wy(Hk: int, Hv: int, K: int, V: int, dtype: str, parts: int):
     return gdn_bwd_wy
 
 
+def build_bwd_wy_group(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool):
+    """The grouped WY kernel: grid (chunks, Hk), 256 threads (``bwd_wy_group``). It runs ``build_bwd_wy``'s steps
+    for each value head of the key head in order, with K K^T formed once, and finishes dk on chip: the WY parts
+    ``diag(beta e) A^T dw`` and D = the heads' sum of dKK summed in shared memory (fp32, each thread on its own
+    elements), ``dKK K + dKK^T K`` as one pair of products with D at the end, the grouped dqkwg's part added, then
+    the l2norm backward. Accumulating in shared memory keeps the registers at the per-head kernel's count."""
+    group = Hv // Hk
+    nK = K // TILE
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+    num_x = T.dynamic("num_x")
+
+    @T.macro
+    def through_a(x, dx, hx, hdx, col0, cs, n, x_sh, dx_sh, a_sh, r_f, t_f, red):
+        # one 64-wide block of K (x = k, dx = dw) or V (v, du): r = A^T dx, red = rowsum(r * x)
+        load_rows(x, x_sh, cs, n, hx, col0, TILE)
+        load_rows(dx, dx_sh, cs, n, hdx, col0, TILE)
+        T.gemm(a_sh, dx_sh, r_f, transpose_A=True, clear_accum=True)
+        for i, j in T.Parallel(C, TILE):
+            t_f[i, j] = r_f[i, j] * x_sh[i, j]
+        T.reduce_sum(t_f, red, dim=1)
+
+    @T.prim_func
+    def gdn_bwd_wy_group(
+        k: T.Tensor((num_tokens, Hk, K), dtype),
+        v: T.Tensor((num_tokens, Hv, V), dtype),
+        beta: T.Tensor((num_tokens, Hv), "float32"),
+        gamma: T.Tensor((num_tokens, Hv), "float32"),
+        ag: T.Tensor((num_tokens, Hv, C), "float16"),
+        dw: T.Tensor((num_tokens, Hv, K), dtype),
+        du: T.Tensor((num_tokens, Hv, V), dtype),
+        dgp: T.Tensor((2, num_tokens, Hv), "float32"),
+        dk_part: T.Tensor((num_tokens, Hk, K), "float32"),
+        xk: T.Tensor((num_x, Hk, K), dtype),
+        rk: T.Tensor((num_x, Hk), "float32"),
+        chunks: T.Tensor((num_chunks, 2), "int32"),
+        dk: T.Tensor((num_tokens, Hk, K), dtype),
+        dv: T.Tensor((num_tokens, Hv, V), dtype),
+        dbeta: T.Tensor((num_tokens, Hv), "float32"),
+        dgamma: T.Tensor((num_tokens, Hv), "float32"),
+        dg: T.Tensor((num_tokens, Hv), "float32"),
+    ):
+        with T.Kernel(num_chunks, Hk, threads=THREADS) as (bc, hk):
+            cs = chunks[bc, 0]
+            n = chunks[bc, 1] - cs
+            tx = T.get_thread_binding()
+            kb_sh = T.alloc_shared((C, TILE), dtype)
+            xb_sh = T.alloc_shared((C, TILE), dtype)
+            db_sh = T.alloc_shared((C, TILE), dtype)
+            x_sh = T.alloc_shared((C, C), "float16")
+            kkg_sh = T.alloc_shared((C, C), "float16")
+            a_sh = T.alloc_shared((C, C), dtype)
+            t_sh = T.alloc_shared((C, C), dtype)
+            dka_sh = T.alloc_shared((C, K), "float32")
+            dsum_sh = T.alloc_shared((C, C), "float32")
+            g_sh = T.alloc_shared((C,), "float32")
+            eg_sh = T.alloc_shared((C,), "float32")
+            er_sh = T.alloc_shared((C,), "float32")
+            b_sh = T.alloc_shared((C,), "float32")
+            rowf_sh = T.alloc_shared((C,), "float32")
+            cole_sh = T.alloc_shared((C,), "float32")
+            db_out = T.alloc_shared((C,), "float32")
+            dgm_sh = T.alloc_shared((C,), "float32")
+            acc = T.alloc_local((1,), "float32")
+            kk_f = T.alloc_fragment((C, C), "float32")
+            da_f = T.alloc_fragment((C, C), "float32")
+            a_f = T.alloc_fragment((C, C), "float32")
+            r_f = T.alloc_fragment((C, TILE), "float32")
+            t_f = T.alloc_fragment((C, TILE), "float32")
+            red = T.alloc_fragment((C,), "float32")
+            red_cc = T.alloc_fragment((C,), "float32")
+            red_col = T.alloc_fragment((C,), "float32")
+            acc_b = T.alloc_fragment((C,), "float32")
+            acc_g = T.alloc_fragment((C,), "float32")
+            ss = T.alloc_fragment((C,), "float32") if l2norm else None
+            # two CTAs an SM, as the per-head kernel gets (122 registers) without being told
+            T.annotate_min_blocks_per_sm(2)
+
+            # dk starts from the grouped dqkwg's part
+            for i, j in T.Parallel(C, K):
+                dka_sh[i, j] = dk_part[cs + T.min(i, n - 1), hk, j]
+
+            for hh in T.serial(group):
+                bh = hk * group + hh
+                load_gates(gamma, g_sh, eg_sh, er_sh, cs, n, bh)
+                for i in T.Parallel(C):
+                    b_sh[i] = T.if_then_else(i < n, beta[cs + T.min(i, n - 1), bh], 0.0)
+                load_rows(ag, x_sh, cs, n, bh, 0, C)
+                T.clear(kk_f)
+                T.clear(da_f)
+                for kb in T.serial(nK):
+                    load_rows(k, kb_sh, cs, n, hk, kb * TILE, TILE)
+                    load_rows(dw, db_sh, cs, n, bh, kb * TILE, TILE)
+                    for i, j in T.Parallel(C, TILE):
+                        xb_sh[i, j] = kb_sh[i, j] * b_sh[i] * eg_sh[i]
+                    T.gemm(kb_sh, kb_sh, kk_f, transpose_B=True)
+                    T.gemm(db_sh, xb_sh, da_f, transpose_B=True)
+                for vb in T.serial(V // TILE):
+                    load_rows(v, kb_sh, cs, n, bh, vb * TILE, TILE)
+                    load_rows(du, db_sh, cs, n, bh, vb * TILE, TILE)
+                    for i, j in T.Parallel(C, TILE):
+                        xb_sh[i, j] = kb_sh[i, j] * b_sh[i]
+                    T.gemm(db_sh, xb_sh, da_f, transpose_B=True)
+
+                # KKg of this head's gates (fp32 in kk_f, fp16 for the product), then A = I - X KKg
+                for i, j in T.Parallel(C, C):
+                    kk_f[i, j] = T.if_then_else(j < i, kk_f[i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
+                    kkg_sh[i, j] = kk_f[i, j]
+                T.gemm(x_sh, kkg_sh, a_f, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    a_sh[i, j] = T.if_then_else(j <= i, T.if_then_else(i == j, 1.0, 0.0) - a_f[i, j], 0.0)
+                # dM = StrictLower(-A^T (dA A^T))
+                T.copy(da_f, t_sh)
+                T.gemm(t_sh, a_sh, a_f, transpose_B=True, clear_accum=True)
+                T.copy(a_f, t_sh)
+                T.gemm(a_sh, t_sh, da_f, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    da_f[i, j] = T.if_then_else(j < i, -da_f[i, j], 0.0)
+                    kk_f[i, j] = da_f[i, j] * kk_f[i, j]
+                T.reduce_sum(kk_f, red_cc, dim=1)
+                for i in T.Parallel(C):
+                    rowf_sh[i] = red_cc[i]
+                for i, j in T.Parallel(C, C):
+                    kk_f[i, j] = kk_f[i, j] * b_sh[i]
+                T.reduce_sum(kk_f, red_col, dim=0)
+                for i in T.Parallel(C):
+                    cole_sh[i] = red_col[i]
+                # D += dKK = diag(beta) dM * Gamma (its products with K wait for the last head)
+                if hh == 0:
+                    for i, j in T.Parallel(C, C):
+                        dsum_sh[i, j] = T.if_then_else(
+                            j < i, da_f[i, j] * b_sh[i] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
+                else:
+                    for i, j in T.Parallel(C, C):
+                        dsum_sh[i, j] += T.if_then_else(
+                            j < i, da_f[i, j] * b_sh[i] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
+
+                T.clear(acc_b)
+                T.clear(acc_g)
+                for kb in T.serial(nK):
+                    through_a(k, dw, hk, bh, kb * TILE, cs, n, kb_sh, db_sh, a_sh, r_f, t_f, red)
+                    for i in T.Parallel(C):
+                        acc_b[i] += red[i] * eg_sh[i]
+                        acc_g[i] += red[i] * eg_sh[i] * b_sh[i]
+                    for i, j in T.Parallel(C, TILE):
+                        dka_sh[i, kb * TILE + j] += r_f[i, j] * b_sh[i] * eg_sh[i]
+                for vb in T.serial(V // TILE):
+                    through_a(v, du, bh, bh, vb * TILE, cs, n, kb_sh, db_sh, a_sh, r_f, t_f, red)
+                    for i in T.Parallel(C):
+                        acc_b[i] += red[i]
+                    for i, j in T.Parallel(C, TILE):
+                        r_f[i, j] = r_f[i, j] * b_sh[i]
+                    store_rows(r_f, dv, cs, n, bh, vb * TILE, TILE)
+
+                for i in T.Parallel(C):
+                    db_out[i] = acc_b[i] + rowf_sh[i]
+                    dgm_sh[i] = acc_g[i] + b_sh[i] * rowf_sh[i] - cole_sh[i]
+                T.sync_threads()
+                if tx < C:
+                    if tx < n:
+                        dbeta[cs + tx, bh] = db_out[tx]
+                        dgamma[cs + tx, bh] = dgm_sh[tx]
+                        # with the grouped dqkwg's two partial sums, in order
+                        db_out[tx] = dgm_sh[tx] + dgp[0, cs + tx, bh] + dgp[1, cs + tx, bh]
+                    else:
+                        db_out[tx] = 0.0
+                T.sync_threads()
+                if tx < n:
+                    acc[0] = 0.0
+                    for j in T.serial(C):
+                        if j >= tx:
+                            acc[0] += db_out[j]
+                    dg[cs + tx, bh] = acc[0]
+                T.sync_threads()
+
+            # dk = the summed parts + D K + D^T K, then (l2norm) dx = r (dy - (y . dy) y), y = r x
+            for i, j in T.Parallel(C, C):
+                t_sh[i, j] = dsum_sh[i, j]
+            if l2norm:
+                T.clear(ss)
+            for kb in T.serial(nK):
+                load_rows(k, kb_sh, cs, n, hk, kb * TILE, TILE)
+                for i, j in T.Parallel(C, TILE):
+                    r_f[i, j] = dka_sh[i, kb * TILE + j]
+                T.gemm(t_sh, kb_sh, r_f)
+                T.gemm(t_sh, kb_sh, r_f, transpose_A=True)
+                for i, j in T.Parallel(C, TILE):
+                    dka_sh[i, kb * TILE + j] = r_f[i, j]
+                if l2norm:
+                    for i, j in T.Parallel(C, TILE):
+                        t_f[i, j] = r_f[i, j] * rk[cs + T.min(i, n - 1), hk] * T.cast(
+                            xk[cs + T.min(i, n - 1), hk, kb * TILE + j], "float32")
+                    T.reduce_sum(t_f, red, dim=1)
+                    for i in T.Parallel(C):
+                        ss[i] += red[i]
+            for kb in T.serial(nK):
+                for i, j in T.Parallel(C, TILE):
+                    if l2norm:
+                        r_f[i, j] = rk[cs + T.min(i, n - 1), hk] * (
+                            dka_sh[i, kb * TILE + j] - ss[i] * rk[cs + T.min(i, n - 1), hk]
+                            * T.cast(xk[cs + T.min(i, n - 1), hk, kb * TILE + j], "float32"))
+                    else:
+                        r_f[i, j] = dka_sh[i, kb * TILE + j]
+                store_rows(r_f, dk, cs, n, hk, kb * TILE, TILE)
+
+    return gdn_bwd_wy_group
+
+
 def bwd_wy(k, v, beta, gamma, ag, dw, du, dgp, chunks):
     """The WY backward and dg.
 
     Args:
         k: [T, Hk, K] bf16/fp16 (normalised if the op normalises). v: [T, Hv, V] same dtype. beta, gamma: [T, Hv]
         fp32. ag: [T, Hv, 64] fp16 (``kkt_solve``'s X). dw: [T, Hv, K] in k's dtype (``bwd_dqkwg``'s). du: [T, Hv, V]
-        in k's dtype (``bwd_dh``'s dv). dgp: [P, T, Hv] fp32, P partial sums (``bwd_dqkwg``'s K / 64, ``bwd_dqkwg_group``'s 2). chunks: [NC, 2] int32.
+        in k's dtype (``bwd_dh``'s dv). dgp: [K / 64, T, Hv] fp32 (``bwd_dqkwg``'s). chunks: [NC, 2] int32.
 
     Returns:
         (dk [T, Hv, K] fp32 the WY part, dv [T, Hv, V] in v's dtype, dbeta [T, Hv] fp32, dgamma [T, Hv] fp32 the WY
@@ -200,10 +408,36 @@ def bwd_wy(k, v, beta, gamma, ag, dw, du, dgp, chunks):
     """
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
-    kernel = toolkit.compile_kernel(build_bwd_wy, Hk, Hv, K, V, toolkit.tl_dtype(k.dtype), dgp.shape[0])
+    kernel = toolkit.compile_kernel(build_bwd_wy, Hk, Hv, K, V, toolkit.tl_dtype(k.dtype))
     dk = toolkit.empty((Tn, Hv, K), torch.float32, k.device)
     dv = toolkit.empty((Tn, Hv, V), v.dtype, k.device)
     dbeta, dgamma, dg = (toolkit.empty((Tn, Hv), torch.float32, k.device) for _ in range(3))
     if chunks.shape[0] > 0:
         kernel(k, v, beta, gamma, ag, dw, du, dgp, chunks, dk, dv, dbeta, dgamma, dg)
+    return dk, dv, dbeta, dgamma, dg
+
+
+def bwd_wy_group(k, v, beta, gamma, ag, dw, du, dgp, dk_part, chunks, xk=None, rk=None):
+    """The WY backward and dg after the grouped dqkwg (``bwd_dqkwg.bwd_dqkwg_group``), with dk finished: the WY
+    part summed over each key head's value heads, ``dk_part`` added, and the l2norm backward when ``xk`` is given.
+
+    Args:
+        k, v, beta, gamma, ag, dw, du, chunks: as ``bwd_wy``'s. dgp: [2, T, Hv] fp32 and dk_part: [T, Hk, K] fp32,
+        the grouped dqkwg's. xk: [T, Hk, K] the raw k with rk [T, Hk] fp32 its l2norm factor, or None.
+
+    Returns:
+        (dk [T, Hk, K] in k's dtype, dv [T, Hv, V] in v's dtype, dbeta [T, Hv] fp32, dgamma [T, Hv] fp32 the WY part
+        of the gamma gradient, dg [T, Hv] fp32 the gradient of the raw g). Rows outside every chunk are not written.
+    """
+    Tn, Hk, K = k.shape
+    Hv, V = v.shape[1], v.shape[2]
+    l2norm = xk is not None
+    kernel = toolkit.compile_kernel(build_bwd_wy_group, Hk, Hv, K, V, toolkit.tl_dtype(k.dtype), l2norm)
+    if not l2norm:
+        xk, rk = toolkit.unread((1, Hk, K), k.dtype, k.device), toolkit.unread((1, Hk), torch.float32, k.device)
+    dk = toolkit.empty((Tn, Hk, K), k.dtype, k.device)
+    dv = toolkit.empty((Tn, Hv, V), v.dtype, k.device)
+    dbeta, dgamma, dg = (toolkit.empty((Tn, Hv), torch.float32, k.device) for _ in range(3))
+    if chunks.shape[0] > 0:
+        kernel(k, v, beta, gamma, ag, dw, du, dgp, dk_part, xk, rk, chunks, dk, dv, dbeta, dgamma, dg)
     return dk, dv, dbeta, dgamma, dg

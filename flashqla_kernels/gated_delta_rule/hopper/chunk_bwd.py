@@ -119,13 +119,10 @@ def build_l2norm_fwd(Hk: int, K: int, dtype: str):
     return gdn_bwd_l2norm_fwd
 
 
-def build_gva_bwd(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool, second: str):
-    """The GVA reduction (and l2norm backward): grid (chunks, Hk), 256 threads. ``second``: "none" sums ``a`` over
-    the group; "value" sums ``a + b``, both per value head (dk: the dqkwg and WY parts); "key" adds ``b``, already
-    summed per key head (the grouped dqkwg's dk), to the sum of ``a``. ``l2norm``: apply the l2norm backward with
-    the raw ``x`` and its factor ``r``."""
-    if second not in ("none", "value", "key"):
-        raise ValueError(f"second must be 'none', 'value' or 'key'; got {second!r}")
+def build_gva_bwd(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool, two_sources: bool):
+    """The GVA reduction (and l2norm backward): grid (chunks, Hk), 256 threads. ``two_sources``: the per-value-head
+    gradient is ``a + b`` (dk: the dqkwg and WY parts), else ``a``; ``l2norm``: apply the l2norm backward with the
+    raw ``x`` and its factor ``r``."""
     group = Hv // Hk
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
@@ -135,7 +132,7 @@ def build_gva_bwd(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool, second: st
     @T.prim_func
     def gdn_bwd_gva(
         a: T.Tensor((num_tokens, Hv, K), "float32"),
-        b: T.Tensor((num_b, Hk if second == "key" else Hv, K), "float32"),
+        b: T.Tensor((num_b, Hv, K), "float32"),
         x: T.Tensor((num_x, Hk, K), dtype),
         r: T.Tensor((num_x, Hk), "float32"),
         chunks: T.Tensor((num_chunks, 2), "int32"),
@@ -145,15 +142,11 @@ def build_gva_bwd(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool, second: st
             cs = chunks[bc, 0]
             n = chunks[bc, 1] - cs
             acc = T.alloc_fragment((C, K), "float32")
-            if second == "key":
-                for i, j in T.Parallel(C, K):
-                    acc[i, j] = b[cs + T.min(i, n - 1), hk, j]
-            else:
-                T.clear(acc)
+            T.clear(acc)
             # value heads in order: the sum is the same on every run
             for h in T.serial(group):
                 for i, j in T.Parallel(C, K):
-                    if second == "value":
+                    if two_sources:
                         acc[i, j] += (a[cs + T.min(i, n - 1), hk * group + h, j]
                                       + b[cs + T.min(i, n - 1), hk * group + h, j])
                     else:
@@ -191,9 +184,7 @@ def gva_bwd(a: torch.Tensor, b: torch.Tensor | None, chunks: torch.Tensor, Hk: i
     """Sum per-value-head gradients over each key head's group, then the l2norm backward when ``x`` is given.
 
     Args:
-        a: [T, Hv, K] fp32 per-value-head gradients. b: None, [T, Hv, K] fp32 per value head, or [T, Hk, K] fp32
-            already summed per key head (told apart by the head count when Hv > Hk). chunks: [NC, 2] int32.
-            Hk: key heads.
+        a, b: [T, Hv, K] fp32 per-value-head gradients (b may be None). chunks: [NC, 2] int32. Hk: key heads.
         dtype: the output dtype. x: [T, Hk, K] the raw (unnormalised) q or k, with r [T, Hk] fp32 its factor, or None.
 
     Returns:
@@ -201,8 +192,7 @@ def gva_bwd(a: torch.Tensor, b: torch.Tensor | None, chunks: torch.Tensor, Hk: i
     """
     Tn, Hv, K = a.shape
     l2norm = x is not None
-    second = "none" if b is None else ("key" if b.shape[1] != Hv else "value")
-    kernel = toolkit.compile_kernel(build_gva_bwd, Hk, Hv, K, toolkit.tl_dtype(dtype), l2norm, second)
+    kernel = toolkit.compile_kernel(build_gva_bwd, Hk, Hv, K, toolkit.tl_dtype(dtype), l2norm, b is not None)
     if b is None:
         b = toolkit.unread((1, Hv, K), torch.float32, a.device)
     if x is None:
