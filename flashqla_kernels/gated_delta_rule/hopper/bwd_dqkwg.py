@@ -640,6 +640,13 @@ def build_bwd_dqkwg_group(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: f
     return gdn_bwd_dqkwg_group
 
 
+# Every hand-off between threads of this kernel goes through an mbarrier (ring, gates, dPg, the state terms), and each
+# thread reads back only the shared elements it wrote itself (dq's running sum). TileLang's sync planner would add
+# bar.sync instructions inside the warpgroups' branches that share one named-barrier id across warpgroups: warps of
+# two warpgroups then release each other, fall out of step before a warpgroup-wide wgmma, and the kernel hangs.
+build_bwd_dqkwg_group.pass_configs = {"tl.disable_thread_storage_sync": True}
+
+
 def bwd_dqkwg(q, k, v_new, do, dv, h, dh, gamma, chunks, *, scale: float, kernel: str | None = None):
     """dq, dk (without the WY part), dw and the partial dgamma of every chunk.
 
