@@ -62,8 +62,7 @@ def arms(q, k, v, g, beta, h0, cu) -> dict:
 # --ab: the public call again with one backward default changed for the step (module, attribute, value), each an
 # arm beside "ours" (the defaults as shipped); an arm equal to the defaults is skipped
 AB_ARMS = {
-    "ours_dqkwg_ws": ("bwd_dqkwg", "KERNEL", "ws"),
-    "ours_dqkwg_group": ("bwd_dqkwg", "KERNEL", "group"),
+    "ours_per_value_head": ("bwd_dqkwg", "KERNEL", "blocked"),
 }
 
 
@@ -138,7 +137,7 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     dq_v, dk_v, dw, dgp = bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
     dk_wy = bwd_wy.bwd_wy(k3, v3, b3, gamma, ag, dw, du, dgp, chunks)[0]
     grouped = (bwd_dqkwg.bwd_dqkwg_group(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
-               if bwd_dqkwg.grouped(Kd, "group") else None)
+               if Kd <= 128 else None)
     _, dk_k, dw_g, dgp_g = grouped if grouped is not None else (None,) * 4
     return {
         "segment_chunks": L,
@@ -148,17 +147,17 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
         # one pass of the dh walk over the backward's walks (from zeros)
         "dh walk": bench(lambda: bwd_dh.bwd_dh(q3, k3, do3, ag, gamma, None, pl.walks, NC, scale=scale,
                                                store_dh0=False)),
-        **{f"dqkwg ({kernel})": bench(lambda kernel=kernel: bwd_dqkwg.bwd_dqkwg(
-            q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale, kernel=kernel))
-           for kernel in bwd_dqkwg.PER_VALUE_HEAD},
-        "wy": bench(lambda: bwd_wy.bwd_wy(k3, v3, b3, gamma, ag, dw, du, dgp, chunks)),
-        "gva": bench(lambda: (chunk_bwd.gva_bwd(dq_v, None, chunks, Hk, q.dtype),
-                              chunk_bwd.gva_bwd(dk_v, dk_wy, chunks, Hk, q.dtype))),
-        # the grouped kernels sum the value heads on chip: dq and dk leave them finished, no GVA pass
+        # the grouped kernels (the default for K <= 128) sum the value heads on chip: no GVA pass
         **({"dqkwg (group)": bench(lambda: bwd_dqkwg.bwd_dqkwg_group(
                q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)),
             "wy (group)": bench(lambda: bwd_wy.bwd_wy_group(k3, v3, b3, gamma, ag, dw_g, du, dgp_g, dk_k, chunks))}
            if grouped is not None else {}),
+        # the per-value-head path (K = 256, or KERNEL = "blocked")
+        "dqkwg (blocked)": bench(lambda: bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks,
+                                                             scale=scale)),
+        "wy": bench(lambda: bwd_wy.bwd_wy(k3, v3, b3, gamma, ag, dw, du, dgp, chunks)),
+        "gva": bench(lambda: (chunk_bwd.gva_bwd(dq_v, None, chunks, Hk, q.dtype),
+                              chunk_bwd.gva_bwd(dk_v, dk_wy, chunks, Hk, q.dtype))),
     }
 
 

@@ -90,7 +90,7 @@ def _gdn_backward():
 def test_backward_benchmark_report_renders_rows_errors_the_geomean_the_ab_arms_and_the_stages(tmp_path):
     bwd = _gdn_backward()
     rows = [{"Hk": 16, "Hv": 32, "seqlen": 8192, "nseq": 1,
-             "ms": {"fla": 3.0, "flashqla": 1.5, "ours": 1.2, "ours_dqkwg_ws": 1.0},
+             "ms": {"fla": 3.0, "flashqla": 1.5, "ours": 1.2, "ours_per_value_head": 1.0},
              "stages_ms": {"segment_chunks": 32, "kkt_solve": 0.05, "dh walk": 0.25},
              "grad_rel_l2_vs_fla": {"ours": {"dq": 0.004, "dk": 0.006}, "flashqla": {"dq": 0.003}},
              "bytes_floor_ms": 0.1, "flop_floor_ms": 0.18, "ratio_vs_flashqla": 1.25, "anchor_fla_ms": 3.125,
@@ -103,7 +103,7 @@ def test_backward_benchmark_report_renders_rows_errors_the_geomean_the_ab_arms_a
     assert "| 2/8 | 32768x1 | 0.900 | - | - | - |" in md and "flashqla: RuntimeError: no kernel" in md
     assert "Geomean x FlashQLA: 1.250 over 1 rows." in md
     # --ab: the same public call with one backward default changed, in its own table
-    assert "`ours_dqkwg_ws: bwd_dqkwg.KERNEL = 'ws'`" in md and "| 16/32 | 8192x1 | 1.200 | 1.000 |" in md
+    assert "`ours_per_value_head: bwd_dqkwg.KERNEL = 'blocked'`" in md and "| 16/32 | 8192x1 | 1.200 | 1.000 |" in md
     # --stages: labelled internal, one column a stage
     assert "Internal, not the user's number" in md and "| 16/32 | 8192x1 | 32 | 0.050 | 0.250 |" in md
     # the floor: three forwards' MMA work at 700 TFLOP/s

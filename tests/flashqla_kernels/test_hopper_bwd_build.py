@@ -65,8 +65,8 @@ def _check(builder, args):
     # every cross-CTA sum is a fixed-order loop over partials: a float atomic would make runs differ
     assert "atomicAdd" not in src and "AtomicAdd" not in src, f"{builder.__name__}{args}: atomics"
     name = builder.__name__
-    if name in ("build_chunk_states", "build_bwd_dh", "build_bwd_dqkwg", "build_bwd_dqkwg_ws", "build_bwd_dqkwg_group",
-                "build_bwd_wy", "build_bwd_wy_group"):
+    if name in ("build_chunk_states", "build_bwd_dh", "build_bwd_dqkwg", "build_bwd_dqkwg_group", "build_bwd_wy",
+                "build_bwd_wy_group"):
         assert "wgmma" in src, f"{name}{args}: its GEMMs should run on warpgroup MMA"
 
 
@@ -123,8 +123,8 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
     # the forward's plan picks one of the V slices listed for the recomputed states, and bwd_dqkwg.KERNEL between
     # the per-value-head path (dqkwg, WY, GVA) and the grouped one: only those may go unasked
     assert {b.__name__ for b, _ in want - set(asked)} <= {
-        "build_chunk_states", "build_segment_states", "build_bwd_dqkwg", "build_bwd_dqkwg_ws", "build_bwd_dqkwg_group",
-        "build_bwd_wy", "build_bwd_wy_group", "build_gva_bwd"}
+        "build_chunk_states", "build_segment_states", "build_bwd_dqkwg", "build_bwd_dqkwg_group", "build_bwd_wy",
+        "build_bwd_wy_group", "build_gva_bwd"}
     assert any(b.__name__.startswith("build_bwd_dqkwg") for b, _ in asked)
     assert any(b.__name__ == "build_chunk_states" for b, _ in asked)
 

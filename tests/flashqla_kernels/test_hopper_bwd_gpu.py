@@ -134,11 +134,9 @@ def test_context_parallel_backward_matches_float64_reference(name, segment_chunk
 @pytest.mark.parametrize("name,segment_chunks", [
     ("qwen_layout_l2norm_varlen", None), ("ragged_gva2_l2norm_padded_tail", 1), ("gva1_fp16_l2norm_no_h0", 1),
     ("dim64_l2norm", None), ("dense_gva4_T200_no_dht", None)])
-@pytest.mark.parametrize("kernel", ["ws", "group"])
-def test_warp_specialised_dqkwg_gives_the_reference_gradients(name, segment_chunks, kernel, monkeypatch):
-    """The whole backward with dq / dk / dw on a warp-specialised kernel (``bwd_dqkwg.KERNEL``: "ws" per value
-    head, "group" per key head with dq and dk summed on chip) against the per-K-block kernel and the float64
-    reference."""
+def test_grouped_and_per_value_head_paths_give_the_reference_gradients(name, segment_chunks, monkeypatch):
+    """The whole backward on the grouped kernels (``bwd_dqkwg.KERNEL = "group"``: dq and dk summed per key head on
+    chip) against the per-value-head path (the per-K-block dqkwg, WY and the GVA pass) and the float64 reference."""
     from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg
 
     case = q, k, v, g, beta, do, dht, h0, cu, l2 = _case(name)
@@ -148,7 +146,7 @@ def test_warp_specialised_dqkwg_gives_the_reference_gradients(name, segment_chun
         return backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
                                                    use_qk_l2norm_in_kernel=l2, segment_chunks=segment_chunks)
 
-    _check_variant(name, case, run, kernel, "blocked", f"{kernel} vs per-K-block dqkwg")
+    _check_variant(name, case, run, "group", "blocked", "grouped vs per-value-head path")
 
 
 class _Stages:
@@ -237,11 +235,10 @@ def test_dh_stage_matches_its_reference(name):
             f"{name}: two runs differ in {label}"
 
 
-@pytest.mark.parametrize("kernel", ["blocked", "ws"])
 @pytest.mark.parametrize("name", STAGE_CASES)
-def test_dqkwg_stage_matches_its_reference(name, kernel):
-    """Both dqkwg kernels (per 64-wide K block, and warp-specialised with all of K) against the float64 stage
-    reference, every element written, two runs bit-identical."""
+def test_dqkwg_stage_matches_its_reference(name):
+    """The per-K-block dqkwg kernel against the float64 stage reference, every element written, two runs
+    bit-identical."""
     from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg
 
     s = _Stages(name)
@@ -249,14 +246,13 @@ def test_dqkwg_stage_matches_its_reference(name, kernel):
 
     def run():
         return bwd_dqkwg.bwd_dqkwg(s.q, s.k, f(r["fwd"].v_new, s.dtype), s.do, f(r["dv"], s.dtype),
-                                   f(r["fwd"].h, s.dtype), f(r["dh"], s.dtype), s.gamma, s.chunks, scale=s.scale,
-                                   kernel=kernel)
+                                   f(r["fwd"].h, s.dtype), f(r["dh"], s.dtype), s.gamma, s.chunks, scale=s.scale)
 
     with toolkit.poisoned_outputs():
         (dq, dk, dw, dgp), again = run(), run()
     for label, x, x2 in zip(("dq", "dk", "dw", "dgp"), (dq, dk, dw, dgp), again):
         assert torch.equal(x.nan_to_num(), x2.nan_to_num()) and torch.equal(x.isnan(), x2.isnan()), \
-            f"{name} ({kernel}): two runs differ in {label}"
+            f"{name}: two runs differ in {label}"
     for label, x, ref in (("dq", dq, r["dq"]), ("dk", dk, r["dk"]), ("dw", dw, r["dw"])):
         s.check(label, x, ref[0])
     s.check("dgamma", dgp[:, :s.n].sum(0), r["dgam"][0], tol=0.02)

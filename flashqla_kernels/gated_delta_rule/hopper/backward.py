@@ -185,7 +185,8 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
                  scale: float | None = None) -> list[tuple]:
     """The (builder, args) of every kernel ``chunk_gated_delta_rule_bwd`` compiles for one layout (kernel head dims
     K, V in 64 / 128 / 256; dtype "bfloat16" or "float16"; scale None = K^-0.5), with and without context
-    parallelism, the states at every V slice the forward's plan may pick, and each of ``bwd_dqkwg.KERNELS``."""
+    parallelism, the states at every V slice the forward's plan may pick, and both of ``bwd_dqkwg.KERNELS``' paths
+    (per value head: dqkwg, WY, the GVA pass; per key head: the grouped dqkwg and WY, K <= 128)."""
     from flashqla_kernels.gated_delta_rule.hopper import (
         bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, chunk_fwd, kkt_solve, segment_states, state_scan,
     )
@@ -204,7 +205,6 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
     ]
     if K <= 128:
         specs += [
-            (bwd_dqkwg.build_bwd_dqkwg_ws, (Hk, Hv, K, V, dtype, scale)),
             (bwd_dqkwg.build_bwd_dqkwg_group, (Hk, Hv, K, V, dtype, scale, l2norm)),
             (bwd_wy.build_bwd_wy_group, (Hk, Hv, K, V, dtype, l2norm)),
         ]

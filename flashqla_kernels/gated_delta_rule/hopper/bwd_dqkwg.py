@@ -1,23 +1,25 @@
 """Backward stage: dq, dk (output and state-update parts), dw and the per-token gamma gradient, per chunk (FLA's
 ``chunk_bwd_dqkwg``).
 
-One CTA per (64-wide block of K, chunk, value head). With S = h_c (the state entering the chunk), dS' = dh_c (the
-gradient of the state leaving it), dv the full gradient of v_new, over V in 64-wide blocks:
+With S = h_c (the state entering the chunk), dS' = dh_c (the gradient of the state leaving it), dv the full gradient
+of v_new, over V in 64-wide blocks:
 
     dP = dO v_new^T,   dq = dO S^T,   dk = v_new dS'^T,   dw = dv S^T,   <S, dS'> = trace(S dS'^T)
     then  dPg = scale dP * Gamma (lower triangle),  dq <- scale diag(exp(gamma)) dq + dPg K,
           dk <- diag(exp(gamma_C - gamma)) dk + dPg^T Q,   dw <- -dw
     dgamma_i = dq_i.q_i - dk_i.k_i;  the chunk's last token adds exp(gamma_C) <S, dS'> + sum_j k_j.dk_state_j
 
-Two kernels (``KERNEL`` picks; the stage test checks both against the float64 reference on a GPU):
+Two kernels; ``KERNEL`` picks what the launcher runs where both apply (K <= 128):
 
-- ``build_bwd_dqkwg`` ("blocked"): the GEMMs over V are repeated per K block (as FLA does), which keeps every
-  accumulator at 16 registers a thread for any K. dgamma's sums over K are per block, written to ``dgp[block]``
-  and added in block order by the WY stage (no atomics). Grid (K / 64, chunks, Hv), 256 threads, loads waited on.
-- ``build_bwd_dqkwg_ws`` ("ws", K <= 128): all of K in one CTA, so dO, v_new and dv are read once and dP formed
-  once; a producer warpgroup's TMA tiles (2-deep rings over the V blocks) land while three warpgroups run the dq,
-  dk and dw GEMMs. dgamma's partial sum goes to ``dgp[0]``, the other rows are 0. Grid (chunks, Hv), 512 threads.
-  It compiles for sm_90a without spills and is not the default until its GPU test passes and it measures faster.
+- ``build_bwd_dqkwg_group`` ("group", the default, K <= 128): one warp-specialised 512-thread CTA per (chunk, key
+  head) walking the group's value heads in order. dO, v_new and dv are read once per value head (all of K in one
+  CTA), a producer's TMA rings land them while three warpgroups run the dq, dk and dw GEMMs, and dq and dk are
+  summed over the value heads on chip: dq leaves finished (the l2norm backward applied), dk's part as one fp32
+  [T, Hk, K] that the grouped WY stage finishes (``bwd_wy.bwd_wy_group``), so no GVA pass runs.
+- ``build_bwd_dqkwg`` ("blocked", and every K = 256): the GEMMs over V are repeated per 64-wide K block (as FLA
+  does), which keeps every accumulator at 16 registers a thread for any K; dq and dk per value head, summed by the
+  GVA pass. dgamma's sums over K are per block, written to ``dgp[block]`` and added in block order by the WY stage
+  (no atomics). Grid (K / 64, chunks, Hv), 256 threads, loads waited on.
 """
 import tilelang.language as T
 import torch
@@ -145,234 +147,9 @@ def build_bwd_dqkwg(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: float):
     return gdn_bwd_dqkwg
 
 
-# The warp-specialised kernel (``chunk_fwd``'s layout): one CTA per (chunk, value head) with all of K, so dO, v_new
-# and dv are read once and dP formed once, and a producer's TMA tiles land while the GEMMs run.
-#
-#   WG0 q side   dP = dO v_new^T, dq = dO S^T over the V blocks; then dPg (-> smem), dq = scale diag(e) dq + dPg K,
-#                its row dots dq_i.q_i, and the chunk's dgamma rows (dgp)
-#   WG1 k side   dk = v_new dS'^T and the diagonal of S dS'^T over the V blocks; then diag(r), the state part's
-#                k-dots, dk += dPg^T Q, its row dots dk_i.k_i
-#   WG2 w side   dw = -dv S^T
-#   WG3 producer warp 0: the dO, v_new, dv slices of each V block; warp 1: S, dS' (both 2-deep rings); warp 2: q, k
-#                and the gates, once (TMA for full chunks, masked loads for the ragged one)
-WS_THREADS = 512
-# setmaxnreg budgets (sum 512; ptxas spills none at K = 128): WG1 holds dk and its product with k, the producer
-# the ragged chunk's masked loads
-WS_NREG_Q, WS_NREG_K, WS_NREG_W, WS_NREG_PRODUCER = 136, 168, 104, 104
-# the kernels that write dq and dk per value head (``bwd_dqkwg``), and every kernel the launcher may pick: "group"
-# (``bwd_dqkwg_group``) sums the value heads of each key head on chip
-PER_VALUE_HEAD = ("blocked", "ws")
-KERNELS = PER_VALUE_HEAD + ("group",)
-# what the launcher runs: "blocked" (``build_bwd_dqkwg``) until a faster kernel's GPU tests pass
-KERNEL = "blocked"
-
-
-def build_bwd_dqkwg_ws(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: float):
-    """The warp-specialised dqkwg kernel: grid (chunks, Hv), 512 threads, K <= 128; arguments and outputs as
-    ``build_bwd_dqkwg``'s (dgamma's partial sum in ``dgp[0]``, the other K blocks' rows 0)."""
-    if K > 2 * TILE:
-        raise ValueError(f"the warp-specialised dqkwg holds all of K in registers: K <= {2 * TILE}, got {K}")
-    group = Hv // Hk
-    nK = K // TILE
-    nV = V // TILE
-    num_tokens = T.dynamic("num_tokens")
-    num_chunks = T.dynamic("num_chunks")
-
-    @T.prim_func
-    def gdn_bwd_dqkwg_ws(
-        q: T.Tensor((num_tokens, Hk, K), dtype),
-        k: T.Tensor((num_tokens, Hk, K), dtype),
-        v_new: T.Tensor((num_tokens, Hv, V), dtype),
-        do: T.Tensor((num_tokens, Hv, V), dtype),
-        dv: T.Tensor((num_tokens, Hv, V), dtype),
-        h: T.Tensor((num_chunks, Hv, K, V), dtype),
-        dh: T.Tensor((num_chunks, Hv, K, V), dtype),
-        gamma: T.Tensor((num_tokens, Hv), "float32"),
-        chunks: T.Tensor((num_chunks, 2), "int32"),
-        dq: T.Tensor((num_tokens, Hv, K), "float32"),
-        dk: T.Tensor((num_tokens, Hv, K), "float32"),
-        dw: T.Tensor((num_tokens, Hv, K), dtype),
-        dgp: T.Tensor((nK, num_tokens, Hv), "float32"),
-    ):
-        with T.Kernel(num_chunks, Hv, threads=WS_THREADS) as (bc, bh):
-            hk = bh // group
-            cs = T.alloc_var("int32")
-            n = T.alloc_var("int32")
-            cs = chunks[bc, 0]
-            n = chunks[bc, 1] - chunks[bc, 0]
-            tx = T.get_thread_binding()
-
-            q_sh = T.alloc_shared((C, K), dtype)
-            k_sh = T.alloc_shared((C, K), dtype)
-            do_sh = T.alloc_shared((2, C, TILE), dtype)
-            vn_sh = T.alloc_shared((2, C, TILE), dtype)
-            dv_sh = T.alloc_shared((2, C, TILE), dtype)
-            h_sh = T.alloc_shared((2, K, TILE), dtype)
-            dh_sh = T.alloc_shared((2, K, TILE), dtype)
-            ds_sh = T.alloc_shared((C, C), dtype)
-            g_sh = T.alloc_shared((C,), "float32", scope="shared")
-            eg_sh = T.alloc_shared((C,), "float32", scope="shared")
-            er_sh = T.alloc_shared((C,), "float32", scope="shared")
-            tr_sh = T.alloc_shared((K,), "float32", scope="shared")
-            st_sh = T.alloc_shared((C,), "float32", scope="shared")
-            rq_sh = T.alloc_shared((C,), "float32", scope="shared")
-            rk_sh = T.alloc_shared((C,), "float32", scope="shared")
-
-            dq_f = T.alloc_fragment((C, K), "float32")
-            dp_f = T.alloc_fragment((C, C), "float32")
-            dk_f = T.alloc_fragment((C, K), "float32")
-            t_f = T.alloc_fragment((C, K), "float32")
-            dw_f = T.alloc_fragment((C, K), "float32")
-            red_q = T.alloc_fragment((C,), "float32")
-            red_k = T.alloc_fragment((C,), "float32")
-            acc = T.alloc_local((1,), "float32")
-
-            ready = T.alloc_barrier(arrive_count=[64] * 2)
-            free = T.alloc_barrier(arrive_count=[384] * 2)
-            bar_in = T.alloc_barrier(arrive_count=32)
-            bar_ds = T.alloc_barrier(arrive_count=128)
-            bar_rows = T.alloc_barrier(arrive_count=256)
-
-            if tx < 128:
-                set_nreg(WS_NREG_Q)
-                T.clear(dq_f)
-                T.clear(dp_f)
-                for vb in T.serial(nV):
-                    T.barrier_wait(ready[vb % 2], (vb // 2) % 2)
-                    T.gemm(do_sh[vb % 2, :, :], h_sh[vb % 2, :, :], dq_f, transpose_B=True)
-                    T.gemm(do_sh[vb % 2, :, :], vn_sh[vb % 2, :, :], dp_f, transpose_B=True)
-                    T.barrier_arrive(free[vb % 2])
-                T.barrier_wait(bar_in, 0)
-                # dPg[i, j] = scale dP[i, j] exp(gamma_i - gamma_j) for j <= i (masked before exp)
-                for i, j in T.Parallel(C, C):
-                    ds_sh[i, j] = T.if_then_else(j <= i, dp_f[i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E) * scale, 0.0)
-                T.fence_proxy_async()
-                T.barrier_arrive(bar_ds)
-                T.barrier_wait(bar_ds, 0)
-                for i, j in T.Parallel(C, K):
-                    dq_f[i, j] = dq_f[i, j] * eg_sh[i] * scale
-                T.gemm(ds_sh, k_sh, dq_f)
-                if n == C:
-                    T.copy(dq_f, dq[cs:cs + C, bh, :])
-                else:
-                    store_rows(dq_f, dq, cs, n, bh, 0, K)
-                for i, j in T.Parallel(C, K):
-                    dq_f[i, j] = dq_f[i, j] * q_sh[i, j]
-                T.reduce_sum(dq_f, red_q, dim=1)
-                for i in T.Parallel(C):
-                    rq_sh[i] = red_q[i]
-                T.barrier_arrive(bar_rows)
-                T.barrier_wait(bar_rows, 0)
-                if tx < n:
-                    # the chunk's state terms on its last token, every thread summing in the same fixed order
-                    acc[0] = 0.0
-                    for i in T.serial(C):
-                        acc[0] += st_sh[i]
-                    for i in T.serial(K):
-                        acc[0] += eg_sh[C - 1] * tr_sh[i]
-                    dgp[0, cs + tx, bh] = rq_sh[tx] - rk_sh[tx] + T.if_then_else(tx == n - 1, acc[0], 0.0)
-                    for b in T.serial(nK - 1):
-                        dgp[b + 1, cs + tx, bh] = 0.0
-
-            elif tx < 256:
-                set_nreg(WS_NREG_K)
-                T.clear(dk_f)
-                acc[0] = 0.0
-                for vb in T.serial(nV):
-                    T.barrier_wait(ready[vb % 2], (vb // 2) % 2)
-                    T.gemm(vn_sh[vb % 2, :, :], dh_sh[vb % 2, :, :], dk_f, transpose_B=True)
-                    # the diagonal of S dS'^T, one row of K a thread
-                    if tx - 128 < K:
-                        for j in T.serial(TILE):
-                            acc[0] += T.cast(h_sh[vb % 2, tx - 128, j], "float32") * T.cast(
-                                dh_sh[vb % 2, tx - 128, j], "float32")
-                    T.barrier_arrive(free[vb % 2])
-                if tx - 128 < K:
-                    tr_sh[tx - 128] = acc[0]
-                T.barrier_wait(bar_in, 0)
-                for i, j in T.Parallel(C, K):
-                    dk_f[i, j] = dk_f[i, j] * er_sh[i]
-                # the state part of dk: its k-dots go to the last token's dgamma
-                for i, j in T.Parallel(C, K):
-                    t_f[i, j] = dk_f[i, j] * k_sh[i, j]
-                T.reduce_sum(t_f, red_k, dim=1)
-                for i in T.Parallel(C):
-                    st_sh[i] = red_k[i]
-                T.barrier_wait(bar_ds, 0)
-                T.gemm(ds_sh, q_sh, dk_f, transpose_A=True)
-                if n == C:
-                    T.copy(dk_f, dk[cs:cs + C, bh, :])
-                else:
-                    store_rows(dk_f, dk, cs, n, bh, 0, K)
-                for i, j in T.Parallel(C, K):
-                    t_f[i, j] = dk_f[i, j] * k_sh[i, j]
-                T.reduce_sum(t_f, red_k, dim=1)
-                for i in T.Parallel(C):
-                    rk_sh[i] = red_k[i]
-                T.barrier_arrive(bar_rows)
-
-            elif tx < 384:
-                set_nreg(WS_NREG_W)
-                T.clear(dw_f)
-                for vb in T.serial(nV):
-                    T.barrier_wait(ready[vb % 2], (vb // 2) % 2)
-                    T.gemm(dv_sh[vb % 2, :, :], h_sh[vb % 2, :, :], dw_f, transpose_B=True)
-                    T.barrier_arrive(free[vb % 2])
-                for i, j in T.Parallel(C, K):
-                    dw_f[i, j] = -dw_f[i, j]
-                if n == C:
-                    T.copy(dw_f, dw[cs:cs + C, bh, :])
-                else:
-                    store_rows(dw_f, dw, cs, n, bh, 0, K)
-
-            else:
-                set_nreg(WS_NREG_PRODUCER)
-                if tx < 384 + 32:
-                    for vb in T.serial(nV):
-                        T.barrier_wait(free[vb % 2], (vb // 2 + 1) % 2)
-                        if n == C:
-                            T.tma_copy(do[cs:cs + C, bh, vb * TILE:vb * TILE + TILE], do_sh[vb % 2, :, :],
-                                       barrier=ready[vb % 2])
-                            T.tma_copy(v_new[cs:cs + C, bh, vb * TILE:vb * TILE + TILE], vn_sh[vb % 2, :, :],
-                                       barrier=ready[vb % 2])
-                            T.tma_copy(dv[cs:cs + C, bh, vb * TILE:vb * TILE + TILE], dv_sh[vb % 2, :, :],
-                                       barrier=ready[vb % 2])
-                        else:
-                            # rows past the ragged chunk's end are 0: they add nothing to any product
-                            for i, j in T.Parallel(C, TILE):
-                                do_sh[vb % 2, i, j] = T.if_then_else(
-                                    i < n, do[cs + T.min(i, n - 1), bh, vb * TILE + j], T.cast(0, dtype))
-                                vn_sh[vb % 2, i, j] = T.if_then_else(
-                                    i < n, v_new[cs + T.min(i, n - 1), bh, vb * TILE + j], T.cast(0, dtype))
-                                dv_sh[vb % 2, i, j] = T.if_then_else(
-                                    i < n, dv[cs + T.min(i, n - 1), bh, vb * TILE + j], T.cast(0, dtype))
-                            T.fence_proxy_async()
-                        T.barrier_arrive(ready[vb % 2])
-                elif tx < 384 + 64:
-                    for vb in T.serial(nV):
-                        T.barrier_wait(free[vb % 2], (vb // 2 + 1) % 2)
-                        T.tma_copy(h[bc, bh, :, vb * TILE:vb * TILE + TILE], h_sh[vb % 2, :, :], barrier=ready[vb % 2])
-                        T.tma_copy(dh[bc, bh, :, vb * TILE:vb * TILE + TILE], dh_sh[vb % 2, :, :],
-                                   barrier=ready[vb % 2])
-                        T.barrier_arrive(ready[vb % 2])
-                elif tx < 384 + 96:
-                    if n == C:
-                        T.tma_copy(q[cs:cs + C, hk, :], q_sh, barrier=bar_in)
-                        T.tma_copy(k[cs:cs + C, hk, :], k_sh, barrier=bar_in)
-                    else:
-                        for i, j in T.Parallel(C, K):
-                            q_sh[i, j] = T.if_then_else(i < n, q[cs + T.min(i, n - 1), hk, j], T.cast(0, dtype))
-                            k_sh[i, j] = T.if_then_else(i < n, k[cs + T.min(i, n - 1), hk, j], T.cast(0, dtype))
-                        T.fence_proxy_async()
-                    load_gates(gamma, g_sh, eg_sh, er_sh, cs, n, bh)
-                    T.barrier_arrive(bar_in)
-
-    return gdn_bwd_dqkwg_ws
-
-
-# The grouped kernel: the warp-specialised kernel's warpgroups in one CTA per (chunk, key head), walking the group's
-# value heads in order, so dq and dk are summed over the group on chip: dq leaves finished (the l2norm backward
-# applied, in q's dtype) and dk's part as one fp32 [T, Hk, K], where the per-value-head kernels write two fp32
+# The grouped kernel (``chunk_fwd``'s warp-specialised layout): one CTA per (chunk, key head) with all of K, walking
+# the group's value heads in order, so dq and dk are summed over the group on chip: dq leaves finished (the l2norm
+# backward applied, in q's dtype) and dk's part as one fp32 [T, Hk, K], where the blocked kernel writes two fp32
 # [T, Hv, K] tensors for the GVA pass to read back. The ring runs over (value head, V block) steps; the gates and
 # dPg are double-buffered per value head (gate_ready / gate_free, bar_ds / ds_free), so a value head's V blocks
 # land while the previous head's epilogue runs.
@@ -384,7 +161,13 @@ def build_bwd_dqkwg_ws(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: floa
 #   WG2 w side   dw = -dv S^T per value head
 #   WG3 producer warp 0: dO, v_new, dv; warp 1: S, dS' (2-deep rings over the steps); warp 2: q, k once, then each
 #                value head's gates (2-deep)
+GROUP_THREADS = 512
+# setmaxnreg budgets (sum 512; ptxas spills none at K = 128): WG1 holds dk and its running sum, the producer the
+# ragged chunk's masked loads
 GROUP_NREG_Q, GROUP_NREG_K, GROUP_NREG_W, GROUP_NREG_PRODUCER = 136, 176, 104, 96
+KERNELS = ("blocked", "group")
+# what the launcher runs where K <= 128 (``grouped``); tests and ``benchmarks/gdn_backward.py --ab`` switch it
+KERNEL = "group"
 
 
 def build_bwd_dqkwg_group(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: float, l2norm: bool):
@@ -416,7 +199,7 @@ def build_bwd_dqkwg_group(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: f
         dw: T.Tensor((num_tokens, Hv, K), dtype),
         dgp: T.Tensor((2, num_tokens, Hv), "float32"),
     ):
-        with T.Kernel(num_chunks, Hk, threads=WS_THREADS) as (bc, hk):
+        with T.Kernel(num_chunks, Hk, threads=GROUP_THREADS) as (bc, hk):
             cs = T.alloc_var("int32")
             n = T.alloc_var("int32")
             cs = chunks[bc, 0]
@@ -647,14 +430,13 @@ def build_bwd_dqkwg_group(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: f
 build_bwd_dqkwg_group.pass_configs = {"tl.disable_thread_storage_sync": True}
 
 
-def bwd_dqkwg(q, k, v_new, do, dv, h, dh, gamma, chunks, *, scale: float, kernel: str | None = None):
+def bwd_dqkwg(q, k, v_new, do, dv, h, dh, gamma, chunks, *, scale: float):
     """dq, dk (without the WY part), dw and the partial dgamma of every chunk.
 
     Args:
         q, k: [T, Hk, K] bf16/fp16 (normalised if the op normalises). v_new, do: [T, Hv, V] same dtype. dv: [T, Hv, V]
         same dtype (``bwd_dh``'s). h, dh: [NC, Hv, K, V] (``chunk_fwd.chunk_states``' and ``bwd_dh``'s).
-        gamma: [T, Hv] fp32. chunks: [NC, 2] int32. scale: the output scale. kernel: "blocked"
-        (``build_bwd_dqkwg``) or "ws" (``build_bwd_dqkwg_ws``; K > 128 runs the blocked one); None: ``KERNEL``.
+        gamma: [T, Hv] fp32. chunks: [NC, 2] int32. scale: the output scale.
 
     Returns:
         (dq, dk [T, Hv, K] fp32 per value head, dw [T, Hv, K] in q's dtype; dgp [K / 64, T, Hv] fp32, dgamma's
@@ -662,14 +444,7 @@ def bwd_dqkwg(q, k, v_new, do, dv, h, dh, gamma, chunks, *, scale: float, kernel
     """
     Tn, Hk, K = k.shape
     Hv, V = do.shape[1], do.shape[2]
-    kernel = KERNEL if kernel is None else kernel
-    if kernel == "group":
-        # the launcher runs bwd_dqkwg_group where it can (K <= 128); past that, the per-K-block kernel
-        kernel = "blocked"
-    if kernel not in PER_VALUE_HEAD:
-        raise ValueError(f"kernel must be one of {PER_VALUE_HEAD}; got {kernel!r}")
-    builder = build_bwd_dqkwg_ws if kernel == "ws" and K <= 2 * TILE else build_bwd_dqkwg
-    kernel = toolkit.compile_kernel(builder, Hk, Hv, K, V, toolkit.tl_dtype(q.dtype), float(scale))
+    kernel = toolkit.compile_kernel(build_bwd_dqkwg, Hk, Hv, K, V, toolkit.tl_dtype(q.dtype), float(scale))
     dq, dk = (toolkit.empty((Tn, Hv, K), torch.float32, q.device) for _ in range(2))
     # dw only feeds the WY stage's GEMMs, which read it in the input dtype: stored so
     dw = toolkit.empty((Tn, Hv, K), q.dtype, q.device)
@@ -679,9 +454,11 @@ def bwd_dqkwg(q, k, v_new, do, dv, h, dh, gamma, chunks, *, scale: float, kernel
     return dq, dk, dw, dgp
 
 
-def grouped(K: int, kernel: str | None = None) -> bool:
-    """Whether the launcher runs ``bwd_dqkwg_group`` (``kernel`` or ``KERNEL`` is "group" and K <= 128)."""
-    return (KERNEL if kernel is None else kernel) == "group" and K <= 2 * TILE
+def grouped(K: int) -> bool:
+    """Whether the launcher runs the grouped kernels (``KERNEL`` is "group" and K <= 128)."""
+    if KERNEL not in KERNELS:
+        raise ValueError(f"bwd_dqkwg.KERNEL must be one of {KERNELS}; got {KERNEL!r}")
+    return KERNEL == "group" and K <= 2 * TILE
 
 
 def bwd_dqkwg_group(q, k, v_new, do, dv, h, dh, gamma, chunks, *, scale: float, xq=None, rq=None):
