@@ -13,7 +13,9 @@ FlashQLA 0.1.3's backward kernel fails tilelang 0.1.15's buffer-initialisation c
 the pass config ``tl.disable_buffer_init_check`` on (``--no-qla-fix`` leaves tilelang as it is).
 
 Usage (GPU): ``python benchmarks/gdn_backward.py --out benchmarks/results`` writes ``gdn_backward.json`` and ``.md``
-after every row; ``--configs 0,7`` narrows the suite, ``--rows suite|anchors|all``. ``--precompile-only`` (no GPU)
+after every row; ``--configs 0,7`` narrows the suite, ``--rows suite|anchors|all``. ``--stages`` adds the backward's
+stages alone (internal), the sequential ones also at each segment length of ``BWD_SEGMENT_SWEEP`` (the split rule's
+inputs); ``--ab`` the public op with each of ``AB_ARMS``' backward defaults changed. ``--precompile-only`` (no GPU)
 builds the backward kernels of the chosen rows into TileLang's cache (``benchmarks/precompile_h200.sh`` calls it;
 the forward's come from ``gdn_forward.py --precompile``).
 """
@@ -63,15 +65,20 @@ def arms(q, k, v, g, beta, h0, cu) -> dict:
 # arm beside "ours" (the defaults as shipped); an arm equal to the defaults is skipped
 AB_ARMS = {
     "ours_per_value_head": ("bwd_dqkwg", "KERNEL", "blocked"),
+    "ours_wy_wide": ("bwd_wy", "GROUP_KERNEL", "wide"),
 }
+
+
+# --stages: the segment lengths (chunks) the sequential stages are also timed at (0: whole sequences)
+BWD_SEGMENT_SWEEP = (0, 16, 32, 64, 128)
 
 
 def fwd_bwd(fn, do, dht, override=None):
     """One forward + backward through ``fn`` (the op, then the backward of (o, final state)); ``override``: an
     ``AB_ARMS`` entry set for this step only (the public op's backward reads the module defaults)."""
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, bwd_wy
 
-    modules = {"bwd_dqkwg": bwd_dqkwg}
+    modules = {"bwd_dqkwg": bwd_dqkwg, "bwd_wy": bwd_wy}
 
     def step():
         if override is None:
@@ -130,8 +137,15 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     bench = (lambda fn: float(triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")))
     gamma, ag, _ = kkt_solve.kkt_solve(k3, g3, b3, chunks, Hv)
 
-    def sequential():
-        return backward.sequential_stages(q3, k3, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, bdv)
+    def sequential(plan_=pl):
+        return backward.sequential_stages(q3, k3, v3, do3, ag, gamma, b3, h0, dht, plan_, scale, fpl, bdv)
+
+    # the dh walk's split, swept (plan.choose_bwd_segment_chunks picks one); "-" where a sequence is not longer
+    sweep = {}
+    for seg in BWD_SEGMENT_SWEEP:
+        name = f"states + dh, L={seg}"
+        sweep[name] = "-" if seg >= max(seq_chunks) else bench(
+            lambda seg=seg: sequential(plan.make_bwd_plan(tuple(cu_host), seg, q.device)))
 
     h, v_new, dh, du, _ = sequential()
     dq_v, dk_v, dw, dgp = bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
@@ -143,6 +157,7 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
         "segment_chunks": L,
         "kkt_solve": bench(lambda: kkt_solve.kkt_solve(k3, g3, b3, chunks, Hv)),
         "states + dh": bench(sequential),
+        **sweep,
         "states": bench(lambda: backward.recompute_states(k3, v3, ag, gamma, b3, h0, NC, fpl, bdv)),
         # one pass of the dh walk over the backward's walks (from zeros)
         "dh walk": bench(lambda: bwd_dh.bwd_dh(q3, k3, do3, ag, gamma, None, pl.walks, NC, scale=scale,
@@ -150,7 +165,9 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
         # the grouped kernels (the default for K <= 128) sum the value heads on chip: no GVA pass
         **({"dqkwg (group)": bench(lambda: bwd_dqkwg.bwd_dqkwg_group(
                q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)),
-            "wy (group)": bench(lambda: bwd_wy.bwd_wy_group(k3, v3, b3, gamma, ag, dw_g, du, dgp_g, dk_k, chunks))}
+            **{f"wy (group, {kernel})": bench(lambda kernel=kernel: bwd_wy.bwd_wy_group(
+                k3, v3, b3, gamma, ag, dw_g, du, dgp_g, dk_k, chunks, kernel=kernel))
+               for kernel in bwd_wy.GROUP_KERNELS}}
            if grouped is not None else {}),
         # the per-value-head path (K = 256, or KERNEL = "blocked")
         "dqkwg (blocked)": bench(lambda: bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks,
@@ -175,9 +192,9 @@ def run_row(cfg, stages=False, ab=False) -> dict:
     grads = {}
     runs = arms(q, k, v, g, beta, h0, cu)
     if ab:
-        from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg
+        from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, bwd_wy
 
-        current = {"bwd_dqkwg": bwd_dqkwg}
+        current = {"bwd_dqkwg": bwd_dqkwg, "bwd_wy": bwd_wy}
         runs.update({name: runs["ours"] for name, (module, attr, value) in AB_ARMS.items()
                      if getattr(current[module], attr) != value})
     for name, fn in runs.items():

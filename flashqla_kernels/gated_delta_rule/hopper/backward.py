@@ -128,6 +128,10 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
         # per key head: dq finished by dqkwg, dk by WY (both summed over the value heads on chip, no GVA pass)
         dq, dk_k, dw, dgp = bwd_dqkwg.bwd_dqkwg_group(qn, kn, v_new, do3, du, h, dh, gamma, chunks, scale=scale,
                                                       **(dict(xq=q3, rq=rq) if l2norm else {}))
+        if cu[-1] < B * Tn and bwd_wy.GROUP_KERNEL == "wide":
+            # the wide WY kernel reads whole tiles: a padded tail's rows, which no kernel wrote, must be finite
+            dw[cu[-1]:].zero_()
+            du[cu[-1]:].zero_()
         dk, dv, dbeta, _, dg = bwd_wy.bwd_wy_group(kn, v3, b3, gamma, ag, dw, du, dgp, dk_k, chunks,
                                                    *((k3, rk) if l2norm else ()))
     else:
@@ -207,6 +211,7 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
         specs += [
             (bwd_dqkwg.build_bwd_dqkwg_group, (Hk, Hv, K, V, dtype, scale, l2norm)),
             (bwd_wy.build_bwd_wy_group, (Hk, Hv, K, V, dtype, l2norm)),
+            *([(bwd_wy.build_bwd_wy_wide, (Hk, Hv, K, V, dtype, l2norm))] if V <= 128 else []),
         ]
     specs += [
         # context parallelism of the dh walk: the maps, the reverse scan, the two passes

@@ -394,6 +394,197 @@ def build_bwd_wy_group(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: boo
     return gdn_bwd_wy_group
 
 
+def build_bwd_wy_wide(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool):
+    """A candidate for the grouped WY kernel, same arguments and outputs (``bwd_wy_group(kernel="wide")``; K, V <=
+    128): all of K and V in one tile, so each value head loads k once per CTA and dw, du, v, X once (the grouped
+    kernel loads 64-wide blocks twice, waiting on each), the next value head's tiles double-buffered by cp.async
+    while this one's products run (``T.Pipelined``), and the beta / exp(gamma) scalings applied to the columns of
+    dw K^T and du V^T in registers instead of to scaled copies of K and V. The tiles are read whole: rows past a
+    ragged chunk's end are the next sequence's (finite) and meet only zeros (A and dA masked to the chunk's rows,
+    k's rows zeroed); the launcher zeroes dw's and du's rows of a padded tail, which no kernel writes."""
+    if K > 2 * TILE or V > 2 * TILE:
+        raise ValueError(f"the wide WY kernel holds K and V whole: K, V <= {2 * TILE}, got {K}, {V}")
+    group = Hv // Hk
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+    num_x = T.dynamic("num_x")
+
+    @T.prim_func
+    def gdn_bwd_wy_wide(
+        k: T.Tensor((num_tokens, Hk, K), dtype),
+        v: T.Tensor((num_tokens, Hv, V), dtype),
+        beta: T.Tensor((num_tokens, Hv), "float32"),
+        gamma: T.Tensor((num_tokens, Hv), "float32"),
+        ag: T.Tensor((num_tokens, Hv, C), "float16"),
+        dw: T.Tensor((num_tokens, Hv, K), dtype),
+        du: T.Tensor((num_tokens, Hv, V), dtype),
+        dgp: T.Tensor((2, num_tokens, Hv), "float32"),
+        dk_part: T.Tensor((num_tokens, Hk, K), "float32"),
+        xk: T.Tensor((num_x, Hk, K), dtype),
+        rk: T.Tensor((num_x, Hk), "float32"),
+        chunks: T.Tensor((num_chunks, 2), "int32"),
+        dk: T.Tensor((num_tokens, Hk, K), dtype),
+        dv: T.Tensor((num_tokens, Hv, V), dtype),
+        dbeta: T.Tensor((num_tokens, Hv), "float32"),
+        dgamma: T.Tensor((num_tokens, Hv), "float32"),
+        dg: T.Tensor((num_tokens, Hv), "float32"),
+    ):
+        with T.Kernel(num_chunks, Hk, threads=THREADS) as (bc, hk):
+            cs = chunks[bc, 0]
+            n = chunks[bc, 1] - cs
+            tx = T.get_thread_binding()
+            k_sh = T.alloc_shared((C, K), dtype)
+            dw_sh = T.alloc_shared((C, K), dtype)
+            du_sh = T.alloc_shared((C, V), dtype)
+            v_sh = T.alloc_shared((C, V), dtype)
+            x_sh = T.alloc_shared((C, C), "float16")
+            kkg_sh = T.alloc_shared((C, C), "float16")
+            a_sh = T.alloc_shared((C, C), dtype)
+            t_sh = T.alloc_shared((C, C), dtype)
+            dka_sh = T.alloc_shared((C, K), "float32")
+            dsum_sh = T.alloc_shared((C, C), "float32")
+            g_sh = T.alloc_shared((C,), "float32")
+            eg_sh = T.alloc_shared((C,), "float32")
+            er_sh = T.alloc_shared((C,), "float32")
+            b_sh = T.alloc_shared((C,), "float32")
+            rowf_sh = T.alloc_shared((C,), "float32")
+            cole_sh = T.alloc_shared((C,), "float32")
+            db_out = T.alloc_shared((C,), "float32")
+            dgm_sh = T.alloc_shared((C,), "float32")
+            acc = T.alloc_local((1,), "float32")
+            kk_f = T.alloc_fragment((C, C), "float32")
+            da_f = T.alloc_fragment((C, C), "float32")
+            du_f = T.alloc_fragment((C, C), "float32")
+            a_f = T.alloc_fragment((C, C), "float32")
+            rk_f = T.alloc_fragment((C, K), "float32")
+            rv_f = T.alloc_fragment((C, V), "float32")
+            red = T.alloc_fragment((C,), "float32")
+            red_v = T.alloc_fragment((C,), "float32")
+            red_cc = T.alloc_fragment((C,), "float32")
+            red_col = T.alloc_fragment((C,), "float32")
+            ss = T.alloc_fragment((C,), "float32") if l2norm else None
+
+            # k once, rows past the chunk's end zeroed (they would meet D's zero columns as NaN * 0 in a padded tail)
+            load_rows(k, k_sh, cs, n, hk, 0, K)
+            for i, j in T.Parallel(C, K):
+                dka_sh[i, j] = dk_part[cs + T.min(i, n - 1), hk, j]
+
+            for hh in T.Pipelined(group, num_stages=2):
+                T.copy(dw[cs:cs + C, hk * group + hh, :], dw_sh)
+                T.copy(du[cs:cs + C, hk * group + hh, :], du_sh)
+                T.copy(v[cs:cs + C, hk * group + hh, :], v_sh)
+                T.copy(ag[cs:cs + C, hk * group + hh, :], x_sh)
+                load_gates(gamma, g_sh, eg_sh, er_sh, cs, n, hk * group + hh)
+                for i in T.Parallel(C):
+                    b_sh[i] = T.if_then_else(i < n, beta[cs + T.min(i, n - 1), hk * group + hh], 0.0)
+                T.gemm(dw_sh, k_sh, da_f, transpose_B=True, clear_accum=True)
+                T.gemm(du_sh, v_sh, du_f, transpose_B=True, clear_accum=True)
+                T.gemm(k_sh, k_sh, kk_f, transpose_B=True, clear_accum=True)
+                # dA = dw (diag(beta e) K)^T + du (diag(beta) V)^T: the scalings on the columns, the chunk's rows only
+                for i, j in T.Parallel(C, C):
+                    da_f[i, j] = T.if_then_else(i < n, T.if_then_else(
+                        j < n, (da_f[i, j] * eg_sh[j] + du_f[i, j]) * b_sh[j], 0.0), 0.0)
+                # KKg (fp32 in kk_f, fp16 for the product), then A = I - X KKg on the chunk's rows
+                for i, j in T.Parallel(C, C):
+                    kk_f[i, j] = T.if_then_else(j < i, kk_f[i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
+                    kkg_sh[i, j] = kk_f[i, j]
+                T.gemm(x_sh, kkg_sh, a_f, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    a_sh[i, j] = T.if_then_else(i < n, T.if_then_else(
+                        j <= i, T.if_then_else(i == j, 1.0, 0.0) - a_f[i, j], 0.0), 0.0)
+                # dM = StrictLower(-A^T (dA A^T))
+                T.copy(da_f, t_sh)
+                T.gemm(t_sh, a_sh, a_f, transpose_B=True, clear_accum=True)
+                T.copy(a_f, t_sh)
+                T.gemm(a_sh, t_sh, da_f, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    da_f[i, j] = T.if_then_else(j < i, -da_f[i, j], 0.0)
+                    kk_f[i, j] = da_f[i, j] * kk_f[i, j]
+                T.reduce_sum(kk_f, red_cc, dim=1)
+                for i in T.Parallel(C):
+                    rowf_sh[i] = red_cc[i]
+                for i, j in T.Parallel(C, C):
+                    kk_f[i, j] = kk_f[i, j] * b_sh[i]
+                T.reduce_sum(kk_f, red_col, dim=0)
+                for i in T.Parallel(C):
+                    cole_sh[i] = red_col[i]
+                # D += dKK = diag(beta) dM * Gamma (its products with K wait for the last head)
+                if hh == 0:
+                    for i, j in T.Parallel(C, C):
+                        dsum_sh[i, j] = T.if_then_else(
+                            j < i, da_f[i, j] * b_sh[i] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
+                else:
+                    for i, j in T.Parallel(C, C):
+                        dsum_sh[i, j] += T.if_then_else(
+                            j < i, da_f[i, j] * b_sh[i] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
+
+                # r = A^T dw: dk's WY part (beta e r), and its k-dots
+                T.gemm(a_sh, dw_sh, rk_f, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(C, K):
+                    dka_sh[i, j] += rk_f[i, j] * b_sh[i] * eg_sh[i]
+                for i, j in T.Parallel(C, K):
+                    rk_f[i, j] = rk_f[i, j] * k_sh[i, j]
+                T.reduce_sum(rk_f, red, dim=1)
+                # A^T du: dv = diag(beta) A^T du, and the v-dots of A^T du (rows past the chunk's end are never
+                # stored)
+                T.gemm(a_sh, du_sh, rv_f, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(C, V):
+                    if i < n:
+                        dv[cs + i, hk * group + hh, j] = rv_f[i, j] * b_sh[i]
+                for i, j in T.Parallel(C, V):
+                    rv_f[i, j] = rv_f[i, j] * v_sh[i, j]
+                T.reduce_sum(rv_f, red_v, dim=1)
+
+                for i in T.Parallel(C):
+                    db_out[i] = red[i] * eg_sh[i] + red_v[i] + rowf_sh[i]
+                    dgm_sh[i] = red[i] * eg_sh[i] * b_sh[i] + b_sh[i] * rowf_sh[i] - cole_sh[i]
+                T.sync_threads()
+                if tx < C:
+                    if tx < n:
+                        dbeta[cs + tx, hk * group + hh] = db_out[tx]
+                        dgamma[cs + tx, hk * group + hh] = dgm_sh[tx]
+                        # with the grouped dqkwg's two partial sums, in order
+                        db_out[tx] = dgm_sh[tx] + dgp[0, cs + tx, hk * group + hh] + dgp[1, cs + tx, hk * group + hh]
+                    else:
+                        db_out[tx] = 0.0
+                T.sync_threads()
+                if tx < n:
+                    acc[0] = 0.0
+                    for j in T.serial(C):
+                        if j >= tx:
+                            acc[0] += db_out[j]
+                    dg[cs + tx, hk * group + hh] = acc[0]
+                T.sync_threads()
+
+            # dk = the summed parts + D K + D^T K, then (l2norm) dx = r (dy - (y . dy) y), y = r x
+            for i, j in T.Parallel(C, C):
+                t_sh[i, j] = dsum_sh[i, j]
+            for i, j in T.Parallel(C, K):
+                rk_f[i, j] = dka_sh[i, j]
+            T.gemm(t_sh, k_sh, rk_f)
+            T.gemm(t_sh, k_sh, rk_f, transpose_A=True)
+            if l2norm:
+                # dy kept in dka_sh (each thread its own elements), y . dy reduced in rk_f
+                for i, j in T.Parallel(C, K):
+                    dka_sh[i, j] = rk_f[i, j]
+                for i, j in T.Parallel(C, K):
+                    rk_f[i, j] = rk_f[i, j] * rk[cs + T.min(i, n - 1), hk] * T.cast(
+                        xk[cs + T.min(i, n - 1), hk, j], "float32")
+                T.reduce_sum(rk_f, ss, dim=1)
+                for i, j in T.Parallel(C, K):
+                    rk_f[i, j] = rk[cs + T.min(i, n - 1), hk] * (
+                        dka_sh[i, j] - ss[i] * rk[cs + T.min(i, n - 1), hk]
+                        * T.cast(xk[cs + T.min(i, n - 1), hk, j], "float32"))
+            store_rows(rk_f, dk, cs, n, hk, 0, K)
+
+    return gdn_bwd_wy_wide
+
+
+# cp.async double buffering of the value heads' tiles; TileLang's automatic warp specialisation and TMA lowering are
+# off (the pipelined conv kernel's reasons: fragments replicated across producer-fed consumers)
+build_bwd_wy_wide.pass_configs = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": True}
+
+
 def bwd_wy(k, v, beta, gamma, ag, dw, du, dgp, chunks):
     """The WY backward and dg.
 
@@ -417,13 +608,21 @@ def bwd_wy(k, v, beta, gamma, ag, dw, du, dgp, chunks):
     return dk, dv, dbeta, dgamma, dg
 
 
-def bwd_wy_group(k, v, beta, gamma, ag, dw, du, dgp, dk_part, chunks, xk=None, rk=None):
+# the grouped WY kernels: "blocks" (``build_bwd_wy_group``, 64-wide blocks, loads waited on) and the candidate "wide"
+# (``build_bwd_wy_wide``, whole tiles double-buffered); GROUP_KERNEL is what the launcher runs
+GROUP_KERNELS = ("blocks", "wide")
+GROUP_KERNEL = "blocks"
+
+
+def bwd_wy_group(k, v, beta, gamma, ag, dw, du, dgp, dk_part, chunks, xk=None, rk=None, kernel=None):
     """The WY backward and dg after the grouped dqkwg (``bwd_dqkwg.bwd_dqkwg_group``), with dk finished: the WY
     part summed over each key head's value heads, ``dk_part`` added, and the l2norm backward when ``xk`` is given.
 
     Args:
         k, v, beta, gamma, ag, dw, du, chunks: as ``bwd_wy``'s. dgp: [2, T, Hv] fp32 and dk_part: [T, Hk, K] fp32,
         the grouped dqkwg's. xk: [T, Hk, K] the raw k with rk [T, Hk] fp32 its l2norm factor, or None.
+        kernel: one of ``GROUP_KERNELS`` (None: ``GROUP_KERNEL``); "wide" reads whole tiles, so the rows of dw and du
+        outside every chunk (a padded tail) must be finite (the launcher zeroes them).
 
     Returns:
         (dk [T, Hk, K] in k's dtype, dv [T, Hv, V] in v's dtype, dbeta [T, Hv] fp32, dgamma [T, Hv] fp32 the WY part
@@ -432,7 +631,11 @@ def bwd_wy_group(k, v, beta, gamma, ag, dw, du, dgp, dk_part, chunks, xk=None, r
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     l2norm = xk is not None
-    kernel = toolkit.compile_kernel(build_bwd_wy_group, Hk, Hv, K, V, toolkit.tl_dtype(k.dtype), l2norm)
+    kernel = GROUP_KERNEL if kernel is None else kernel
+    if kernel not in GROUP_KERNELS:
+        raise ValueError(f"kernel must be one of {GROUP_KERNELS}; got {kernel!r}")
+    builder = build_bwd_wy_wide if kernel == "wide" else build_bwd_wy_group
+    kernel = toolkit.compile_kernel(builder, Hk, Hv, K, V, toolkit.tl_dtype(k.dtype), l2norm)
     if not l2norm:
         xk, rk = toolkit.unread((1, Hk, K), k.dtype, k.device), toolkit.unread((1, Hk), torch.float32, k.device)
     dk = toolkit.empty((Tn, Hk, K), k.dtype, k.device)
