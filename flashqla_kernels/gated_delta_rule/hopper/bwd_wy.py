@@ -26,6 +26,59 @@ from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import C, LOG2E, TILE, l
 THREADS = 256
 
 
+@T.macro
+def through_inverse(x_sh, kkg_sh, a_sh, t_sh, kk_f, da_f, a_f, g_sh, b_sh, rowf_sh, cole_sh, red_cc, red_col, rows):
+    """One chunk and value head, from K K^T (``kk_f``) and dA (``da_f``): KKg (left in kk_f as dM * KKg, and
+    fp16 in kkg_sh), A = I - X KKg on rows < ``rows`` (a_sh; the others 0), dM = StrictLower(-A^T (dA A^T)) in
+    da_f, rowf = rowsum(dM * KKg) and cole = colsum(diag(beta) dM * KKg)."""
+    for i, j in T.Parallel(C, C):
+        kk_f[i, j] = T.if_then_else(j < i, kk_f[i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
+        kkg_sh[i, j] = kk_f[i, j]
+    T.gemm(x_sh, kkg_sh, a_f, clear_accum=True)
+    for i, j in T.Parallel(C, C):
+        a_sh[i, j] = T.if_then_else(i < rows, T.if_then_else(
+            j <= i, T.if_then_else(i == j, 1.0, 0.0) - a_f[i, j], 0.0), 0.0)
+    T.copy(da_f, t_sh)
+    T.gemm(t_sh, a_sh, a_f, transpose_B=True, clear_accum=True)
+    T.copy(a_f, t_sh)
+    T.gemm(a_sh, t_sh, da_f, transpose_A=True, clear_accum=True)
+    for i, j in T.Parallel(C, C):
+        da_f[i, j] = T.if_then_else(j < i, -da_f[i, j], 0.0)
+        kk_f[i, j] = da_f[i, j] * kk_f[i, j]
+    T.reduce_sum(kk_f, red_cc, dim=1)
+    for i in T.Parallel(C):
+        rowf_sh[i] = red_cc[i]
+    for i, j in T.Parallel(C, C):
+        kk_f[i, j] = kk_f[i, j] * b_sh[i]
+    T.reduce_sum(kk_f, red_col, dim=0)
+    for i in T.Parallel(C):
+        cole_sh[i] = red_col[i]
+
+
+@T.macro
+def write_gate_grads(db_out, dgm_sh, dgp, parts, dbeta, dgamma, dg, cs, n, bh, tx, acc):
+    """dbeta and dgamma of the chunk's rows (``db_out``, ``dgm_sh``), then dg: the reverse cumsum within the chunk of
+    dgamma plus the dqkwg stage's ``parts`` partial sums, added in order (one thread a token: deterministic)."""
+    T.sync_threads()
+    if tx < C:
+        if tx < n:
+            dbeta[cs + tx, bh] = db_out[tx]
+            dgamma[cs + tx, bh] = dgm_sh[tx]
+            acc[0] = dgm_sh[tx]
+            for b in T.serial(parts):
+                acc[0] += dgp[b, cs + tx, bh]
+            db_out[tx] = acc[0]
+        else:
+            db_out[tx] = 0.0
+    T.sync_threads()
+    if tx < n:
+        acc[0] = 0.0
+        for j in T.serial(C):
+            if j >= tx:
+                acc[0] += db_out[j]
+        dg[cs + tx, bh] = acc[0]
+
+
 def build_bwd_wy(Hk: int, Hv: int, K: int, V: int, dtype: str):
     """The WY kernel: grid (chunks, Hv), 256 threads."""
     group = Hv // Hk
@@ -113,29 +166,7 @@ def build_bwd_wy(Hk: int, Hv: int, K: int, V: int, dtype: str):
                     xb_sh[i, j] = kb_sh[i, j] * b_sh[i]
                 T.gemm(db_sh, xb_sh, da_f, transpose_B=True)
 
-            # KKg (fp32 in kk_f, fp16 for the product), then A = I - X KKg
-            for i, j in T.Parallel(C, C):
-                kk_f[i, j] = T.if_then_else(j < i, kk_f[i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
-                kkg_sh[i, j] = kk_f[i, j]
-            T.gemm(x_sh, kkg_sh, a_f, clear_accum=True)
-            for i, j in T.Parallel(C, C):
-                a_sh[i, j] = T.if_then_else(j <= i, T.if_then_else(i == j, 1.0, 0.0) - a_f[i, j], 0.0)
-            # dM = StrictLower(-A^T (dA A^T))
-            T.copy(da_f, t_sh)
-            T.gemm(t_sh, a_sh, a_f, transpose_B=True, clear_accum=True)
-            T.copy(a_f, t_sh)
-            T.gemm(a_sh, t_sh, da_f, transpose_A=True, clear_accum=True)
-            for i, j in T.Parallel(C, C):
-                da_f[i, j] = T.if_then_else(j < i, -da_f[i, j], 0.0)
-                kk_f[i, j] = da_f[i, j] * kk_f[i, j]
-            T.reduce_sum(kk_f, red_cc, dim=1)
-            for i in T.Parallel(C):
-                rowf_sh[i] = red_cc[i]
-            for i, j in T.Parallel(C, C):
-                kk_f[i, j] = kk_f[i, j] * b_sh[i]
-            T.reduce_sum(kk_f, red_col, dim=0)
-            for i in T.Parallel(C):
-                cole_sh[i] = red_col[i]
+            through_inverse(x_sh, kkg_sh, a_sh, t_sh, kk_f, da_f, a_f, g_sh, b_sh, rowf_sh, cole_sh, red_cc, red_col, C)
             # dKK = diag(beta) dM * Gamma
             for i, j in T.Parallel(C, C):
                 t_sh[i, j] = T.if_then_else(j < i, da_f[i, j] * b_sh[i] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
@@ -163,25 +194,8 @@ def build_bwd_wy(Hk: int, Hv: int, K: int, V: int, dtype: str):
             for i in T.Parallel(C):
                 db_out[i] = acc_b[i] + rowf_sh[i]
                 dgm_sh[i] = acc_g[i] + b_sh[i] * rowf_sh[i] - cole_sh[i]
-            T.sync_threads()
-            if tx < C:
-                if tx < n:
-                    dbeta[cs + tx, bh] = db_out[tx]
-                    dgamma[cs + tx, bh] = dgm_sh[tx]
-                    # with dqkwg's partial sums, K blocks in order
-                    acc[0] = dgm_sh[tx]
-                    for b in T.serial(nK):
-                        acc[0] += dgp[b, cs + tx, bh]
-                    db_out[tx] = acc[0]
-                else:
-                    db_out[tx] = 0.0
-            T.sync_threads()
-            if tx < n:
-                acc[0] = 0.0
-                for j in T.serial(C):
-                    if j >= tx:
-                        acc[0] += db_out[j]
-                dg[cs + tx, bh] = acc[0]
+            # with dqkwg's partial sums, K blocks in order
+            write_gate_grads(db_out, dgm_sh, dgp, nK, dbeta, dgamma, dg, cs, n, bh, tx, acc)
 
     return gdn_bwd_wy
 
@@ -290,29 +304,8 @@ def build_bwd_wy_group(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: boo
                         xb_sh[i, j] = kb_sh[i, j] * b_sh[i]
                     T.gemm(db_sh, xb_sh, da_f, transpose_B=True)
 
-                # KKg of this head's gates (fp32 in kk_f, fp16 for the product), then A = I - X KKg
-                for i, j in T.Parallel(C, C):
-                    kk_f[i, j] = T.if_then_else(j < i, kk_f[i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
-                    kkg_sh[i, j] = kk_f[i, j]
-                T.gemm(x_sh, kkg_sh, a_f, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    a_sh[i, j] = T.if_then_else(j <= i, T.if_then_else(i == j, 1.0, 0.0) - a_f[i, j], 0.0)
-                # dM = StrictLower(-A^T (dA A^T))
-                T.copy(da_f, t_sh)
-                T.gemm(t_sh, a_sh, a_f, transpose_B=True, clear_accum=True)
-                T.copy(a_f, t_sh)
-                T.gemm(a_sh, t_sh, da_f, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    da_f[i, j] = T.if_then_else(j < i, -da_f[i, j], 0.0)
-                    kk_f[i, j] = da_f[i, j] * kk_f[i, j]
-                T.reduce_sum(kk_f, red_cc, dim=1)
-                for i in T.Parallel(C):
-                    rowf_sh[i] = red_cc[i]
-                for i, j in T.Parallel(C, C):
-                    kk_f[i, j] = kk_f[i, j] * b_sh[i]
-                T.reduce_sum(kk_f, red_col, dim=0)
-                for i in T.Parallel(C):
-                    cole_sh[i] = red_col[i]
+                through_inverse(x_sh, kkg_sh, a_sh, t_sh, kk_f, da_f, a_f, g_sh, b_sh, rowf_sh, cole_sh, red_cc, red_col,
+                                C)
                 # D += dKK = diag(beta) dM * Gamma (its products with K wait for the last head)
                 if hh == 0:
                     for i, j in T.Parallel(C, C):
@@ -343,22 +336,8 @@ def build_bwd_wy_group(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: boo
                 for i in T.Parallel(C):
                     db_out[i] = acc_b[i] + rowf_sh[i]
                     dgm_sh[i] = acc_g[i] + b_sh[i] * rowf_sh[i] - cole_sh[i]
-                T.sync_threads()
-                if tx < C:
-                    if tx < n:
-                        dbeta[cs + tx, bh] = db_out[tx]
-                        dgamma[cs + tx, bh] = dgm_sh[tx]
-                        # with the grouped dqkwg's two partial sums, in order
-                        db_out[tx] = dgm_sh[tx] + dgp[0, cs + tx, bh] + dgp[1, cs + tx, bh]
-                    else:
-                        db_out[tx] = 0.0
-                T.sync_threads()
-                if tx < n:
-                    acc[0] = 0.0
-                    for j in T.serial(C):
-                        if j >= tx:
-                            acc[0] += db_out[j]
-                    dg[cs + tx, bh] = acc[0]
+                # with the grouped dqkwg's two partial sums, in order
+                write_gate_grads(db_out, dgm_sh, dgp, 2, dbeta, dgamma, dg, cs, n, bh, tx, acc)
                 T.sync_threads()
 
             # dk = the summed parts + D K + D^T K, then (l2norm) dx = r (dy - (y . dy) y), y = r x
@@ -484,30 +463,9 @@ def build_bwd_wy_wide(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool
                 for i, j in T.Parallel(C, C):
                     da_f[i, j] = T.if_then_else(i < n, T.if_then_else(
                         j < n, (da_f[i, j] * eg_sh[j] + du_f[i, j]) * b_sh[j], 0.0), 0.0)
-                # KKg (fp32 in kk_f, fp16 for the product), then A = I - X KKg on the chunk's rows
-                for i, j in T.Parallel(C, C):
-                    kk_f[i, j] = T.if_then_else(j < i, kk_f[i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
-                    kkg_sh[i, j] = kk_f[i, j]
-                T.gemm(x_sh, kkg_sh, a_f, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    a_sh[i, j] = T.if_then_else(i < n, T.if_then_else(
-                        j <= i, T.if_then_else(i == j, 1.0, 0.0) - a_f[i, j], 0.0), 0.0)
-                # dM = StrictLower(-A^T (dA A^T))
-                T.copy(da_f, t_sh)
-                T.gemm(t_sh, a_sh, a_f, transpose_B=True, clear_accum=True)
-                T.copy(a_f, t_sh)
-                T.gemm(a_sh, t_sh, da_f, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    da_f[i, j] = T.if_then_else(j < i, -da_f[i, j], 0.0)
-                    kk_f[i, j] = da_f[i, j] * kk_f[i, j]
-                T.reduce_sum(kk_f, red_cc, dim=1)
-                for i in T.Parallel(C):
-                    rowf_sh[i] = red_cc[i]
-                for i, j in T.Parallel(C, C):
-                    kk_f[i, j] = kk_f[i, j] * b_sh[i]
-                T.reduce_sum(kk_f, red_col, dim=0)
-                for i in T.Parallel(C):
-                    cole_sh[i] = red_col[i]
+                # A on the chunk's rows only: rows past a ragged end hold the next sequence's tiles
+                through_inverse(x_sh, kkg_sh, a_sh, t_sh, kk_f, da_f, a_f, g_sh, b_sh, rowf_sh, cole_sh, red_cc, red_col,
+                                n)
                 # D += dKK = diag(beta) dM * Gamma (its products with K wait for the last head)
                 if hh == 0:
                     for i, j in T.Parallel(C, C):
@@ -538,22 +496,8 @@ def build_bwd_wy_wide(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool
                 for i in T.Parallel(C):
                     db_out[i] = red[i] * eg_sh[i] + red_v[i] + rowf_sh[i]
                     dgm_sh[i] = red[i] * eg_sh[i] * b_sh[i] + b_sh[i] * rowf_sh[i] - cole_sh[i]
-                T.sync_threads()
-                if tx < C:
-                    if tx < n:
-                        dbeta[cs + tx, hk * group + hh] = db_out[tx]
-                        dgamma[cs + tx, hk * group + hh] = dgm_sh[tx]
-                        # with the grouped dqkwg's two partial sums, in order
-                        db_out[tx] = dgm_sh[tx] + dgp[0, cs + tx, hk * group + hh] + dgp[1, cs + tx, hk * group + hh]
-                    else:
-                        db_out[tx] = 0.0
-                T.sync_threads()
-                if tx < n:
-                    acc[0] = 0.0
-                    for j in T.serial(C):
-                        if j >= tx:
-                            acc[0] += db_out[j]
-                    dg[cs + tx, hk * group + hh] = acc[0]
+                # with the grouped dqkwg's two partial sums, in order
+                write_gate_grads(db_out, dgm_sh, dgp, 2, dbeta, dgamma, dg, cs, n, hk * group + hh, tx, acc)
                 T.sync_threads()
 
             # dk = the summed parts + D K + D^T K, then (l2norm) dx = r (dy - (y . dy) y), y = r x
