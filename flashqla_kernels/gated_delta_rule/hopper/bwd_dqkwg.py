@@ -25,7 +25,9 @@ import tilelang.language as T
 import torch
 
 from flashqla_kernels import toolkit
-from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import C, LOG2E, TILE, load_gates, load_rows, store_rows
+from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import (
+    C, LOG2E, TILE, l2norm_bwd_rows, load_gates, load_rows, store_rows,
+)
 from flashqla_kernels.gated_delta_rule.hopper.chunk_fwd import set_nreg
 
 THREADS = 256
@@ -279,15 +281,7 @@ def build_bwd_dqkwg_group(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: f
                         if i < n:
                             dgp[0, cs + i, hk * group + hh] = red_q[i]
                 if l2norm:
-                    # dx = r (dy - (y . dy) y) with y = r x recomputed from the raw rows (as the GVA pass does)
-                    for i, j in T.Parallel(C, K):
-                        dq_f[i, j] = dqa_sh[i, j] * rq[cs + T.min(i, n - 1), hk] * T.cast(
-                            xq[cs + T.min(i, n - 1), hk, j], "float32")
-                    T.reduce_sum(dq_f, red_q, dim=1)
-                    for i, j in T.Parallel(C, K):
-                        dq_f[i, j] = rq[cs + T.min(i, n - 1), hk] * (
-                            dqa_sh[i, j] - red_q[i] * rq[cs + T.min(i, n - 1), hk]
-                            * T.cast(xq[cs + T.min(i, n - 1), hk, j], "float32"))
+                    l2norm_bwd_rows(dqa_sh, dq_f, red_q, xq, rq, cs, n, hk, K)
                 else:
                     for i, j in T.Parallel(C, K):
                         dq_f[i, j] = dqa_sh[i, j]

@@ -21,7 +21,9 @@ import tilelang.language as T
 import torch
 
 from flashqla_kernels import toolkit
-from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import C, LOG2E, TILE, load_gates, load_rows, store_rows
+from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import (
+    C, LOG2E, TILE, l2norm_bwd_rows, load_gates, load_rows, store_rows,
+)
 
 THREADS = 256
 
@@ -508,17 +510,10 @@ def build_bwd_wy_wide(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool
             T.gemm(t_sh, k_sh, rk_f)
             T.gemm(t_sh, k_sh, rk_f, transpose_A=True)
             if l2norm:
-                # dy kept in dka_sh (each thread its own elements), y . dy reduced in rk_f
+                # dy kept in dka_sh (each thread its own elements)
                 for i, j in T.Parallel(C, K):
                     dka_sh[i, j] = rk_f[i, j]
-                for i, j in T.Parallel(C, K):
-                    rk_f[i, j] = rk_f[i, j] * rk[cs + T.min(i, n - 1), hk] * T.cast(
-                        xk[cs + T.min(i, n - 1), hk, j], "float32")
-                T.reduce_sum(rk_f, ss, dim=1)
-                for i, j in T.Parallel(C, K):
-                    rk_f[i, j] = rk[cs + T.min(i, n - 1), hk] * (
-                        dka_sh[i, j] - ss[i] * rk[cs + T.min(i, n - 1), hk]
-                        * T.cast(xk[cs + T.min(i, n - 1), hk, j], "float32"))
+                l2norm_bwd_rows(dka_sh, rk_f, ss, xk, rk, cs, n, hk, K)
             store_rows(rk_f, dk, cs, n, hk, 0, K)
 
     return gdn_bwd_wy_wide

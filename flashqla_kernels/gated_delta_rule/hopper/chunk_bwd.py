@@ -85,6 +85,19 @@ def store_rows(frag, dst, cs, n, head, col0, width):
             dst[cs + i, head, col0 + j] = frag[i, j]
 
 
+@T.macro
+def l2norm_bwd_rows(dy_sh, out_f, red, x, r, cs, n, head, width):
+    """The l2norm backward of a chunk's rows: ``out_f = r (dy - (y . dy) y)`` with y = r x recomputed from the raw
+    rows ``x[cs:cs + n, head, :width]`` and their factors ``r`` (rows past ``n`` repeat the last). ``dy_sh`` [C, width]
+    fp32 in shared memory is read at ``out_f``'s elements, each thread its own."""
+    for i, j in T.Parallel(C, width):
+        out_f[i, j] = dy_sh[i, j] * r[cs + T.min(i, n - 1), head] * T.cast(x[cs + T.min(i, n - 1), head, j], "float32")
+    T.reduce_sum(out_f, red, dim=1)
+    for i, j in T.Parallel(C, width):
+        out_f[i, j] = r[cs + T.min(i, n - 1), head] * (
+            dy_sh[i, j] - red[i] * r[cs + T.min(i, n - 1), head] * T.cast(x[cs + T.min(i, n - 1), head, j], "float32"))
+
+
 def build_l2norm_fwd(Hk: int, K: int, dtype: str):
     """The l2norm kernel: grid (chunks, Hk), 256 threads; ``y = x rsqrt(|x|^2 + eps)`` per row and the factor."""
     num_tokens = T.dynamic("num_tokens")
