@@ -294,3 +294,40 @@ def test_launcher_composes_the_stages_into_the_reference_backward(emulated_backw
         # the launcher hands the kernels g, beta and the states in fp32: agreement to fp32 rounding, where a wiring
         # mistake is off by O(1)
         torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5, msg=f"{label} differs from the reference")
+
+
+def test_wide_wy_kernel_algebra_reproduces_the_reference_with_foreign_rows_in_its_tiles():
+    """``bwd_wy.build_bwd_wy_wide``'s steps in float64 on one ragged chunk whose whole tiles hold the next
+    sequence's rows past the chunk's end (dw, du, v, X) and k's rows zeroed: the column scalings of dw K^T and
+    du V^T, and the masks in dA and A alone keep those rows out of every gradient of the chunk's rows."""
+    gen = torch.Generator().manual_seed(0)
+    rand = (lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64))
+    K, V, n = 32, 24, 45
+    k = torch.nn.functional.normalize(rand(1, n, 1, K), dim=-1)
+    v, dw, du = rand(1, n, 1, V), rand(1, n, 1, K), rand(1, n, 1, V)
+    beta = torch.sigmoid(rand(1, n, 1))
+    g = (torch.nn.functional.logsigmoid(rand(1, n, 1)) / 2).cumsum(1)
+    A = reference.kkt_inverse_ref(k, beta, g)
+    want = reference_bwd.chunk_bwd_wy_ref(k, v, beta, A, g, dw, du)
+
+    foreign = (lambda x, w: torch.cat([x[0, :, 0], 3 * rand(C - n, w)]))
+    k_sh = torch.cat([k[0, :, 0], torch.zeros(C - n, K, dtype=torch.float64)])
+    dw_sh, du_sh, v_sh = foreign(dw, K), foreign(du, V), foreign(v, V)
+    b = torch.cat([beta[0, :, 0], torch.zeros(C - n, dtype=torch.float64)])
+    x_sh = torch.cat([A[0, :, 0] * b[None, :], rand(C - n, C)])  # X = A diag(beta), as kkt_solve writes it
+    gam = torch.cat([g[0, :, 0], g[0, n - 1, 0].repeat(C - n)])
+    e = gam.exp()
+    i, j = torch.arange(C)[:, None], torch.arange(C)[None, :]
+    gamma_ij = (gam[:, None] - gam[None, :]).exp()
+    dA = torch.where((i < n) & (j < n), ((dw_sh @ k_sh.T) * e[None, :] + du_sh @ v_sh.T) * b[None, :], 0.0)
+    kkg = torch.where(j < i, (k_sh @ k_sh.T) * gamma_ij, 0.0)
+    a = torch.where((i < n) & (j <= i), (i == j).double() - x_sh @ kkg, 0.0)
+    dM = torch.where(j < i, -(a.T @ (dA @ a.T)), 0.0)
+    rowf, cole = (dM * kkg).sum(1), (dM * kkg * b[:, None]).sum(0)
+    D = torch.where(j < i, dM * b[:, None] * gamma_ij, 0.0)
+    rk, rv = a.T @ dw_sh, a.T @ du_sh
+    dk = rk * (b * e)[:, None] + D @ k_sh + D.T @ k_sh
+    dbeta = (rk * k_sh).sum(1) * e + (rv * v_sh).sum(1) + rowf
+    dgamma = (rk * k_sh).sum(1) * e * b + b * rowf - cole
+    for label, got, ref in zip(("dk", "dv", "dbeta", "dgamma"), (dk, rv * b[:, None], dbeta, dgamma), want):
+        torch.testing.assert_close(got[:n], ref[0, :, 0], rtol=1e-12, atol=1e-12, msg=label)
