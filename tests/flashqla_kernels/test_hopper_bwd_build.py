@@ -68,6 +68,10 @@ def _check(builder, args):
     if name in ("build_chunk_states", "build_bwd_dh", "build_bwd_dqkwg", "build_bwd_dqkwg_group", "build_bwd_wy",
                 "build_bwd_wy_group", "build_bwd_wy_wide"):
         assert "wgmma" in src, f"{name}{args}: its GEMMs should run on warpgroup MMA"
+    if name == "build_bwd_dqkwg_group":
+        # its warpgroups hand off through mbarriers only: a planner-inserted bar.sync shared one named-barrier id
+        # across warpgroups and hung the kernel
+        assert "__sync_thread_partial" not in src, f"{name}{args}: a named bar.sync inside a warpgroup's branch"
 
 
 @needs_nvcc
