@@ -65,12 +65,11 @@ def arms(q, k, v, g, beta, h0, cu) -> dict:
 # arm beside "ours" (the defaults as shipped); an arm equal to the defaults is skipped
 AB_ARMS = {
     "ours_per_value_head": ("bwd_dqkwg", "KERNEL", "blocked"),
-    "ours_wy_wide": ("bwd_wy", "GROUP_KERNEL", "wide"),
 }
 
 
 # --stages: the segment lengths (chunks) the sequential stages are also timed at (0: whole sequences)
-BWD_SEGMENT_SWEEP = (0, 16, 32, 64, 128)
+BWD_SEGMENT_SWEEP = (0, 16, 32, 64, 128, 256)
 
 
 def fwd_bwd(fn, do, dht, override=None):
@@ -151,7 +150,7 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     dq_v, dk_v, dw, dgp = bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
     dk_wy = bwd_wy.bwd_wy(k3, v3, b3, gamma, ag, dw, du, dgp, chunks)[0]
     grouped = (bwd_dqkwg.bwd_dqkwg_group(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
-               if Kd <= 128 else None)
+               if Kd <= 128 and Vd <= 128 else None)
     _, dk_k, dw_g, dgp_g = grouped if grouped is not None else (None,) * 4
     return {
         "segment_chunks": L,
@@ -165,9 +164,7 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
         # the grouped kernels (the default for K <= 128) sum the value heads on chip: no GVA pass
         **({"dqkwg (group)": bench(lambda: bwd_dqkwg.bwd_dqkwg_group(
                q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)),
-            **{f"wy (group, {kernel})": bench(lambda kernel=kernel: bwd_wy.bwd_wy_group(
-                k3, v3, b3, gamma, ag, dw_g, du, dgp_g, dk_k, chunks, kernel=kernel))
-               for kernel in bwd_wy.GROUP_KERNELS}}
+            "wy (group)": bench(lambda: bwd_wy.bwd_wy_group(k3, v3, b3, gamma, ag, dw_g, du, dgp_g, dk_k, chunks))}
            if grouped is not None else {}),
         # the per-value-head path (K = 256, or KERNEL = "blocked")
         "dqkwg (blocked)": bench(lambda: bwd_dqkwg.bwd_dqkwg(q3, k3, v_new, do3, du, h, dh, gamma, chunks,

@@ -225,13 +225,10 @@ def _l2norm_fwd(x, chunks):
     return x * r[..., None], r
 
 
-def _wy_group(k, v, beta, gamma, ag, dw, du, dgp, dk_part, chunks, xk=None, rk=None, kernel=None):
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_wy
-
-    if (kernel or bwd_wy.GROUP_KERNEL) == "wide":
-        # the wide kernel reads whole tiles: the launcher must leave a padded tail's rows finite
-        end = int(chunks[-1, 1])
-        assert torch.isfinite(dw[end:]).all() and torch.isfinite(du[end:]).all(), "padded tail of dw / du not zeroed"
+def _wy_group(k, v, beta, gamma, ag, dw, du, dgp, dk_part, chunks, xk=None, rk=None):
+    # the grouped kernel reads whole tiles: the launcher must leave a padded tail's rows finite
+    end = int(chunks[-1, 1])
+    assert torch.isfinite(dw[end:]).all() and torch.isfinite(du[end:]).all(), "padded tail of dw / du not zeroed"
     dk, dv, dbeta, dgamma, dg = _wy(k, v, beta, gamma, ag, dw, du, dgp, chunks)
     dk = reference_bwd.gva_reduce_ref(dk[None], k.shape[1])[0] + dk_part
     if xk is not None:
@@ -258,7 +255,7 @@ def emulated_backward(emulated_stages, monkeypatch):
     monkeypatch.setattr(chunk_bwd, "gva_bwd", _gva)
 
 
-@pytest.mark.parametrize("kernel", ["blocked", "group", "group-wide"])
+@pytest.mark.parametrize("kernel", ["blocked", "group"])
 @pytest.mark.parametrize("segment_chunks", [0, 1, 3])
 @pytest.mark.parametrize("l2norm,K,V,Hk,Hv", [(True, 64, 64, 1, 2), (False, 48, 40, 2, 4)])
 def test_launcher_composes_the_stages_into_the_reference_backward(emulated_backward, segment_chunks, l2norm, K, V,
@@ -269,10 +266,7 @@ def test_launcher_composes_the_stages_into_the_reference_backward(emulated_backw
     gradients."""
     from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg
 
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_wy
-
-    monkeypatch.setattr(bwd_dqkwg, "KERNEL", kernel.split("-")[0])
-    monkeypatch.setattr(bwd_wy, "GROUP_KERNEL", "wide" if kernel.endswith("wide") else "blocks")
+    monkeypatch.setattr(bwd_dqkwg, "KERNEL", kernel)
     gen = torch.Generator().manual_seed(3)
     lens, pad = [1, 130, 64, 200], 5
     T = sum(lens) + pad
@@ -296,8 +290,8 @@ def test_launcher_composes_the_stages_into_the_reference_backward(emulated_backw
         torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5, msg=f"{label} differs from the reference")
 
 
-def test_wide_wy_kernel_algebra_reproduces_the_reference_with_foreign_rows_in_its_tiles():
-    """``bwd_wy.build_bwd_wy_wide``'s steps in float64 on one ragged chunk whose whole tiles hold the next
+def test_grouped_wy_kernel_algebra_reproduces_the_reference_with_foreign_rows_in_its_tiles():
+    """``bwd_wy.build_bwd_wy_group``'s steps in float64 on one ragged chunk whose whole tiles hold the next
     sequence's rows past the chunk's end (dw, du, v, X) and k's rows zeroed: the column scalings of dw K^T and
     du V^T, and the masks in dA and A alone keep those rows out of every gradient of the chunk's rows."""
     gen = torch.Generator().manual_seed(0)

@@ -66,7 +66,7 @@ def _check(builder, args):
     assert "atomicAdd" not in src and "AtomicAdd" not in src, f"{builder.__name__}{args}: atomics"
     name = builder.__name__
     if name in ("build_chunk_states", "build_bwd_dh", "build_bwd_dqkwg", "build_bwd_dqkwg_group", "build_bwd_wy",
-                "build_bwd_wy_group", "build_bwd_wy_wide"):
+                "build_bwd_wy_group"):
         assert "wgmma" in src, f"{name}{args}: its GEMMs should run on warpgroup MMA"
     if name == "build_bwd_dqkwg_group":
         # its warpgroups hand off through mbarriers only: a planner-inserted bar.sync shared one named-barrier id
@@ -125,11 +125,11 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
     want = {(b, a) for b, a in backward.kernel_specs(Hk, Hv, Kp, Vp, dtype, l2, has_h0, has_dht, scale=K ** -0.5)}
     assert set(asked) <= want
     # the forward's plan picks one of the V slices listed for the recomputed states, bwd_dqkwg.KERNEL between the
-    # per-value-head path (dqkwg, WY, GVA) and the grouped one, bwd_wy.GROUP_KERNEL between the grouped WY kernels:
+    # per-value-head path (dqkwg, WY, GVA) and the grouped one:
     # only those may go unasked
     assert {b.__name__ for b, _ in want - set(asked)} <= {
         "build_chunk_states", "build_segment_states", "build_bwd_dqkwg", "build_bwd_dqkwg_group", "build_bwd_wy",
-        "build_bwd_wy_group", "build_bwd_wy_wide", "build_gva_bwd"}
+        "build_bwd_wy_group", "build_gva_bwd"}
     assert any(b.__name__.startswith("build_bwd_dqkwg") for b, _ in asked)
     assert any(b.__name__ == "build_chunk_states" for b, _ in asked)
 

@@ -134,15 +134,13 @@ def test_context_parallel_backward_matches_float64_reference(name, segment_chunk
 @pytest.mark.parametrize("name,segment_chunks", [
     ("qwen_layout_l2norm_varlen", None), ("ragged_gva2_l2norm_padded_tail", 1), ("gva1_fp16_l2norm_no_h0", 1),
     ("dim64_l2norm", None), ("dense_gva4_T200_no_dht", None)])
-@pytest.mark.parametrize("wy", ["blocks", "wide"])
-def test_grouped_and_per_value_head_paths_give_the_reference_gradients(name, segment_chunks, wy, monkeypatch):
+def test_grouped_and_per_value_head_paths_give_the_reference_gradients(name, segment_chunks, monkeypatch):
     """The whole backward on the grouped kernels (``bwd_dqkwg.KERNEL = "group"``: dq and dk summed per key head on
-    chip; each grouped WY kernel) against the per-value-head path (the per-K-block dqkwg, WY and the GVA pass) and
-    the float64 reference."""
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, bwd_wy
+    chip, the grouped WY kernel finishing dk) against the per-value-head path (the per-K-block dqkwg, WY and the GVA
+    pass) and the float64 reference."""
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg
 
     case = q, k, v, g, beta, do, dht, h0, cu, l2 = _case(name)
-    monkeypatch.setattr(bwd_wy, "GROUP_KERNEL", wy)
 
     def run(choice):
         monkeypatch.setattr(bwd_dqkwg, "KERNEL", choice)
@@ -310,12 +308,10 @@ def test_wy_stage_and_the_reverse_cumsum_match_their_references(name):
     s.check("dg", dg, r["dg"][0], tol=0.02)
 
 
-@pytest.mark.parametrize("kernel", ["blocks", "wide"])
-@pytest.mark.parametrize("name", [n for n in STAGE_CASES if CASES[n][2] <= 128])
-def test_grouped_wy_stage_finishes_dk(name, kernel):
-    """The grouped WY kernels (one CTA per chunk and key head; ``bwd_wy.GROUP_KERNELS``): dk summed over the value
-    heads with the grouped dqkwg's part and the l2norm backward, dv, dbeta, dgamma and dg, against the float64
-    references."""
+@pytest.mark.parametrize("name", [n for n in STAGE_CASES if CASES[n][2] <= 128 and CASES[n][3] <= 128])
+def test_grouped_wy_stage_finishes_dk(name):
+    """The grouped WY kernel (one CTA per chunk and key head): dk summed over the value heads with the grouped
+    dqkwg's part and the l2norm backward, dv, dbeta, dgamma and dg, against the float64 references."""
     from flashqla_kernels.gated_delta_rule.hopper import bwd_wy, chunk_bwd
 
     s = _Stages(name)
@@ -330,7 +326,7 @@ def test_grouped_wy_stage_finishes_dk(name, kernel):
         dw, du = f(r["dw"], s.dtype), f(r["dv"], s.dtype)
         dw[s.n:], du[s.n:] = 0, 0
         dk, dv, dbeta, dgamma, dg = bwd_wy.bwd_wy_group(s.k, s.v, s.beta, s.gamma, s.ag, dw, du, dgp, dk_part,
-                                                        s.chunks, *norm, kernel=kernel)
+                                                        s.chunks, *norm)
     dk_r, dv_r, dbeta_r, dgamma_r = r["wy"]
     dy = gva_reduce_ref(r["dk"] + dk_r, s.Hk)
     s.check("dk", dk, (l2norm_bwd_ref(_d(s.raw_k), dy) if l2 else dy)[0])

@@ -124,12 +124,12 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
         (qn, rq), (kn, rk) = chunk_bwd.l2norm_fwd(q3, chunks), chunk_bwd.l2norm_fwd(k3, chunks)
     gamma, ag, _ = kkt_solve.kkt_solve(kn, g3, b3, chunks, Hv)
     h, v_new, dh, du, dh0 = sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, bdv)
-    if bwd_dqkwg.grouped(K):
+    if bwd_dqkwg.grouped(K, V):
         # per key head: dq finished by dqkwg, dk by WY (both summed over the value heads on chip, no GVA pass)
         dq, dk_k, dw, dgp = bwd_dqkwg.bwd_dqkwg_group(qn, kn, v_new, do3, du, h, dh, gamma, chunks, scale=scale,
                                                       **(dict(xq=q3, rq=rq) if l2norm else {}))
-        if cu[-1] < B * Tn and bwd_wy.GROUP_KERNEL == "wide":
-            # the wide WY kernel reads whole tiles: a padded tail's rows, which no kernel wrote, must be finite
+        if cu[-1] < B * Tn:
+            # the grouped WY kernel reads whole tiles: a padded tail's rows, which no kernel wrote, must be finite
             dw[cu[-1]:].zero_()
             du[cu[-1]:].zero_()
         dk, dv, dbeta, _, dg = bwd_wy.bwd_wy_group(kn, v3, b3, gamma, ag, dw, du, dgp, dk_k, chunks,
@@ -190,7 +190,7 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
     """The (builder, args) of every kernel ``chunk_gated_delta_rule_bwd`` compiles for one layout (kernel head dims
     K, V in 64 / 128 / 256; dtype "bfloat16" or "float16"; scale None = K^-0.5), with and without context
     parallelism, the states at every V slice the forward's plan may pick, and both of ``bwd_dqkwg.KERNELS``' paths
-    (per value head: dqkwg, WY, the GVA pass; per key head: the grouped dqkwg and WY, K <= 128)."""
+    (per value head: dqkwg, WY, the GVA pass; per key head: the grouped dqkwg and WY, K, V <= 128)."""
     from flashqla_kernels.gated_delta_rule.hopper import (
         bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, chunk_fwd, kkt_solve, segment_states, state_scan,
     )
@@ -207,11 +207,10 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
         (chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, False)),
         (chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, True)),
     ]
-    if K <= 128:
+    if K <= 128 and V <= 128:
         specs += [
             (bwd_dqkwg.build_bwd_dqkwg_group, (Hk, Hv, K, V, dtype, scale, l2norm)),
             (bwd_wy.build_bwd_wy_group, (Hk, Hv, K, V, dtype, l2norm)),
-            *([(bwd_wy.build_bwd_wy_wide, (Hk, Hv, K, V, dtype, l2norm))] if V <= 128 else []),
         ]
     specs += [
         # context parallelism of the dh walk: the maps, the reverse scan, the two passes

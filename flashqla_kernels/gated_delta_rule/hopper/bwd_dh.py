@@ -128,6 +128,11 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
                     T.clear(ds_f)
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
+                    if store_grads:
+                        # the previous step's store must have read dh_sh before it is overwritten: the thread that
+                        # issued it waits, and bar_start holds the others until it has
+                        if tx == 0:
+                            T.tma_store_wait(0)
                     T.barrier_arrive(bar_start)
                     T.barrier_wait(bar_start, it % 2)
                     T.copy(ds_f, dh_sh)
@@ -135,9 +140,9 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
                     T.barrier_arrive(bar_state)
                     T.barrier_wait(bar_state, it % 2)
                     if store_grads:
-                        # the gradient leaving this chunk, rounded as dh_sh holds it; stores from registers while
-                        # the values warpgroup runs the chain
-                        T.copy(ds_f, dh[c0 + n_it - 1 - it, bh, :, v0:v0 + bDV])
+                        # the gradient leaving this chunk, as dh_sh holds it: one bulk store (issued by thread 0)
+                        # that runs while the chain goes on; stores from registers stalled the walk
+                        T.tma_copy(dh_sh, dh[c0 + n_it - 1 - it, bh, :, v0:v0 + bDV])
                     for i, j in T.Parallel(K, bDV):
                         ds_f[i, j] = ds_f[i, j] * eg_sh[C - 1]
                     T.barrier_wait(bar_doe, it % 2)
@@ -145,6 +150,9 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
                     T.barrier_wait(bar_y, it % 2)
                     T.gemm(k_sh[it % 2, :, :], y_sh, ds_f, transpose_A=True)
                     T.barrier_arrive(free[it % 2])
+                if store_grads:
+                    if tx == 0:
+                        T.tma_store_wait(0)
                 if store_dh0:
                     T.copy(ds_f, dh0[bn, bh, :, v0:v0 + bDV])
 
@@ -152,6 +160,10 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
                 set_nreg(WS_NREG_VALUES)
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
+                    if store_grads:
+                        # the previous step's dv store must have read dv_sh (as the state warpgroup's dh store)
+                        if tx == 128:
+                            T.tma_store_wait(0)
                     T.barrier_arrive(bar_start)
                     T.barrier_wait(bar_start, it % 2)
                     for i in T.Parallel(C):
@@ -178,13 +190,18 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
                     T.barrier_arrive(bar_y)
                     T.barrier_arrive(free[it % 2])
                     if store_grads:
+                        # full chunks: one bulk store of dv_sh (thread 128), so the next step is not held up by
+                        # register stores; a ragged chunk's rows end inside the box, so it stores row by row
                         cs = bos + (n_it - 1 - it) * C
                         if cs + C <= eos:
-                            T.copy(dv_f, dv[cs:cs + C, bh, v0:v0 + bDV])
+                            T.tma_copy(dv_sh, dv[cs:cs + C, bh, v0:v0 + bDV])
                         else:
                             for i, j in T.Parallel(C, bDV):
                                 if cs + i < eos:
                                     dv[cs + i, bh, v0 + j] = dv_f[i, j]
+                if store_grads:
+                    if tx == 128:
+                        T.tma_store_wait(0)
 
             elif tx < 384:
                 set_nreg(WS_NREG_AUX)

@@ -448,11 +448,12 @@ def bwd_dqkwg(q, k, v_new, do, dv, h, dh, gamma, chunks, *, scale: float):
     return dq, dk, dw, dgp
 
 
-def grouped(K: int) -> bool:
-    """Whether the launcher runs the grouped kernels (``KERNEL`` is "group" and K <= 128)."""
+def grouped(K: int, V: int) -> bool:
+    """Whether the launcher runs the grouped kernels (``KERNEL`` is "group" and K, V <= 128: the grouped WY kernel
+    holds both whole)."""
     if KERNEL not in KERNELS:
         raise ValueError(f"bwd_dqkwg.KERNEL must be one of {KERNELS}; got {KERNEL!r}")
-    return KERNEL == "group" and K <= 2 * TILE
+    return KERNEL == "group" and K <= 2 * TILE and V <= 2 * TILE
 
 
 def bwd_dqkwg_group(q, k, v_new, do, dv, h, dh, gamma, chunks, *, scale: float, xq=None, rq=None):

@@ -203,195 +203,24 @@ def build_bwd_wy(Hk: int, Hv: int, K: int, V: int, dtype: str):
 
 
 def build_bwd_wy_group(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool):
-    """The grouped WY kernel: grid (chunks, Hk), 256 threads (``bwd_wy_group``). It runs ``build_bwd_wy``'s steps
-    for each value head of the key head in order, with K K^T formed once, and finishes dk on chip: the WY parts
-    ``diag(beta e) A^T dw`` and D = the heads' sum of dKK summed in shared memory (fp32, each thread on its own
-    elements), ``dKK K + dKK^T K`` as one pair of products with D at the end, the grouped dqkwg's part added, then
-    the l2norm backward. Accumulating in shared memory keeps the registers at the per-head kernel's count."""
+    """The grouped WY kernel: grid (chunks, Hk), 256 threads (``bwd_wy_group``; K, V <= 128). It runs
+    ``build_bwd_wy``'s steps for each value head of the key head in turn, with all of K and V in one tile: k is loaded
+    once per CTA, dw, du, v and X once per value head, the next value head's tiles double-buffered by cp.async while
+    this one's products run (``T.Pipelined``); the beta / exp(gamma) scalings are applied to the columns of dw K^T and
+    du V^T in registers instead of to scaled copies of K and V. dk's WY part and D = the heads' sum of dKK stay in
+    shared memory; D K + D^T K is formed once, the dqkwg part added and the l2norm backward applied, so dk leaves
+    finished. The tiles are read whole: rows past a ragged chunk's end are the next sequence's (finite) and meet only
+    zeros (A and dA masked to the chunk's rows, k's rows zeroed); the launcher zeroes dw's and du's rows of a padded
+    tail, which no kernel writes."""
+    if K > 2 * TILE or V > 2 * TILE:
+        raise ValueError(f"the grouped WY kernel holds K and V whole: K, V <= {2 * TILE}, got {K}, {V}")
     group = Hv // Hk
-    nK = K // TILE
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
     num_x = T.dynamic("num_x")
-
-    @T.macro
-    def through_a(x, dx, hx, hdx, col0, cs, n, x_sh, dx_sh, a_sh, r_f, t_f, red):
-        # one 64-wide block of K (x = k, dx = dw) or V (v, du): r = A^T dx, red = rowsum(r * x)
-        load_rows(x, x_sh, cs, n, hx, col0, TILE)
-        load_rows(dx, dx_sh, cs, n, hdx, col0, TILE)
-        T.gemm(a_sh, dx_sh, r_f, transpose_A=True, clear_accum=True)
-        for i, j in T.Parallel(C, TILE):
-            t_f[i, j] = r_f[i, j] * x_sh[i, j]
-        T.reduce_sum(t_f, red, dim=1)
 
     @T.prim_func
     def gdn_bwd_wy_group(
-        k: T.Tensor((num_tokens, Hk, K), dtype),
-        v: T.Tensor((num_tokens, Hv, V), dtype),
-        beta: T.Tensor((num_tokens, Hv), "float32"),
-        gamma: T.Tensor((num_tokens, Hv), "float32"),
-        ag: T.Tensor((num_tokens, Hv, C), "float16"),
-        dw: T.Tensor((num_tokens, Hv, K), dtype),
-        du: T.Tensor((num_tokens, Hv, V), dtype),
-        dgp: T.Tensor((2, num_tokens, Hv), "float32"),
-        dk_part: T.Tensor((num_tokens, Hk, K), "float32"),
-        xk: T.Tensor((num_x, Hk, K), dtype),
-        rk: T.Tensor((num_x, Hk), "float32"),
-        chunks: T.Tensor((num_chunks, 2), "int32"),
-        dk: T.Tensor((num_tokens, Hk, K), dtype),
-        dv: T.Tensor((num_tokens, Hv, V), dtype),
-        dbeta: T.Tensor((num_tokens, Hv), "float32"),
-        dgamma: T.Tensor((num_tokens, Hv), "float32"),
-        dg: T.Tensor((num_tokens, Hv), "float32"),
-    ):
-        with T.Kernel(num_chunks, Hk, threads=THREADS) as (bc, hk):
-            cs = chunks[bc, 0]
-            n = chunks[bc, 1] - cs
-            tx = T.get_thread_binding()
-            kb_sh = T.alloc_shared((C, TILE), dtype)
-            xb_sh = T.alloc_shared((C, TILE), dtype)
-            db_sh = T.alloc_shared((C, TILE), dtype)
-            x_sh = T.alloc_shared((C, C), "float16")
-            kkg_sh = T.alloc_shared((C, C), "float16")
-            a_sh = T.alloc_shared((C, C), dtype)
-            t_sh = T.alloc_shared((C, C), dtype)
-            dka_sh = T.alloc_shared((C, K), "float32")
-            dsum_sh = T.alloc_shared((C, C), "float32")
-            g_sh = T.alloc_shared((C,), "float32")
-            eg_sh = T.alloc_shared((C,), "float32")
-            er_sh = T.alloc_shared((C,), "float32")
-            b_sh = T.alloc_shared((C,), "float32")
-            rowf_sh = T.alloc_shared((C,), "float32")
-            cole_sh = T.alloc_shared((C,), "float32")
-            db_out = T.alloc_shared((C,), "float32")
-            dgm_sh = T.alloc_shared((C,), "float32")
-            acc = T.alloc_local((1,), "float32")
-            kk_f = T.alloc_fragment((C, C), "float32")
-            da_f = T.alloc_fragment((C, C), "float32")
-            a_f = T.alloc_fragment((C, C), "float32")
-            r_f = T.alloc_fragment((C, TILE), "float32")
-            t_f = T.alloc_fragment((C, TILE), "float32")
-            red = T.alloc_fragment((C,), "float32")
-            red_cc = T.alloc_fragment((C,), "float32")
-            red_col = T.alloc_fragment((C,), "float32")
-            acc_b = T.alloc_fragment((C,), "float32")
-            acc_g = T.alloc_fragment((C,), "float32")
-            ss = T.alloc_fragment((C,), "float32") if l2norm else None
-            # two CTAs an SM, as the per-head kernel gets (122 registers) without being told
-            T.annotate_min_blocks_per_sm(2)
-
-            # dk starts from the grouped dqkwg's part
-            for i, j in T.Parallel(C, K):
-                dka_sh[i, j] = dk_part[cs + T.min(i, n - 1), hk, j]
-
-            for hh in T.serial(group):
-                bh = hk * group + hh
-                load_gates(gamma, g_sh, eg_sh, er_sh, cs, n, bh)
-                for i in T.Parallel(C):
-                    b_sh[i] = T.if_then_else(i < n, beta[cs + T.min(i, n - 1), bh], 0.0)
-                load_rows(ag, x_sh, cs, n, bh, 0, C)
-                T.clear(kk_f)
-                T.clear(da_f)
-                for kb in T.serial(nK):
-                    load_rows(k, kb_sh, cs, n, hk, kb * TILE, TILE)
-                    load_rows(dw, db_sh, cs, n, bh, kb * TILE, TILE)
-                    for i, j in T.Parallel(C, TILE):
-                        xb_sh[i, j] = kb_sh[i, j] * b_sh[i] * eg_sh[i]
-                    T.gemm(kb_sh, kb_sh, kk_f, transpose_B=True)
-                    T.gemm(db_sh, xb_sh, da_f, transpose_B=True)
-                for vb in T.serial(V // TILE):
-                    load_rows(v, kb_sh, cs, n, bh, vb * TILE, TILE)
-                    load_rows(du, db_sh, cs, n, bh, vb * TILE, TILE)
-                    for i, j in T.Parallel(C, TILE):
-                        xb_sh[i, j] = kb_sh[i, j] * b_sh[i]
-                    T.gemm(db_sh, xb_sh, da_f, transpose_B=True)
-
-                through_inverse(x_sh, kkg_sh, a_sh, t_sh, kk_f, da_f, a_f, g_sh, b_sh, rowf_sh, cole_sh, red_cc, red_col,
-                                C)
-                # D += dKK = diag(beta) dM * Gamma (its products with K wait for the last head)
-                if hh == 0:
-                    for i, j in T.Parallel(C, C):
-                        dsum_sh[i, j] = T.if_then_else(
-                            j < i, da_f[i, j] * b_sh[i] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
-                else:
-                    for i, j in T.Parallel(C, C):
-                        dsum_sh[i, j] += T.if_then_else(
-                            j < i, da_f[i, j] * b_sh[i] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
-
-                T.clear(acc_b)
-                T.clear(acc_g)
-                for kb in T.serial(nK):
-                    through_a(k, dw, hk, bh, kb * TILE, cs, n, kb_sh, db_sh, a_sh, r_f, t_f, red)
-                    for i in T.Parallel(C):
-                        acc_b[i] += red[i] * eg_sh[i]
-                        acc_g[i] += red[i] * eg_sh[i] * b_sh[i]
-                    for i, j in T.Parallel(C, TILE):
-                        dka_sh[i, kb * TILE + j] += r_f[i, j] * b_sh[i] * eg_sh[i]
-                for vb in T.serial(V // TILE):
-                    through_a(v, du, bh, bh, vb * TILE, cs, n, kb_sh, db_sh, a_sh, r_f, t_f, red)
-                    for i in T.Parallel(C):
-                        acc_b[i] += red[i]
-                    for i, j in T.Parallel(C, TILE):
-                        r_f[i, j] = r_f[i, j] * b_sh[i]
-                    store_rows(r_f, dv, cs, n, bh, vb * TILE, TILE)
-
-                for i in T.Parallel(C):
-                    db_out[i] = acc_b[i] + rowf_sh[i]
-                    dgm_sh[i] = acc_g[i] + b_sh[i] * rowf_sh[i] - cole_sh[i]
-                # with the grouped dqkwg's two partial sums, in order
-                write_gate_grads(db_out, dgm_sh, dgp, 2, dbeta, dgamma, dg, cs, n, bh, tx, acc)
-                T.sync_threads()
-
-            # dk = the summed parts + D K + D^T K, then (l2norm) dx = r (dy - (y . dy) y), y = r x
-            for i, j in T.Parallel(C, C):
-                t_sh[i, j] = dsum_sh[i, j]
-            if l2norm:
-                T.clear(ss)
-            for kb in T.serial(nK):
-                load_rows(k, kb_sh, cs, n, hk, kb * TILE, TILE)
-                for i, j in T.Parallel(C, TILE):
-                    r_f[i, j] = dka_sh[i, kb * TILE + j]
-                T.gemm(t_sh, kb_sh, r_f)
-                T.gemm(t_sh, kb_sh, r_f, transpose_A=True)
-                for i, j in T.Parallel(C, TILE):
-                    dka_sh[i, kb * TILE + j] = r_f[i, j]
-                if l2norm:
-                    for i, j in T.Parallel(C, TILE):
-                        t_f[i, j] = r_f[i, j] * rk[cs + T.min(i, n - 1), hk] * T.cast(
-                            xk[cs + T.min(i, n - 1), hk, kb * TILE + j], "float32")
-                    T.reduce_sum(t_f, red, dim=1)
-                    for i in T.Parallel(C):
-                        ss[i] += red[i]
-            for kb in T.serial(nK):
-                for i, j in T.Parallel(C, TILE):
-                    if l2norm:
-                        r_f[i, j] = rk[cs + T.min(i, n - 1), hk] * (
-                            dka_sh[i, kb * TILE + j] - ss[i] * rk[cs + T.min(i, n - 1), hk]
-                            * T.cast(xk[cs + T.min(i, n - 1), hk, kb * TILE + j], "float32"))
-                    else:
-                        r_f[i, j] = dka_sh[i, kb * TILE + j]
-                store_rows(r_f, dk, cs, n, hk, kb * TILE, TILE)
-
-    return gdn_bwd_wy_group
-
-
-def build_bwd_wy_wide(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool):
-    """A candidate for the grouped WY kernel, same arguments and outputs (``bwd_wy_group(kernel="wide")``; K, V <=
-    128): all of K and V in one tile, so each value head loads k once per CTA and dw, du, v, X once (the grouped
-    kernel loads 64-wide blocks twice, waiting on each), the next value head's tiles double-buffered by cp.async
-    while this one's products run (``T.Pipelined``), and the beta / exp(gamma) scalings applied to the columns of
-    dw K^T and du V^T in registers instead of to scaled copies of K and V. The tiles are read whole: rows past a
-    ragged chunk's end are the next sequence's (finite) and meet only zeros (A and dA masked to the chunk's rows,
-    k's rows zeroed); the launcher zeroes dw's and du's rows of a padded tail, which no kernel writes."""
-    if K > 2 * TILE or V > 2 * TILE:
-        raise ValueError(f"the wide WY kernel holds K and V whole: K, V <= {2 * TILE}, got {K}, {V}")
-    group = Hv // Hk
-    num_tokens = T.dynamic("num_tokens")
-    num_chunks = T.dynamic("num_chunks")
-    num_x = T.dynamic("num_x")
-
-    @T.prim_func
-    def gdn_bwd_wy_wide(
         k: T.Tensor((num_tokens, Hk, K), dtype),
         v: T.Tensor((num_tokens, Hv, V), dtype),
         beta: T.Tensor((num_tokens, Hv), "float32"),
@@ -516,12 +345,12 @@ def build_bwd_wy_wide(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool
                 l2norm_bwd_rows(dka_sh, rk_f, ss, xk, rk, cs, n, hk, K)
             store_rows(rk_f, dk, cs, n, hk, 0, K)
 
-    return gdn_bwd_wy_wide
+    return gdn_bwd_wy_group
 
 
 # cp.async double buffering of the value heads' tiles; TileLang's automatic warp specialisation and TMA lowering are
 # off (the pipelined conv kernel's reasons: fragments replicated across producer-fed consumers)
-build_bwd_wy_wide.pass_configs = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": True}
+build_bwd_wy_group.pass_configs = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": True}
 
 
 def bwd_wy(k, v, beta, gamma, ag, dw, du, dgp, chunks):
@@ -547,21 +376,15 @@ def bwd_wy(k, v, beta, gamma, ag, dw, du, dgp, chunks):
     return dk, dv, dbeta, dgamma, dg
 
 
-# the grouped WY kernels: "blocks" (``build_bwd_wy_group``, 64-wide blocks, loads waited on) and the candidate "wide"
-# (``build_bwd_wy_wide``, whole tiles double-buffered); GROUP_KERNEL is what the launcher runs
-GROUP_KERNELS = ("blocks", "wide")
-GROUP_KERNEL = "blocks"
-
-
-def bwd_wy_group(k, v, beta, gamma, ag, dw, du, dgp, dk_part, chunks, xk=None, rk=None, kernel=None):
+def bwd_wy_group(k, v, beta, gamma, ag, dw, du, dgp, dk_part, chunks, xk=None, rk=None):
     """The WY backward and dg after the grouped dqkwg (``bwd_dqkwg.bwd_dqkwg_group``), with dk finished: the WY
     part summed over each key head's value heads, ``dk_part`` added, and the l2norm backward when ``xk`` is given.
 
     Args:
         k, v, beta, gamma, ag, dw, du, chunks: as ``bwd_wy``'s. dgp: [2, T, Hv] fp32 and dk_part: [T, Hk, K] fp32,
         the grouped dqkwg's. xk: [T, Hk, K] the raw k with rk [T, Hk] fp32 its l2norm factor, or None.
-        kernel: one of ``GROUP_KERNELS`` (None: ``GROUP_KERNEL``); "wide" reads whole tiles, so the rows of dw and du
-        outside every chunk (a padded tail) must be finite (the launcher zeroes them).
+        The kernel reads whole tiles: the rows of dw and du outside every chunk (a padded tail) must be finite (the
+        launcher zeroes them).
 
     Returns:
         (dk [T, Hk, K] in k's dtype, dv [T, Hv, V] in v's dtype, dbeta [T, Hv] fp32, dgamma [T, Hv] fp32 the WY part
@@ -570,11 +393,7 @@ def bwd_wy_group(k, v, beta, gamma, ag, dw, du, dgp, dk_part, chunks, xk=None, r
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     l2norm = xk is not None
-    kernel = GROUP_KERNEL if kernel is None else kernel
-    if kernel not in GROUP_KERNELS:
-        raise ValueError(f"kernel must be one of {GROUP_KERNELS}; got {kernel!r}")
-    builder = build_bwd_wy_wide if kernel == "wide" else build_bwd_wy_group
-    kernel = toolkit.compile_kernel(builder, Hk, Hv, K, V, toolkit.tl_dtype(k.dtype), l2norm)
+    kernel = toolkit.compile_kernel(build_bwd_wy_group, Hk, Hv, K, V, toolkit.tl_dtype(k.dtype), l2norm)
     if not l2norm:
         xk, rk = toolkit.unread((1, Hk, K), k.dtype, k.device), toolkit.unread((1, Hk), torch.float32, k.device)
     dk = toolkit.empty((Tn, Hk, K), k.dtype, k.device)

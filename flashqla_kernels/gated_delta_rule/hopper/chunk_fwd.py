@@ -33,10 +33,11 @@ head), folded into the row scalings the chunk step already applies: ``K_n S = di
 ``(gamma_i log2 e + log2 rq_i) - (gamma_j log2 e - log2 rk_j)``, the same instruction count as without l2norm) and
 ``K_n^T Vn = K^T diag(rk) Vn`` (Vn carries rk).
 
-The backward's recompute (``chunk_states``, ``build_chunk_states``) runs the same step and writes each
-chunk's entering state (WG0, from registers, while WG1 forms Vn) and Vd = v_new (WG1) instead of o: the output
-warpgroup keeps only its part of the barrier protocol and the producer loads no q. The forward's specialisations
-compile to the same CUDA as before the step gained this mode.
+The step can also write each chunk's entering state h (WG0: one bulk TMA store of the shared-memory copy it makes
+anyway, waited on only before the next step overwrites it) and Vd = v_new (WG1), what the backward needs. The
+forward under grad does so beside o (``save_states``: the backward then skips its recompute), and the backward's
+recompute (``chunk_states``, ``build_chunk_states``) does so instead of o: its output warpgroup keeps only its part
+of the barrier protocol and the producer loads no q.
 
 Grid (V / bDV, Hv, segments), 512 threads. ``segs[s] = (start, end, init, final)``: token range, the row of ``h_init``
 to start from (-1: zeros) and the row of ``ht`` to write (-1: none).
@@ -66,9 +67,9 @@ def set_nreg(count: int):
 
 
 def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool,
-                l2norm: bool, store_states: bool):
+                l2norm: bool, store_states: bool, outputs: bool = True):
     """The step both kernels run (the module doc), as a macro over their tensors; ``store_states``: write each
-    chunk's entering state and v_new instead of o and ht."""
+    chunk's entering state and v_new; ``outputs``: write o (and ht with ``store_final``)."""
     group = Hv // Hk
     # the operands of the Ag W and Pg Vd GEMMs: W, Ag, Vd, Pg
     idt = "float16"
@@ -136,6 +137,11 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
                     T.clear(s_f)
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
+                    if store_states:
+                        # the previous step's store must have read h_sh before it is overwritten; the thread that
+                        # issued it waits, and bar_start holds the others until it has
+                        if tx == 0:
+                            T.tma_store_wait(0)
                     T.barrier_arrive(bar_start)
                     T.barrier_wait(bar_start, it % 2)
                     T.copy(s_f, h_sh)
@@ -143,14 +149,17 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
                     T.barrier_arrive(bar_state)
                     T.barrier_wait(bar_state, it % 2)
                     if store_states:
-                        # the state entering this chunk, rounded as h_sh holds it; fire-and-forget stores from
-                        # registers while the values warpgroup forms Vn
-                        T.copy(s_f, hs[seg_chunk0[bs] + it, bh, :, v0:v0 + bDV])
+                        # the state entering this chunk, as h_sh holds it: one bulk store from shared memory that
+                        # runs while this warpgroup and the values warpgroup go on (register stores stalled the walk)
+                        T.tma_copy(h_sh, hs[seg_chunk0[bs] + it, bh, :, v0:v0 + bDV])
                     for i, j in T.Parallel(K, bDV):
                         s_f[i, j] = s_f[i, j] * eg_sh[C - 1]
                     T.barrier_wait(bar_vn, it % 2)
                     T.gemm(k_sh[it % 2, :, :], vn_sh, s_f, transpose_A=True)
                     T.barrier_arrive(free[it % 2])
+                if store_states:
+                    if tx == 0:
+                        T.tma_store_wait(0)
                 if store_final:
                     if fin >= 0:
                         T.copy(s_f, ht[fin, bh, :, v0:v0 + bDV])
@@ -215,7 +224,7 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
                     if it == 0:  # later steps: arrived at the end of the previous one, before its O store
                         T.barrier_arrive(bar_start)
                     T.barrier_wait(bar_start, it % 2)
-                    if not store_states:  # the recompute needs no output: only the barrier protocol
+                    if outputs:  # the recompute needs no output: only the barrier protocol
                         T.gemm(q_sh[it % 2, :, :], k_sh[it % 2, :, :], p_f, transpose_B=True, clear_accum=True)
                         if l2norm:
                             for i, j in T.Parallel(C, C):
@@ -240,7 +249,7 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
                     # this step's shared-memory reads (h_sh, eg_sh, vd_sh) are done: release the next step to the
                     # other warpgroups now and store O while they run it
                     T.barrier_arrive(bar_start)
-                    if not store_states:
+                    if outputs:
                         cs = s0 + it * C
                         if cs + C <= s1:
                             T.copy(o_f, o[cs:cs + C, bh, v0:v0 + bDV])
@@ -258,10 +267,10 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
                         cs = s0 + it * C
                         # the recompute reads no q (its output warpgroup is idle)
                         if cs + C <= s1:
-                            if not store_states:
+                            if outputs:
                                 T.tma_copy(q[cs:cs + C, hk, :], q_sh[it % 2, :, :], barrier=ready[it % 2])
                             T.tma_copy(k[cs:cs + C, hk, :], k_sh[it % 2, :, :], barrier=ready[it % 2])
-                        elif store_states:
+                        elif not outputs:
                             for i, j in T.Parallel(C, K):
                                 k_sh[it % 2, i, j] = T.if_then_else(cs + i < s1, k[T.min(cs + i, s1 - 1), hk, j],
                                                                     T.cast(0, dtype))
@@ -318,15 +327,39 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
 
 
 def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool,
-                    l2norm: bool = False):
+                    l2norm: bool = False, save_states: bool = False):
     """The chunk_fwd kernel for q/k/v in ``dtype`` (bfloat16 or float16); ``store_final``: write ``ht``;
-    ``l2norm``: normalise q and k by ``rn`` (the module doc)."""
-    step = _chunk_step(Hk, Hv, K, V, bDV, dtype, scale, store_final, l2norm, False)
+    ``l2norm``: normalise q and k by ``rn`` (the module doc); ``save_states``: also write every chunk's entering
+    state and v_new for the backward (``chunk_states``' outputs)."""
+    step = _chunk_step(Hk, Hv, K, V, bDV, dtype, scale, store_final, l2norm, save_states)
     num_tokens = T.dynamic("num_tokens")
     num_segs = T.dynamic("num_segs")
     num_init = T.dynamic("num_init")
     num_final = T.dynamic("num_final")
     num_rn = T.dynamic("num_rn")
+    if save_states:
+        num_chunks = T.dynamic("num_chunks")
+
+        @T.prim_func
+        def gdn_chunk_fwd_saving(
+            q: T.Tensor((num_tokens, Hk, K), dtype),
+            k: T.Tensor((num_tokens, Hk, K), dtype),
+            v: T.Tensor((num_tokens, Hv, V), dtype),
+            a0: T.Tensor((num_tokens, Hv, C), "float16"),
+            gamma: T.Tensor((num_tokens, Hv), "float32"),
+            beta: T.Tensor((num_tokens, Hv), "float32"),
+            h_init: T.Tensor((num_init, Hv, K, V), "float32"),
+            segs: T.Tensor((num_segs, 4), "int32"),
+            o: T.Tensor((num_tokens, Hv, V), dtype),
+            ht: T.Tensor((num_final, Hv, K, V), "float32"),
+            rn: T.Tensor((num_rn, Hk, 2), "float32"),
+            seg_chunk0: T.Tensor((num_segs,), "int32"),
+            hs: T.Tensor((num_chunks, Hv, K, V), dtype),
+            vns: T.Tensor((num_tokens, Hv, V), dtype),
+        ):
+            step(q, k, v, a0, gamma, beta, h_init, segs, o, ht, rn, hs, vns, seg_chunk0)
+
+        return gdn_chunk_fwd_saving
 
     @T.prim_func
     def gdn_chunk_fwd(
@@ -350,7 +383,7 @@ def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
 def build_chunk_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str):
     """The backward's recompute kernel ``gdn_chunk_states`` (the module doc): keys already normalised, every
     chunk's entering state and v_new written in ``dtype``."""
-    step = _chunk_step(Hk, Hv, K, V, bDV, dtype, 1.0, False, False, True)
+    step = _chunk_step(Hk, Hv, K, V, bDV, dtype, 1.0, False, False, True, outputs=False)
     num_tokens = T.dynamic("num_tokens")
     num_segs = T.dynamic("num_segs")
     num_init = T.dynamic("num_init")
@@ -396,7 +429,7 @@ def chunk_states(k, v, ag, gamma, beta, h_init, segs, seg_chunk0, num_chunks: in
     return h, v_new
 
 
-def chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale: float, bDV: int, rn=None):
+def chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale: float, bDV: int, rn=None, states=None):
     """Run the chunk_fwd stage in place.
 
     Args:
@@ -404,15 +437,20 @@ def chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale: float, bD
         gamma, beta: [T, Hv] fp32; h_init: [R, Hv, K, V] fp32 start states (R >= 1); segs: [S, 4] int32 (see the
         module doc); ht: [N, Hv, K, V] fp32 (written) or None. scale: output scale. bDV: V slice per CTA (32, 64, 128).
         rn: [T, Hk, 2] fp32 inverse l2 norms of q and k (``kkt_solve``'s, with l2norm) or None.
+        states: None, or (seg_chunk0 [S] int32 the plan's first chunk row of each segment, h [>= NC, Hv, K, V] and
+        v_new [T, Hv, V] in q's dtype): also write ``chunk_states``' outputs into h and v_new, for the backward.
     """
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     store_final = ht is not None
     kernel = toolkit.compile_kernel(build_chunk_fwd, Hk, Hv, K, V, bDV, toolkit.tl_dtype(q.dtype), float(scale),
-                                    store_final, rn is not None)
+                                    store_final, rn is not None, states is not None)
     if ht is None:
         # the kernel's ht argument, not written without store_final
         ht = toolkit.unread((1, Hv, K, V), torch.float32, q.device)
     if rn is None:
         rn = toolkit.unread((1, Hk, 2), torch.float32, q.device)  # not read without l2norm
-    kernel(q, k, v, ag, gamma, beta, h_init, segs, o, ht, rn)
+    if states is None:
+        kernel(q, k, v, ag, gamma, beta, h_init, segs, o, ht, rn)
+    else:
+        kernel(q, k, v, ag, gamma, beta, h_init, segs, o, ht, rn, *states)
