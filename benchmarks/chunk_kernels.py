@@ -32,7 +32,8 @@ def chunk_specs(layouts, sms, *, scale=None, final=(True,), scans=True, widths=(
         specs.add(("kkt_solve", (Hk, Hv, Kd, dt, l2)))
         for bdv in slices:
             specs.add(("segment_states", (Hk, Hv, Kd, Kd, bdv, dt, l2)))
-            specs |= {("chunk_fwd", (Hk, Hv, Kd, Kd, bdv, dt, sc, fin, l2)) for fin in final}
+            # the last argument: the forward saves no states for a backward (no grad)
+            specs |= {("chunk_fwd", (Hk, Hv, Kd, Kd, bdv, dt, sc, fin, l2, False)) for fin in final}
         if scans:
             specs |= {("state_scan", (Hv, Kd, Kd, True)), ("state_scan", (Hv, Kd, Kd, False))}
     return sorted(specs)

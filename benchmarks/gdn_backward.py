@@ -65,6 +65,7 @@ def arms(q, k, v, g, beta, h0, cu) -> dict:
 # arm beside "ours" (the defaults as shipped); an arm equal to the defaults is skipped
 AB_ARMS = {
     "ours_per_value_head": ("bwd_dqkwg", "KERNEL", "blocked"),
+    "ours_recompute_states": ("custom_op", "SAVE_STATES", False),
 }
 
 
@@ -75,9 +76,9 @@ BWD_SEGMENT_SWEEP = (0, 16, 32, 64, 128, 256)
 def fwd_bwd(fn, do, dht, override=None):
     """One forward + backward through ``fn`` (the op, then the backward of (o, final state)); ``override``: an
     ``AB_ARMS`` entry set for this step only (the public op's backward reads the module defaults)."""
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, bwd_wy
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, custom_op
 
-    modules = {"bwd_dqkwg": bwd_dqkwg, "bwd_wy": bwd_wy}
+    modules = {"bwd_dqkwg": bwd_dqkwg, "custom_op": custom_op}
 
     def step():
         if override is None:

@@ -158,11 +158,12 @@ def test_backward_plan_tables():
 
 
 @pytest.mark.parametrize("seq_chunks,Hv,want", [
-    ([128], 32, 32),          # 16/32 8192x1: 64 walks of 132 SMs -> 4 segments each
-    ([512], 32, 128),         # 32768x1
-    ([512], 8, 32),           # 4/8 32768x1: 16 walks -> 16 segments each
+    ([128], 32, 0),           # 16/32 8192x1: 64 walks, half the SMs: whole
+    ([512], 32, 0),           # 16/32 32768x1: the same walks, 4x longer: still whole
+    ([512], 16, 128),         # 16/16 32768x1: 32 walks -> 4 segments each
+    ([512], 8, 64),           # 4/8 32768x1: 16 walks -> 8 segments each
     ([64] * 8, 32, 0),        # 4096x8: 512 walks fill the SMs twice
-    ([16], 32, 0),            # short: no segment shorter than the minimum
+    ([16], 8, 0),             # short: no segment shorter than the minimum
 ])
 def test_backward_split_rule(seq_chunks, Hv, want):
     assert plan.choose_bwd_segment_chunks(seq_chunks, Hv, 2, 132) == want

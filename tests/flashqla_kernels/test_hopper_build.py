@@ -26,7 +26,7 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc to compile for 
 S128 = 128 ** -0.5
 
 # (stage, builder args); builders: kkt_solve(Hk, Hv, K, dtype, l2norm), chunk_fwd(Hk, Hv, K, V, bDV, dtype, scale,
-# store_final, l2norm), segment_states(Hk, Hv, K, V, bDV, dtype, l2norm), state_scan(Hv, K, V, has_h0)
+# store_final, l2norm, save_states), segment_states(Hk, Hv, K, V, bDV, dtype, l2norm), state_scan(Hv, K, V, has_h0)
 CORE = [
     ("kkt_solve", (16, 32, 128, "bfloat16", False)),
     ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, False)),
@@ -35,6 +35,8 @@ CORE = [
     # the op under transformers (use_qk_l2norm_in_kernel=True): q and k normalised inside the stages
     ("kkt_solve", (16, 32, 128, "bfloat16", True)),
     ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, True)),
+    # the forward under grad: also the states for the backward
+    ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, True, True)),
 ]
 EXTRA = [
     ("kkt_solve", (2, 4, 64, "float16")),
@@ -103,6 +105,10 @@ def _check_chunk_fwd(args, src):
     l2norm = len(args) > 8 and args[8]
     assert loop and ("ek_sh" if l2norm else "eg_sh") in loop.group(2), "no W element loop after the K S GEMM"
     assert "__sync_thread_partial" not in loop.group(2) and "stmatrix" in values
+    if len(args) > 9 and args[9]:
+        # saving for the backward: each chunk's entering state leaves by one bulk store of its shared copy, waited on
+        # (reads only) before that copy is overwritten
+        assert "tl::tma_store(hs_desc" in src and "tma_store_wait<0, true>" in src
 
 
 def _check_structure(stage, args, src):

@@ -124,14 +124,24 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
             assert not x[:, -5:].any(), "the padded tail's gradients must be exactly 0"
     want = {(b, a) for b, a in backward.kernel_specs(Hk, Hv, Kp, Vp, dtype, l2, has_h0, has_dht, scale=K ** -0.5)}
     assert set(asked) <= want
-    # the forward's plan picks one of the V slices listed for the recomputed states, bwd_dqkwg.KERNEL between the
-    # per-value-head path (dqkwg, WY, GVA) and the grouped one:
-    # only those may go unasked
-    assert {b.__name__ for b, _ in want - set(asked)} <= {
-        "build_chunk_states", "build_segment_states", "build_bwd_dqkwg", "build_bwd_dqkwg_group", "build_bwd_wy",
-        "build_bwd_wy_group", "build_gva_bwd"}
     assert any(b.__name__.startswith("build_bwd_dqkwg") for b, _ in asked)
     assert any(b.__name__ == "build_chunk_states" for b, _ in asked)
+    # the forward under grad saves the states with its chunk kernel: that kernel is listed too (its other kernels
+    # are the forward's own precompile list's)
+    recompute = set(asked)
+    monkeypatch.setattr(backward.plan, "num_sms", lambda device: 132)  # the forward's plan asks the device
+    for segment_chunks in (None, 1):
+        out = backward.forward.chunk_gated_delta_rule_fwd(
+            q, k, v, g, beta, initial_state=h0, output_final_state=has_dht, use_qk_l2norm_in_kernel=l2,
+            cu_seqlens=cu, segment_chunks=segment_chunks, save_states=True)
+        assert len(out) == 4 and out[2].shape[1:] == (Hv, Kp, Vp) and out[3].shape == (q.shape[0] * q.shape[1], Hv, Vp)
+    saving = {(b, a) for b, a in set(asked) - recompute if b.__name__ == "build_chunk_fwd"}
+    assert saving and all(a[-1] is True for _, a in saving) and saving <= want
+    # the forward's plan picks one of the V slices listed for the states, bwd_dqkwg.KERNEL between the
+    # per-value-head path (dqkwg, WY, GVA) and the grouped one: only those may go unasked
+    assert {b.__name__ for b, _ in want - set(asked)} <= {
+        "build_chunk_states", "build_segment_states", "build_chunk_fwd", "build_bwd_dqkwg", "build_bwd_dqkwg_group",
+        "build_bwd_wy", "build_bwd_wy_group", "build_gva_bwd"}
 
 
 def test_gpu_test_cases_are_all_precompiled():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flashqla_kernels import toolkit
-from flashqla_kernels.gated_delta_rule.hopper import backward
+from flashqla_kernels.gated_delta_rule.hopper import backward, forward
 from flashqla_kernels.gated_delta_rule.reference import l2norm
 from flashqla_kernels.gated_delta_rule.reference_bwd import (
     chunk_bwd_dh_ref, chunk_bwd_dqkwg_ref, chunk_bwd_dv_local_ref, chunk_bwd_recompute_ref, chunk_bwd_wy_ref,
@@ -129,6 +129,33 @@ def test_context_parallel_backward_matches_float64_reference(name, segment_chunk
                                                    use_qk_l2norm_in_kernel=l2, segment_chunks=segments)
 
     _check_variant(name, case, run, segment_chunks, 0, "split vs whole")
+
+
+@pytest.mark.parametrize("name,segment_chunks", [(n, None) for n in sorted(CASES)]
+                         + [("qwen_layout_l2norm_varlen", 2), ("ragged_gva2_l2norm_padded_tail", 1)])
+def test_states_saved_by_the_forward_give_the_reference_gradients(name, segment_chunks):
+    """The backward on the states the forward saved (``save_states``: h and v_new written by the forward's own
+    step, split into segments as the forward's plan splits them) against the backward that recomputes them and the
+    float64 reference; saving leaves the forward's outputs bit-identical."""
+    case = q, k, v, g, beta, do, dht, h0, cu, l2 = _case(name)
+
+    def fwd(save):
+        return forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
+                                                  segment_chunks=segment_chunks, save_states=save)
+
+    with toolkit.poisoned_outputs():
+        o, ht, h, v_new = fwd(True)
+        o_plain, ht_plain = fwd(False)
+    assert torch.equal(o, o_plain) and torch.equal(ht, ht_plain), f"{name}: saving the states changed the forward"
+
+    def run(choice):
+        states = fwd(True)[2:] if choice == "saved" else None
+        return backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
+                                                   use_qk_l2norm_in_kernel=l2, segment_chunks=segment_chunks,
+                                                   states=states)
+
+    _check_variant(name, case, run, "saved", "recomputed", "saved vs recomputed states")
 
 
 @pytest.mark.parametrize("name,segment_chunks", [

@@ -15,13 +15,21 @@ from flashqla_kernels.gated_delta_rule.torch_path import chunk_gated_delta_rule_
 
 
 def _fwd_stand_in(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                  cu_seqlens):
+                  cu_seqlens, save_states=False):
     with torch.no_grad():
-        return chunk_gated_delta_rule_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                            use_qk_l2norm_in_kernel, cu_seqlens)
+        o, ht = chunk_gated_delta_rule_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                             use_qk_l2norm_in_kernel, cu_seqlens)
+    if not save_states:
+        return o, ht
+    # the saved states' shapes as the launcher returns them (kernel head dims: 16 -> 64, 8 -> 64)
+    B, T, Hv = q.shape[0], q.shape[1], v.shape[2]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    Kp, Vp = forward.padded_head_dim(k.shape[3]), forward.padded_head_dim(v.shape[3])
+    return o, ht, torch.full((forward.saved_chunks(B, T, N), Hv, Kp, Vp), 0.5), torch.full((B * T, Hv, Vp), 0.25)
 
 
-def _bwd_stand_in(q, k, v, g, beta, do, dht, *, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel):
+def _bwd_stand_in(q, k, v, g, beta, do, dht, *, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                  states=None):
     grads = chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do, dht, scale=scale, initial_state=initial_state,
                                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
     like = (q, k, v, g, beta)
@@ -35,10 +43,13 @@ def kernels_on_cpu(monkeypatch):
 
     def fwd(*a, **kw):
         calls["fwd"] += 1
-        return _fwd_stand_in(*a, **kw)
+        out = _fwd_stand_in(*a, **kw)
+        calls["saved"] = out[2:]
+        return out
 
     def bwd(*a, **kw):
         calls["bwd"] += 1
+        calls["states"] = kw.get("states")
         return _bwd_stand_in(*a, **kw)
 
     monkeypatch.setattr(api, "_verifiers", lambda op, *a: ())
@@ -73,7 +84,10 @@ def test_gradients_through_the_custom_op_equal_autograd_of_the_torch_path(kernel
     do = torch.randn(tensors[2].shape, generator=gen)
     dht = torch.randn(tensors[5].shape, generator=gen)
     o, ht, grads = _grads(chunk_gated_delta_rule, tensors, cu, do, dht)
-    assert kernels_on_cpu == {"fwd": 1, "bwd": 1}
+    assert (kernels_on_cpu["fwd"], kernels_on_cpu["bwd"]) == (1, 1)
+    # the states the forward saved reach the backward as they were
+    saved, states = kernels_on_cpu["saved"], kernels_on_cpu["states"]
+    assert len(saved) == 2 and states is not None and all(torch.equal(a, b) for a, b in zip(saved, states))
     o_t, ht_t, grads_t = _grads(chunk_gated_delta_rule_torch, tensors, cu, do, dht)
     torch.testing.assert_close(o, o_t)
     torch.testing.assert_close(ht, ht_t)
@@ -84,7 +98,20 @@ def test_gradients_through_the_custom_op_equal_autograd_of_the_torch_path(kernel
     # without grad the launcher runs directly: no custom op, nothing saved
     with torch.no_grad():
         chunk_gated_delta_rule(*tensors[:5], cu_seqlens=cu)
-    assert kernels_on_cpu == {"fwd": 2, "bwd": 1}
+    assert (kernels_on_cpu["fwd"], kernels_on_cpu["bwd"], kernels_on_cpu["saved"]) == (2, 1, ())
+
+
+def test_without_saved_states_the_backward_recomputes_them(kernels_on_cpu, monkeypatch):
+    monkeypatch.setattr(custom_op, "SAVE_STATES", False)
+    tensors, cu = _inputs(lengths=(20, 9))
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(tensors[2].shape, generator=gen)
+    dht = torch.randn(tensors[5].shape, generator=gen)
+    _, _, grads = _grads(chunk_gated_delta_rule, tensors, cu, do, dht)
+    assert kernels_on_cpu["saved"] == () and kernels_on_cpu["states"] is None
+    _, _, grads_t = _grads(chunk_gated_delta_rule_torch, tensors, cu, do, dht)
+    for d, d_t in zip(grads, grads_t):
+        torch.testing.assert_close(d, d_t, rtol=1e-4, atol=1e-4)
 
 
 def test_only_the_output_or_only_the_final_state_may_carry_a_gradient(kernels_on_cpu):
@@ -103,11 +130,11 @@ def test_only_the_output_or_only_the_final_state_may_carry_a_gradient(kernels_on
         torch.testing.assert_close(d, d_t, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("with_state", [True, False])
-def test_opcheck_passes_for_the_forward_op(kernels_on_cpu, with_state):
+@pytest.mark.parametrize("with_state,save_states", [(True, True), (False, True), (True, False)])
+def test_opcheck_passes_for_the_forward_op(kernels_on_cpu, with_state, save_states):
     tensors, cu = _inputs(lengths=(20, 9))
     xs = [x.requires_grad_() for x in tensors]
-    args = (*xs[:5], xs[5] if with_state else None, cu, 16 ** -0.5, with_state, True)
+    args = (*xs[:5], xs[5] if with_state else None, cu, 16 ** -0.5, with_state, True, save_states)
     torch.library.opcheck(torch.ops.flashqla_kernels.chunk_gated_delta_rule.default, args)
 
 

@@ -193,14 +193,15 @@ def _torch_kkt_solve(k, g, beta, chunks, Hv, q=None):
     return gamma, ag, rn
 
 
-def _torch_chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale, bDV, rn=None):
+def _torch_chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale, bDV, rn=None, states=None):
     """chunk_fwd's contract in float64 torch: segments from h_init rows, o and ht written in place; with rn, q and k
-    normalised by folding the inverse norms into the row scalings as the kernel does."""
+    normalised by folding the inverse norms into the row scalings as the kernel does; with states = (seg_chunk0, h,
+    v_new) also each chunk's entering state and v_new."""
     group = v.shape[1] // k.shape[1]
-    for s0, s1, init, fin in segs.tolist():
+    for seg, (s0, s1, init, fin) in enumerate(segs.tolist()):
         for h in range(v.shape[1]):
             S = h_init[init, h].double() if init >= 0 else torch.zeros_like(h_init[0, h]).double()
-            for cs in range(s0, s1, 64):
+            for i, cs in enumerate(range(s0, s1, 64)):
                 ce = min(cs + 64, s1)
                 gm, kc, qc = gamma[cs:ce, h], k[cs:ce, h // group].double(), q[cs:ce, h // group].double()
                 rq, rk = ((rn[cs:ce, h // group, 0], rn[cs:ce, h // group, 1]) if rn is not None
@@ -209,6 +210,9 @@ def _torch_chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale, bD
                 lq, lk = gm * log2e + torch.log2(rq), gm * log2e - torch.log2(rk)
                 pg = torch.exp2(lq[:, None] - lk[None, :]).tril()
                 vd = ag[cs:ce, h, :ce - cs] @ (v[cs:ce, h] - (gm.exp() * rk)[:, None] * (kc @ S))
+                if states is not None:
+                    states[1][int(states[0][seg]) + i, h] = S
+                    states[2][cs:ce, h] = vd
                 o[cs:ce, h] = scale * ((gm.exp() * rq)[:, None] * (qc @ S) + (pg * (qc @ kc.T)) @ vd)
                 S = gm[-1].exp() * S + kc.T @ ((torch.exp(gm[-1] - gm) * rk)[:, None] * vd)
             if ht is not None and fin >= 0:
@@ -325,3 +329,42 @@ def test_launcher_wiring_hands_ag_to_the_segment_maps_and_the_scan(torch_stages,
     torch_stages.clear()
     forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw, block_v=4)
     assert torch_stages[1] == ("segment_states", 4) and torch_stages[-1] == ("chunk_fwd", 4)
+
+
+@pytest.mark.parametrize("segment_chunks", [0, 1])
+def test_launcher_saves_every_chunks_entering_state(torch_stages, segment_chunks):
+    """``save_states``: h[c] is the state entering chunk c (the reference's final state over the sequence's tokens
+    before it, from h0), for ragged varlen with and without segments (the scan's start states placed by
+    ``seg_chunk0``), and the outputs are those of the plain forward."""
+    from flashqla_kernels.gated_delta_rule.hopper import forward
+    from flashqla_kernels.gated_delta_rule.reference import chunk_gated_delta_rule_ref
+
+    gen = torch.Generator().manual_seed(11)
+    lens, Hk, Hv, K, V = [1, 130, 64, 70], 1, 2, 16, 8
+    T = sum(lens) + 3
+    q, k = (torch.randn(1, T, Hk, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, T, Hv, V, generator=gen, dtype=torch.float64)
+    g = -torch.rand(1, T, Hv, generator=gen, dtype=torch.float64)
+    beta = torch.rand(1, T, Hv, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(len(lens), Hv, K, V, generator=gen, dtype=torch.float64)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+              segment_chunks=segment_chunks)
+    o, ht, h, v_new = forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, save_states=True, **kw)
+    o_plain, ht_plain = forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
+    assert torch.equal(o, o_plain) and torch.equal(ht, ht_plain)
+    # saved at the kernel head dims (16 and 8 run zero-padded to 64): the padding stays zero
+    Kp, Vp = forward.padded_head_dim(K), forward.padded_head_dim(V)
+    assert h.shape == (forward.saved_chunks(1, T, len(lens)), Hv, Kp, Vp) and v_new.shape == (T, Hv, Vp)
+    c = 0
+    for n, (s, e) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
+        for cs in range(s, e, 64):
+            if cs == s:
+                want = h0[n]
+            else:
+                want = chunk_gated_delta_rule_ref(q[:, s:cs], k[:, s:cs], v[:, s:cs], g[:, s:cs], beta[:, s:cs],
+                                                  initial_state=h0[n:n + 1], output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True)[1][0]
+            assert _rel(h[c, :, :K, :V], want) < 1e-6, f"sequence {n}, chunk at {cs}"
+            assert not h[c, :, K:].any() and not h[c, :, :, V:].any()
+            c += 1

@@ -3,10 +3,11 @@ the backward stages (``chunk_bwd``'s docstring has the math of each):
 
     [l2norm fwd] -> kkt_solve -> states -> dh -> dqkwg -> wy (+ dg) -> gva [+ l2norm bwd]
 
-Saved versus recomputed: the backward takes only the forward's inputs (q, k, v, g, beta, h0) and recomputes gamma,
-X = Ag (the forward's ``kkt_solve``), the normalised q / k, and the per-chunk states h and v_new on the forward's
-own warp-specialised step (``chunk_fwd.chunk_states``, over the forward's plan and split), as FLA's backward does
-for everything but A. The public op reaches it through the custom op's autograd formula
+Saved versus recomputed: the backward takes the forward's inputs (q, k, v, g, beta, h0) and recomputes gamma,
+X = Ag (the forward's ``kkt_solve``) and the normalised q / k. The per-chunk states h and v_new come from the
+forward when it saved them (``states``: the forward's ``save_states``, which the custom op asks for under grad;
+their stores ride on the forward's own step) and are otherwise recomputed on that step (``chunk_fwd.chunk_states``,
+over the forward's plan and split). The public op reaches it through the custom op's autograd formula
 (``custom_op.py``); ``tests/flashqla_kernels/test_hopper_bwd_gpu.py`` checks it on an sm_90 GPU.
 
 Imports torch only; the stage modules (and tilelang) load on the first call. ``precompile()`` compiles every
@@ -31,7 +32,7 @@ TESTED_LAYOUTS = (
 
 
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, initial_state=None, cu_seqlens=None,
-                               use_qk_l2norm_in_kernel=False, segment_chunks=None):
+                               use_qk_l2norm_in_kernel=False, segment_chunks=None, states=None):
     """Gradients of the chunked gated delta rule on the TileLang Hopper kernels (chunk size 64).
 
     Args:
@@ -42,6 +43,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
         segment_chunks: intra-card context parallelism of the sequential stages: None (default) picks by
             ``plan.choose_bwd_segment_chunks`` for the dh walk and by the forward's rule for the recomputed states,
             0 never splits, L > 0 forces L-chunk segments on both (tests, benchmarks).
+        states: None (recompute them), or (h, v_new) as the forward returns them with ``save_states`` on the same
+            inputs: the per-chunk states and v_new are then read instead of recomputed.
 
     Returns:
         (dq [B, T, Hk, K] in q's dtype, dk [B, T, Hk, K] in k's, dv [B, T, Hv, V] in v's, dg [B, T, Hv] in g's,
@@ -61,6 +64,14 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
     B, Tn, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    Kp, Vp = forward.padded_head_dim(K), forward.padded_head_dim(V)
+    if states is not None:
+        h, v_new = states
+        if (h.dim() != 4 or h.shape[0] < forward.saved_chunks(B, Tn, N) or tuple(h.shape[1:]) != (Hv, Kp, Vp)
+                or tuple(v_new.shape) != (B * Tn, Hv, Vp)):
+            raise ValueError(f"states must be the forward's (h, v_new) for these inputs: h [>= "
+                             f"{forward.saved_chunks(B, Tn, N)}, {Hv}, {Kp}, {Vp}], v_new [{B * Tn}, {Hv}, {Vp}]; got "
+                             f"{tuple(h.shape)}, {tuple(v_new.shape)}")
     if not isinstance(do, torch.Tensor) or do.shape != v.shape:
         raise ValueError(f"do must be the gradient of o, [B, T, Hv, V] = {tuple(v.shape)}; got "
                          f"{tuple(do.shape) if isinstance(do, torch.Tensor) else type(do).__name__}")
@@ -74,21 +85,20 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
                    else torch.zeros((N, Hv, K, V), dtype=torch.float32, device=q.device))
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
                 torch.zeros_like(beta), dh0)
-    Kp, Vp = forward.padded_head_dim(K), forward.padded_head_dim(V)
     if (Kp, Vp) == (K, V):
         return _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
-                       segment_chunks)
+                       segment_chunks, states)
     # other head dims run zero-padded, as in the forward: zero channels get and pass no gradient
     pad = torch.nn.functional.pad
     pad_state = (lambda x: None if x is None else pad(x.to(torch.float32), (0, Vp - V, 0, Kp - K)))
     dq, dk, dv, dg, dbeta, dh0 = _launch(
         pad(q, (0, Kp - K)), pad(k, (0, Kp - K)), pad(v, (0, Vp - V)), g, beta, pad(do, (0, Vp - V)),
-        pad_state(dht), scale, pad_state(initial_state), cu_seqlens, use_qk_l2norm_in_kernel, segment_chunks)
+        pad_state(dht), scale, pad_state(initial_state), cu_seqlens, use_qk_l2norm_in_kernel, segment_chunks, states)
     return (dq[..., :K].contiguous(), dk[..., :K].contiguous(), dv[..., :V].contiguous(), dg, dbeta,
             None if dh0 is None else dh0[:, :, :K, :V].contiguous())
 
 
-def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm, segment_chunks=None):
+def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm, segment_chunks=None, states=None):
     # inputs checked, T > 0, head dims the kernels take
     from flashqla_kernels.gated_delta_rule import checks
     from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, kkt_solve
@@ -123,7 +133,7 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
         # backward at the end
         (qn, rq), (kn, rk) = chunk_bwd.l2norm_fwd(q3, chunks), chunk_bwd.l2norm_fwd(k3, chunks)
     gamma, ag, _ = kkt_solve.kkt_solve(kn, g3, b3, chunks, Hv)
-    h, v_new, dh, du, dh0 = sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, bdv)
+    h, v_new, dh, du, dh0 = sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, bdv, states)
     if bwd_dqkwg.grouped(K, V):
         # per key head: dq finished by dqkwg, dk by WY (both summed over the value heads on chip, no GVA pass)
         dq, dk_k, dw, dgp = bwd_dqkwg.bwd_dqkwg_group(qn, kn, v_new, do3, du, h, dh, gamma, chunks, scale=scale,
@@ -147,14 +157,15 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
             dg.view(B, Tn, Hv).to(g.dtype), dbeta.view(B, Tn, Hv).to(beta.dtype), dh0)
 
 
-def sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, bdv):
+def sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, bdv, states=None):
     """The stages that walk sequences in order (``chunk_bwd``'s docstring): (h, v_new, dh, dv of v_new, dh0 or
-    None). h and v_new are recomputed on the forward's step over the forward's plan ``fpl`` with V slices ``bdv``
-    (``recompute_states``); the dh walk runs per sequence or (``pl.segment_chunks``) per segment of ``pl``."""
+    None). h and v_new are the forward's ``states`` or, without them, recomputed on the forward's step over the
+    forward's plan ``fpl`` with V slices ``bdv`` (``recompute_states``); the dh walk runs per sequence or
+    (``pl.segment_chunks``) per segment of ``pl``."""
     from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, segment_states, state_scan
 
     NC, S = pl.chunks.shape[0], pl.walks.shape[0]
-    h, v_new = recompute_states(kn, v3, ag, gamma, b3, h0, NC, fpl, bdv)
+    h, v_new = states if states is not None else recompute_states(kn, v3, ag, gamma, b3, h0, NC, fpl, bdv)
     if not pl.segment_chunks:
         dh, du, dh0 = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, dht, pl.walks, NC, scale=scale,
                                     store_dh0=h0 is not None)
@@ -189,7 +200,8 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
                  scale: float | None = None) -> list[tuple]:
     """The (builder, args) of every kernel ``chunk_gated_delta_rule_bwd`` compiles for one layout (kernel head dims
     K, V in 64 / 128 / 256; dtype "bfloat16" or "float16"; scale None = K^-0.5), with and without context
-    parallelism, the states at every V slice the forward's plan may pick, and both of ``bwd_dqkwg.KERNELS``' paths
+    parallelism, the states at every V slice the forward's plan may pick (recomputed, or saved by the forward's
+    chunk kernel), and both of ``bwd_dqkwg.KERNELS``' paths
     (per value head: dqkwg, WY, the GVA pass; per key head: the grouped dqkwg and WY, K, V <= 128)."""
     from flashqla_kernels.gated_delta_rule.hopper import (
         bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, chunk_fwd, kkt_solve, segment_states, state_scan,
@@ -224,6 +236,8 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
     for b in sorted({min(V, 32)} if K > 128 else {min(V, 64), min(V, 128)}):
         specs += [(chunk_fwd.build_chunk_states, (Hk, Hv, K, V, b, dtype)),
                   (segment_states.build_segment_states, (Hk, Hv, K, V, b, dtype, False))]
+        # the forward under grad, saving the states for this backward (with and without the final state)
+        specs += [(chunk_fwd.build_chunk_fwd, (Hk, Hv, K, V, b, dtype, scale, fin, l2norm, True)) for fin in (True, False)]
     return specs
 
 

@@ -60,7 +60,8 @@ def through_inverse(x_sh, kkg_sh, a_sh, t_sh, kk_f, da_f, a_f, g_sh, b_sh, rowf_
 @T.macro
 def write_gate_grads(db_out, dgm_sh, dgp, parts, dbeta, dgamma, dg, cs, n, bh, tx, acc):
     """dbeta and dgamma of the chunk's rows (``db_out``, ``dgm_sh``), then dg: the reverse cumsum within the chunk of
-    dgamma plus the dqkwg stage's ``parts`` partial sums, added in order (one thread a token: deterministic)."""
+    dgamma plus the dqkwg stage's ``parts`` partial sums, added in order (one thread a token), the cumsum a warp's
+    shuffle scan (fixed order: deterministic)."""
     T.sync_threads()
     if tx < C:
         if tx < n:
@@ -73,12 +74,9 @@ def write_gate_grads(db_out, dgm_sh, dgp, parts, dbeta, dgamma, dg, cs, n, bh, t
         else:
             db_out[tx] = 0.0
     T.sync_threads()
+    T.cumsum(db_out, dim=0, reverse=True)
     if tx < n:
-        acc[0] = 0.0
-        for j in T.serial(C):
-            if j >= tx:
-                acc[0] += db_out[j]
-        dg[cs + tx, bh] = acc[0]
+        dg[cs + tx, bh] = db_out[tx]
 
 
 def build_bwd_wy(Hk: int, Hv: int, K: int, V: int, dtype: str):
@@ -262,6 +260,7 @@ def build_bwd_wy_group(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: boo
             db_out = T.alloc_shared((C,), "float32")
             dgm_sh = T.alloc_shared((C,), "float32")
             acc = T.alloc_local((1,), "float32")
+            kk0_f = T.alloc_fragment((C, C), "float32")
             kk_f = T.alloc_fragment((C, C), "float32")
             da_f = T.alloc_fragment((C, C), "float32")
             du_f = T.alloc_fragment((C, C), "float32")
@@ -278,6 +277,8 @@ def build_bwd_wy_group(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: boo
             load_rows(k, k_sh, cs, n, hk, 0, K)
             for i, j in T.Parallel(C, K):
                 dka_sh[i, j] = dk_part[cs + T.min(i, n - 1), hk, j]
+            # K K^T is the same for every value head: formed once, each head gates a register copy of it
+            T.gemm(k_sh, k_sh, kk0_f, transpose_B=True, clear_accum=True)
 
             for hh in T.Pipelined(group, num_stages=2):
                 T.copy(dw[cs:cs + C, hk * group + hh, :], dw_sh)
@@ -289,7 +290,7 @@ def build_bwd_wy_group(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: boo
                     b_sh[i] = T.if_then_else(i < n, beta[cs + T.min(i, n - 1), hk * group + hh], 0.0)
                 T.gemm(dw_sh, k_sh, da_f, transpose_B=True, clear_accum=True)
                 T.gemm(du_sh, v_sh, du_f, transpose_B=True, clear_accum=True)
-                T.gemm(k_sh, k_sh, kk_f, transpose_B=True, clear_accum=True)
+                T.copy(kk0_f, kk_f)
                 # dA = dw (diag(beta e) K)^T + du (diag(beta) V)^T: the scalings on the columns, the chunk's rows only
                 for i, j in T.Parallel(C, C):
                     da_f[i, j] = T.if_then_else(i < n, T.if_then_else(

@@ -64,8 +64,15 @@ def unsupported_reason(q, k, v, g, beta, initial_state=None, cu_seqlens=None) ->
     return None
 
 
+def saved_chunks(B: int, T: int, N: int) -> int:
+    """Rows of the saved states ``h`` for B x T tokens in N sequences: an upper bound on the chunk count (each
+    sequence adds at most one partial chunk), known from shapes alone (the custom op's fake needs it)."""
+    return -(-(B * T) // plan.CHUNK) + N
+
+
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, segment_chunks=None, block_v=None):
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, segment_chunks=None, block_v=None,
+                               save_states=False):
     """Gated delta rule forward on the TileLang Hopper kernels (chunk size 64, exact).
 
     Args:
@@ -79,9 +86,12 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
             splits, L > 0 forces L-chunk segments (tests and benchmarks).
         block_v: None (default) takes the plan's V slice per CTA (``plan.block_dv``); 32, 64 or 128 forces that
             width where K <= 128 (benchmarks).
+        save_states: also return what the backward would otherwise recompute (``backward``'s ``states``).
 
     Returns:
-        (o [B, T, Hv, V] in q's dtype, final state [N, Hv, K, V] fp32 or None).
+        (o [B, T, Hv, V] in q's dtype, final state [N, Hv, K, V] fp32 or None); with ``save_states`` also
+        (h [saved_chunks(B, T, N), Hv, Kp, Vp], the state entering every chunk, and v_new [B T, Hv, Vp]), both in q's
+        dtype at the kernel head dims Kp, Vp (``padded_head_dim``), rows past the last chunk unwritten.
 
     Raises:
         ValueError: inputs the kernels cannot take (``unsupported_reason``).
@@ -91,28 +101,33 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
         raise ValueError(reason)
     B, Tn, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
+    Kp, Vp = padded_head_dim(K), padded_head_dim(V)
     if Tn == 0:
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
         ht = None
         if output_final_state:
             ht = (initial_state.to(torch.float32).clone() if initial_state is not None
                   else torch.zeros((N, Hv, K, V), dtype=torch.float32, device=q.device))
+        if save_states:
+            return (v.new_empty(v.shape), ht, q.new_empty((saved_chunks(B, Tn, N), Hv, Kp, Vp)),
+                    q.new_empty((0, Hv, Vp)))
         return v.new_empty(v.shape), ht
-    Kp, Vp = padded_head_dim(K), padded_head_dim(V)
     if (Kp, Vp) == (K, V):
         return _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                       cu_seqlens, segment_chunks, block_v)
+                       cu_seqlens, segment_chunks, block_v, save_states)
     # other head dims run zero-padded (see padded_head_dim); the scale stays the true K's
     pad = torch.nn.functional.pad
     scale = K ** -0.5 if scale is None else float(scale)
     h0 = None if initial_state is None else pad(initial_state.to(torch.float32), (0, Vp - V, 0, Kp - K))
-    o, ht = _launch(pad(q, (0, Kp - K)), pad(k, (0, Kp - K)), pad(v, (0, Vp - V)), g, beta, scale, h0,
-                    output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, segment_chunks, block_v)
-    return o[..., :V].contiguous(), (None if ht is None else ht[:, :, :K, :V].contiguous())
+    o, ht, *states = _launch(pad(q, (0, Kp - K)), pad(k, (0, Kp - K)), pad(v, (0, Vp - V)), g, beta, scale, h0,
+                             output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, segment_chunks, block_v,
+                             save_states)
+    # the saved states stay at the kernel head dims: the backward pads its inputs the same way
+    return o[..., :V].contiguous(), (None if ht is None else ht[:, :, :K, :V].contiguous()), *states
 
 
 def _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-            segment_chunks, block_v):
+            segment_chunks, block_v, save_states=False):
     # inputs checked, T > 0
     from flashqla_kernels import toolkit
     from flashqla_kernels.gated_delta_rule import checks
@@ -147,5 +162,11 @@ def _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l
         # a padded tail after the last sequence (FlashQLA's packed batches): no sequence reads it, its outputs are 0
         o[cu[-1]:].zero_()
     ht = toolkit.empty((N, Hv, K, V), torch.float32, q.device) if output_final_state else None
-    chunk_fwd.chunk_fwd(q3, k3, v3, ag, gamma, b3, h_init, pl.segs, o, ht, scale=scale, bDV=bDV, rn=rn)
-    return o.view(B, Tn, Hv, V), ht
+    states = None
+    if save_states:
+        states = (pl.seg_chunk0, toolkit.empty((saved_chunks(B, Tn, N), Hv, K, V), q.dtype, q.device),
+                  toolkit.empty((B * Tn, Hv, V), q.dtype, q.device))
+    chunk_fwd.chunk_fwd(q3, k3, v3, ag, gamma, b3, h_init, pl.segs, o, ht, scale=scale, bDV=bDV, rn=rn, states=states)
+    if states is None:
+        return o.view(B, Tn, Hv, V), ht
+    return o.view(B, Tn, Hv, V), ht, states[1], states[2]

@@ -165,10 +165,13 @@ def _device_plan(cu: tuple[int, ...], L: int, has_init: bool, device: torch.devi
                 segment_chunks=L, seg_chunk0=views[4].view(-1))
 
 
-# The backward's dh walk: segments aim at BWD_CTAS_PER_SM walks a SM (a walk's CTA takes a whole SM: the second
-# wave evens out ragged segments), no shorter than BWD_MIN_SEGMENT_CHUNKS (a split costs the maps, a second dh walk
-# and the reverse scan).
-BWD_CTAS_PER_SM = 2
+# The backward's dh walk: sequences are split only while their walks would keep fewer than 1 / BWD_SPLIT_BELOW of
+# the SMs busy, into segments that aim at BWD_CTAS_PER_SM walks a SM (a walk's CTA takes a whole SM), no shorter
+# than BWD_MIN_SEGMENT_CHUNKS. A split costs the maps, a second dh walk and the reverse scan: on an H100 at 16/32
+# 32768x1 (64 walks, half the SMs) the unsplit walks took 1.68 ms against 1.82 with 128-chunk segments and 1.91
+# with 64-chunk ones.
+BWD_SPLIT_BELOW = 4
+BWD_CTAS_PER_SM = 1
 BWD_MIN_SEGMENT_CHUNKS = 16
 
 
@@ -194,15 +197,15 @@ class BwdPlan:
 
 def choose_bwd_segment_chunks(seq_chunks: list[int], Hv: int, nV: int, num_sms: int) -> int:
     """The backward's segment length in chunks (a power of two >= BWD_MIN_SEGMENT_CHUNKS), or 0 to keep every
-    sequence whole: split only while the walks (sequences x Hv x V slices) would hold fewer than BWD_CTAS_PER_SM
-    CTAs a SM.
+    sequence whole: split only while the walks (sequences x Hv x V slices) would fill at most 1 / BWD_SPLIT_BELOW
+    of the SMs, then into segments for about BWD_CTAS_PER_SM walks a SM.
 
     Args:
         seq_chunks: chunks per sequence. Hv: value heads. nV: V slices per head of the sequential stages.
         num_sms: SMs on the device.
     """
     units = len(seq_chunks) * Hv * nV
-    if not seq_chunks or units >= BWD_CTAS_PER_SM * num_sms:
+    if not seq_chunks or units * BWD_SPLIT_BELOW > num_sms:
         return 0
     return _segment_length(max(seq_chunks), units, BWD_CTAS_PER_SM * num_sms, BWD_MIN_SEGMENT_CHUNKS)
 
