@@ -65,7 +65,7 @@ def arms(q, k, v, g, beta, h0, cu) -> dict:
 # arm beside "ours" (the defaults as shipped); an arm equal to the defaults is skipped
 AB_ARMS = {
     "ours_per_value_head": ("bwd_dqkwg", "KERNEL", "blocked"),
-    "ours_recompute_states": ("custom_op", "SAVE_STATES", False),
+    "ours_saved_states": ("custom_op", "SAVE_STATES", True),
 }
 
 
@@ -190,9 +190,9 @@ def run_row(cfg, stages=False, ab=False) -> dict:
     grads = {}
     runs = arms(q, k, v, g, beta, h0, cu)
     if ab:
-        from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, bwd_wy
+        from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, custom_op
 
-        current = {"bwd_dqkwg": bwd_dqkwg, "bwd_wy": bwd_wy}
+        current = {"bwd_dqkwg": bwd_dqkwg, "custom_op": custom_op}
         runs.update({name: runs["ours"] for name, (module, attr, value) in AB_ARMS.items()
                      if getattr(current[module], attr) != value})
     for name, fn in runs.items():

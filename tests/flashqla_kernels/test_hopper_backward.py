@@ -187,6 +187,8 @@ def _kkt_solve(k, g, beta, chunks, Hv, q=None):
 
 
 def _dqkwg(q, k, v_new, do, dv, h, dh, gamma, chunks, *, scale):
+    # the kernels' shape contract: h and dh have one row per chunk
+    assert h.shape[0] == dh.shape[0] == chunks.shape[0], (h.shape, dh.shape, chunks.shape)
     T, Hv, K = q.shape[0], v_new.shape[1], q.shape[2]
     dq, dk, dw = (torch.full((T, Hv, K), float("nan"), dtype=q.dtype) for _ in range(3))
     dgp = torch.zeros(K // 64 if K >= 64 else 1, T, Hv, dtype=q.dtype)
@@ -326,3 +328,35 @@ def test_grouped_wy_kernel_algebra_reproduces_the_reference_with_foreign_rows_in
     dgamma = (rk * k_sh).sum(1) * e * b + b * rowf - cole
     for label, got, ref in zip(("dk", "dv", "dbeta", "dgamma"), (dk, rv * b[:, None], dbeta, dgamma), want):
         torch.testing.assert_close(got[:n], ref[0, :, 0], rtol=1e-12, atol=1e-12, msg=label)
+
+
+@pytest.mark.parametrize("segment_chunks", [0, 1])
+def test_launcher_reads_the_forwards_saved_states_as_recomputed(emulated_backward, segment_chunks, monkeypatch):
+    """``states``: the forward's h (with its spare rows past the last chunk, as ``forward.saved_chunks`` sizes it)
+    and v_new replace the recompute; the gradients are those of the recomputing launcher, which is not called."""
+    from flashqla_kernels.gated_delta_rule.hopper import forward
+
+    gen = torch.Generator().manual_seed(4)
+    lens, pad, Hk, Hv, K, V = [1, 130, 64, 70], 3, 1, 2, 64, 64
+    T = sum(lens) + pad
+    rand = (lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64))
+    q, k = (torch.nn.functional.normalize(rand(1, T, Hk, K), dim=-1) for _ in range(2))
+    v, do = rand(1, T, Hv, V), rand(1, T, Hv, V)
+    g = torch.nn.functional.logsigmoid(rand(1, T, Hv)) / 4
+    beta = torch.sigmoid(rand(1, T, Hv))
+    h0, dht = rand(len(lens), Hv, K, V), rand(len(lens), Hv, K, V)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    kw = dict(initial_state=h0, cu_seqlens=cu, segment_chunks=segment_chunks)
+    recomputed = []
+    real = backward.recompute_states
+    monkeypatch.setattr(backward, "recompute_states", lambda *a: recomputed.append(real(*a)) or recomputed[-1])
+    want = backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, **kw)
+    (h, v_new), = recomputed
+    saved = torch.full((forward.saved_chunks(1, T, len(lens)), Hv, K, V), float("nan"), dtype=h.dtype)
+    saved[:h.shape[0]] = h
+    got = backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, states=(saved, v_new), **kw)
+    assert len(recomputed) == 1, "the saved states were recomputed"
+    for label, x, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        torch.testing.assert_close(x, ref, rtol=0, atol=0, msg=label)
+    with pytest.raises(ValueError, match="states must be the forward's"):
+        backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, states=(h[:-1], v_new), **kw)

@@ -165,7 +165,11 @@ def sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, b
     from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, segment_states, state_scan
 
     NC, S = pl.chunks.shape[0], pl.walks.shape[0]
-    h, v_new = states if states is not None else recompute_states(kn, v3, ag, gamma, b3, h0, NC, fpl, bdv)
+    if states is not None:
+        # the forward's h has a row for every chunk its shape-only bound allows; the stages take exactly NC
+        h, v_new = states[0][:NC], states[1]
+    else:
+        h, v_new = recompute_states(kn, v3, ag, gamma, b3, h0, NC, fpl, bdv)
     if not pl.segment_chunks:
         dh, du, dh0 = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, dht, pl.walks, NC, scale=scale,
                                     store_dh0=h0 is not None)
