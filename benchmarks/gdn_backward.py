@@ -65,7 +65,7 @@ def arms(q, k, v, g, beta, h0, cu) -> dict:
 # arm beside "ours" (the defaults as shipped); an arm equal to the defaults is skipped
 AB_ARMS = {
     "ours_per_value_head": ("bwd_dqkwg", "KERNEL", "blocked"),
-    "ours_saved_states": ("custom_op", "SAVE_STATES", True),
+    "ours_recomputed_states": ("custom_op", "SAVE_STATES", False),
 }
 
 

@@ -100,6 +100,31 @@ def precompile(micro: int) -> int:
     return len(fwd) + n_bwd
 
 
+def write_results(result: dict, out: Path) -> str:
+    """``train_step.json`` and ``.md`` under ``out`` from the arms timed so far; returns the markdown."""
+    base = next((r["tokens_per_s"] for r in result["arms"] if r["arm"] == "flashqla" and "tokens_per_s" in r), None)
+    for r in result["arms"]:
+        if base and "tokens_per_s" in r:
+            r["vs_flashqla"] = r["tokens_per_s"] / base
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_step.json").write_text(json.dumps(result, indent=1))
+    e = result["env"]
+    lines = [f"# SAE-guided fine-tuning step ({e['gpu']}, {e['date']})", "",
+             f"torch {e['torch']}, transformers {e['transformers']}, tilelang {e['tilelang']}, commit {e['commit']}. "
+             f"{result['model']}; {result['batch']} x {result['seq_len']} tokens a step, LM loss + a feature penalty "
+             f"at layer {result['layer']}, AdamW, through `qwen_scope.applications.finetune`.", "",
+             "| arm | s a step | training tokens/s | x FlashQLA's op | note |", "|---|---|---|---|---|"]
+    for r in result["arms"]:
+        if "tokens_per_s" in r:
+            lines.append(f"| {r['arm']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+                         f"{r.get('vs_flashqla', float('nan')):.2f} | |")
+        else:
+            lines.append(f"| {r['arm']} | - | - | - | {r.get('error') or r.get('note')} |")
+    text = "\n".join(lines) + "\n"
+    (out / "train_step.md").write_text(text)
+    return text
+
+
 def main(argv=None) -> None:
     from qwen_scope.applications import FinetuneConfig, finetune
     from qwen_scope.nano import nano_corpus
@@ -154,26 +179,8 @@ def main(argv=None) -> None:
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
         result["arms"].append(row)
         print(row, flush=True)
-    base = next((r["tokens_per_s"] for r in result["arms"] if r["arm"] == "flashqla" and "tokens_per_s" in r), None)
-    for r in result["arms"]:
-        if base and "tokens_per_s" in r:
-            r["vs_flashqla"] = r["tokens_per_s"] / base
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "train_step.json").write_text(json.dumps(result, indent=1))
-    e = result["env"]
-    lines = [f"# SAE-guided fine-tuning step ({e['gpu']}, {e['date']})", "",
-             f"torch {e['torch']}, transformers {e['transformers']}, tilelang {e['tilelang']}, commit {e['commit']}. "
-             f"{result['model']}; {batch} x {seq} tokens a step, LM loss + a feature penalty at layer {layer}, "
-             "AdamW, through `qwen_scope.applications.finetune`.", "",
-             "| arm | s a step | training tokens/s | x FlashQLA's op | note |", "|---|---|---|---|---|"]
-    for r in result["arms"]:
-        if "tokens_per_s" in r:
-            lines.append(f"| {r['arm']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
-                         f"{r.get('vs_flashqla', float('nan')):.2f} | |")
-        else:
-            lines.append(f"| {r['arm']} | - | - | - | {r.get('error') or r.get('note')} |")
-    (args.out / "train_step.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        # after every arm: a run stopped by its time limit still leaves the arms it finished
+        print(write_results(result, args.out), flush=True)
 
 
 if __name__ == "__main__":

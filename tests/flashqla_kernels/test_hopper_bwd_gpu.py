@@ -67,6 +67,21 @@ def _ratio(x, ref):
     return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
+def _where_differs(a, b, cu=None):
+    """Where two runs' outputs differ: how many elements, the first few (token, head) with the token's position in
+    its chunk of 64, and the values, so a race names its rows (a chunk's last token, a ragged chunk, a head)."""
+    diff = (a != b) & ~(a.isnan() & b.isnan())
+    idx = diff.nonzero()
+    starts = [0] if cu is None else [int(x) for x in cu[:-1]]
+    parts = []
+    for row in idx[:6].tolist():
+        t = row[1] if a.dim() >= 3 else row[0]  # [B, T, ...] token-major gradients; dense rows start at 0
+        seq_start = max([s for s in starts if s <= t], default=0)
+        parts.append(f"{tuple(row)} (position {(t - seq_start) % 64} in its chunk): {a[tuple(row)].item():.6g} vs "
+                     f"{b[tuple(row)].item():.6g}")
+    return f"{len(idx)} of {a.numel()} elements differ; first: " + "; ".join(parts)
+
+
 def _d(x):
     return None if x is None else x.double()
 
@@ -112,7 +127,7 @@ def _check_variant(name, case, run, variant, baseline, what):
         assert not x.isnan().any(), f"{name}: {label} has an unwritten (NaN) element"
         assert _ratio(x, ref) <= RMSE_RATIO[label], f"{name}: {label} RMSE ratio {_ratio(x, ref):.2e}"
         assert _ratio(x, xb) <= RMSE_RATIO[label], f"{name}: {label} {what} {_ratio(x, xb):.2e}"
-        assert torch.equal(x, x2), f"{name}: two runs differ in {label}"
+        assert torch.equal(x, x2), f"{name}: two runs differ in {label}: {_where_differs(x, x2, cu)}"
 
 
 @pytest.mark.parametrize("name,segment_chunks", [("qwen_layout_l2norm_varlen", 2), ("ragged_gva2_l2norm_padded_tail", 1),
@@ -418,7 +433,7 @@ def test_public_op_under_grad_runs_the_backward_kernels_at_fla_tolerances(stride
         assert _ratio(x, ref) <= RMSE_RATIO[label], f"{label}: RMSE ratio {_ratio(x, ref):.2e}"
     _, again = _public_grads(chunk_gated_delta_rule, case, strided)
     for label, x, x2 in zip(NAMES, grads, again):
-        assert torch.equal(x, x2), f"two runs differ in {label}"
+        assert torch.equal(x, x2), f"two runs differ in {label}: {_where_differs(x, x2, case[8])}"
 
 
 def test_public_op_compiles_with_torch_compile_and_passes_opcheck():
@@ -442,14 +457,16 @@ def test_public_op_compiles_with_torch_compile_and_passes_opcheck():
         assert torch.equal(x_c, x_e), f"compiled and eager {label} differ"
     torch._dynamo.reset()
     xs = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
-    torch.library.opcheck(torch.ops.flashqla_kernels.chunk_gated_delta_rule.default,
-                          (*xs[:5], xs[5], cu, q.shape[-1] ** -0.5, True, l2))
+    for save_states in (False, True):
+        torch.library.opcheck(torch.ops.flashqla_kernels.chunk_gated_delta_rule.default,
+                              (*xs[:5], xs[5], cu, q.shape[-1] ** -0.5, True, l2, save_states))
 
 
 @pytest.mark.parametrize("name,segment_chunks", [("ragged_gva2_l2norm_padded_tail", 1), ("dense_gva4_T200_no_dht", None)])
 def test_grouped_backward_stages_are_bit_reproducible(name, segment_chunks):
-    """Each stage of the grouped path, run 16 times on the same inputs, gives bit-identical outputs, so a race is
-    pinned to its stage (two runs of the whole backward once differed in dg only, on each of these cases)."""
+    """Each stage of the grouped path, run 16 times on the same inputs, gives bit-identical outputs on the rows it
+    writes, and so does the whole launcher on fresh poisoned buffers. Two runs of the whole backward have differed in
+    dg only, on each of these cases, while every stage alone repeated exactly: a failure names the rows."""
     from flashqla_kernels.gated_delta_rule import checks
     from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, kkt_solve, plan
 
@@ -474,14 +491,20 @@ def test_grouped_backward_stages_are_bit_reproducible(name, segment_chunks):
     if l2:
         (qn, rq), (kn, rk) = chunk_bwd.l2norm_fwd(q3, pl.chunks), chunk_bwd.l2norm_fwd(k3, pl.chunks)
         norms = dict(xq=q3, rq=rq)
-    runs = 16
+    runs, rows = 16, B * Tn
+
+    def written(x):  # a padded tail's token rows are in no chunk: no kernel writes them
+        if x.shape[0] == rows:
+            return x[:offsets[-1]]
+        return x[:, :offsets[-1]] if x.dim() > 1 and x.shape[1] == rows else x
 
     def same(stage, fn):
         first = fn()
         for r in range(1, runs):
             again = fn()
             for i, (a, b) in enumerate(zip(first, again)):
-                assert a is None or torch.equal(a, b), f"{name}: {stage} output {i} differs in run {r}"
+                assert a is None or torch.equal(written(a), written(b)), \
+                    f"{name}: {stage} output {i} differs in run {r}: {_where_differs(written(a), written(b))}"
         return first
 
     gamma, ag, _ = same("kkt_solve", lambda: kkt_solve.kkt_solve(kn, g3, b3, pl.chunks, Hv))
@@ -493,3 +516,8 @@ def test_grouped_backward_stages_are_bit_reproducible(name, segment_chunks):
         dw[offsets[-1]:], du[offsets[-1]:] = 0, 0
     same("grouped WY", lambda: bwd_wy.bwd_wy_group(kn, v3, b3, gamma, ag, dw, du, dgp, dk_k, pl.chunks,
                                                    *((k3, rk) if l2 else ())))
+    # then the whole launcher, stages back to back on fresh NaN-poisoned buffers, as users run it
+    with toolkit.poisoned_outputs():
+        same("whole backward", lambda: backward.chunk_gated_delta_rule_bwd(
+            q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2,
+            segment_chunks=segment_chunks))

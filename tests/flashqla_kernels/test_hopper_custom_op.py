@@ -79,7 +79,7 @@ def _grads(fn, tensors, cu, do, dht):
 
 
 def test_gradients_through_the_custom_op_equal_autograd_of_the_torch_path(kernels_on_cpu, monkeypatch):
-    monkeypatch.setattr(custom_op, "SAVE_STATES", True)
+    assert custom_op.SAVE_STATES is True  # the default: the forward under grad saves the states
     tensors, cu = _inputs()
     gen = torch.Generator().manual_seed(1)
     do = torch.randn(tensors[2].shape, generator=gen)
@@ -102,8 +102,8 @@ def test_gradients_through_the_custom_op_equal_autograd_of_the_torch_path(kernel
     assert (kernels_on_cpu["fwd"], kernels_on_cpu["bwd"], kernels_on_cpu["saved"]) == (2, 1, ())
 
 
-def test_without_saved_states_the_backward_recomputes_them(kernels_on_cpu):
-    assert custom_op.SAVE_STATES is False  # the default until the saved path's GPU test has passed
+def test_without_saved_states_the_backward_recomputes_them(kernels_on_cpu, monkeypatch):
+    monkeypatch.setattr(custom_op, "SAVE_STATES", False)
     tensors, cu = _inputs(lengths=(20, 9))
     gen = torch.Generator().manual_seed(1)
     do = torch.randn(tensors[2].shape, generator=gen)

@@ -26,6 +26,12 @@ from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import (
 )
 
 THREADS = 256
+# Reductions of a 64-row fragment that two warpgroups share (each holds half the columns): every thread holds
+# ROW_BATCH rows and COL_BATCH columns. One batched all-reduce exchanges them all through shared memory behind one
+# pair of barriers; one call per element costs a pair per element (the column sums alone were 40 barriers a head).
+# The butterfly and its order are the same: the sums are bit-identical.
+ROW_BATCH = 2
+COL_BATCH = 8
 
 
 @T.macro
@@ -47,12 +53,12 @@ def through_inverse(x_sh, kkg_sh, a_sh, t_sh, kk_f, da_f, a_f, g_sh, b_sh, rowf_
     for i, j in T.Parallel(C, C):
         da_f[i, j] = T.if_then_else(j < i, -da_f[i, j], 0.0)
         kk_f[i, j] = da_f[i, j] * kk_f[i, j]
-    T.reduce_sum(kk_f, red_cc, dim=1)
+    T.reduce_sum(kk_f, red_cc, dim=1, batch=ROW_BATCH)
     for i in T.Parallel(C):
         rowf_sh[i] = red_cc[i]
     for i, j in T.Parallel(C, C):
         kk_f[i, j] = kk_f[i, j] * b_sh[i]
-    T.reduce_sum(kk_f, red_col, dim=0)
+    T.reduce_sum(kk_f, red_col, dim=0, batch=COL_BATCH)
     for i in T.Parallel(C):
         cole_sh[i] = red_col[i]
 
@@ -94,7 +100,7 @@ def build_bwd_wy(Hk: int, Hv: int, K: int, V: int, dtype: str):
         T.gemm(a_sh, dx_sh, r_f, transpose_A=True, clear_accum=True)
         for i, j in T.Parallel(C, TILE):
             t_f[i, j] = r_f[i, j] * x_sh[i, j]
-        T.reduce_sum(t_f, red, dim=1)
+        T.reduce_sum(t_f, red, dim=1, batch=ROW_BATCH)
 
     @T.prim_func
     def gdn_bwd_wy(
@@ -314,7 +320,7 @@ def build_bwd_wy_group(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: boo
                     dka_sh[i, j] += rk_f[i, j] * b_sh[i] * eg_sh[i]
                 for i, j in T.Parallel(C, K):
                     rk_f[i, j] = rk_f[i, j] * k_sh[i, j]
-                T.reduce_sum(rk_f, red, dim=1)
+                T.reduce_sum(rk_f, red, dim=1, batch=ROW_BATCH)
                 # A^T du: dv = diag(beta) A^T du, and the v-dots of A^T du (rows past the chunk's end are never
                 # stored)
                 T.gemm(a_sh, du_sh, rv_f, transpose_A=True, clear_accum=True)
@@ -323,7 +329,7 @@ def build_bwd_wy_group(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: boo
                         dv[cs + i, hk * group + hh, j] = rv_f[i, j] * b_sh[i]
                 for i, j in T.Parallel(C, V):
                     rv_f[i, j] = rv_f[i, j] * v_sh[i, j]
-                T.reduce_sum(rv_f, red_v, dim=1)
+                T.reduce_sum(rv_f, red_v, dim=1, batch=ROW_BATCH)
 
                 for i in T.Parallel(C):
                     db_out[i] = red[i] * eg_sh[i] + red_v[i] + rowf_sh[i]

@@ -92,7 +92,7 @@ def l2norm_bwd_rows(dy_sh, out_f, red, x, r, cs, n, head, width):
     fp32 in shared memory is read at ``out_f``'s elements, each thread its own."""
     for i, j in T.Parallel(C, width):
         out_f[i, j] = dy_sh[i, j] * r[cs + T.min(i, n - 1), head] * T.cast(x[cs + T.min(i, n - 1), head, j], "float32")
-    T.reduce_sum(out_f, red, dim=1)
+    T.reduce_sum(out_f, red, dim=1, batch=2)  # each thread's 2 rows behind one pair of barriers
     for i, j in T.Parallel(C, width):
         out_f[i, j] = r[cs + T.min(i, n - 1), head] * (
             dy_sh[i, j] - red[i] * r[cs + T.min(i, n - 1), head] * T.cast(x[cs + T.min(i, n - 1), head, j], "float32"))
