@@ -71,6 +71,7 @@ AB_ARMS = {
 
 # --stages: the segment lengths (chunks) the sequential stages are also timed at (0: whole sequences)
 BWD_SEGMENT_SWEEP = (0, 16, 32, 64, 128, 256)
+DH_NARROW = "dh walk, bDV=32"
 
 
 def fwd_bwd(fn, do, dht, override=None):
@@ -162,6 +163,10 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
         # one pass of the dh walk over the backward's walks (from zeros)
         "dh walk": bench(lambda: bwd_dh.bwd_dh(q3, k3, do3, ag, gamma, None, pl.walks, NC, scale=scale,
                                                store_dh0=False)),
+        # the same walk on 32-wide V slices: twice the CTAs, half the work a step (for walks too few to fill the SMs)
+        **({DH_NARROW: bench(lambda: bwd_dh.bwd_dh(q3, k3, do3, ag, gamma, None, pl.walks, NC, scale=scale,
+                                                   store_dh0=False, block=32))}
+           if bwd_dh.block_v(Kd, Vd) > 32 else {}),
         # the grouped kernels (the default for K <= 128) sum the value heads on chip: no GVA pass
         **({"dqkwg (group)": bench(lambda: bwd_dqkwg.bwd_dqkwg_group(
                q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)),
@@ -231,8 +236,16 @@ def precompile(rows, workers: int = 1) -> int:
     them) on ``workers`` processes; needs nvcc, no GPU. Returns the number of kernels."""
     from flashqla_kernels.gated_delta_rule.hopper import backward
 
+    from flashqla_kernels import toolkit
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh
+
     layouts = {(Hk, Hv, fwd.K, fwd.V, "bfloat16", False, True, True) for Hk, Hv, _, _ in rows}
-    return backward.precompile(sorted(layouts), workers)
+    # --stages' narrow dh walk (from zeros, no dh0)
+    narrow = [(bwd_dh.build_bwd_dh, (Hk, Hv, fwd.K, fwd.V, 32, "bfloat16", fwd.K ** -0.5, False, False, True))
+              for Hk, Hv in sorted({(Hk, Hv) for Hk, Hv, _, _ in rows})]
+    for builder, args, err in toolkit.compile_many(narrow, workers):
+        print(f"  FAILED {builder.__name__}{args}: {err.splitlines()[-1] if err else ''}", flush=True)
+    return backward.precompile(sorted(layouts), workers) + len(narrow)
 
 
 def write(out: Path, result: dict) -> None:

@@ -277,7 +277,7 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
 
 
 def bwd_dh(q, k, do, ag, gamma, dht, seqs, num_chunks: int, *, scale: float, store_dh0: bool,
-           store_grads: bool = True):
+           store_grads: bool = True, block: int | None = None):
     """The state gradient over the chunks of every walk (a sequence, or a segment of one), and dv.
 
     Args:
@@ -285,7 +285,8 @@ def bwd_dh(q, k, do, ag, gamma, dht, seqs, num_chunks: int, *, scale: float, sto
         fp16. gamma: [T, Hv] fp32. dht: [N, Hv, K, V] fp32, the gradient of each walk's end state, or None (zeros).
         seqs: [N, 3] int32 (start, end, first chunk) of each walk. num_chunks: NC. scale: the output scale.
         store_dh0: return the gradient of each walk's start state. store_grads: write dh and dv (False: neither is
-        returned).
+        returned). block: the V slice a CTA walks (default ``block_v(K, V)``; 32 halves each step's work and
+        doubles the CTAs, for walks too few to fill the SMs).
 
     Returns:
         (dh [NC, Hv, K, V] in q's dtype, the gradient of the state leaving each chunk; dv [T, Hv, V] in q's dtype, the
@@ -295,7 +296,9 @@ def bwd_dh(q, k, do, ag, gamma, dht, seqs, num_chunks: int, *, scale: float, sto
     Tn, Hk, K = k.shape
     Hv, V = do.shape[1], do.shape[2]
     N = seqs.shape[0]
-    bDV = block_v(K, V)
+    bDV = block or block_v(K, V)
+    if V % bDV or bDV % 16:
+        raise ValueError(f"bwd_dh: the V slice must be a multiple of 16 dividing V = {V}; got {bDV}")
     kernel = toolkit.compile_kernel(build_bwd_dh, Hk, Hv, K, V, bDV, toolkit.tl_dtype(q.dtype), float(scale),
                                     dht is not None, store_dh0, store_grads)
     if store_grads:
