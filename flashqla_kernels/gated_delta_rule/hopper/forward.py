@@ -91,7 +91,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
     Returns:
         (o [B, T, Hv, V] in q's dtype, final state [N, Hv, K, V] fp32 or None); with ``save_states`` also
         (h [saved_chunks(B, T, N), Hv, Kp, Vp], the state entering every chunk, and v_new [B T, Hv, Vp]), both in q's
-        dtype at the kernel head dims Kp, Vp (``padded_head_dim``), rows past the last chunk unwritten.
+        dtype at the kernel head dims Kp, Vp (``padded_head_dim``); h's rows past the last chunk and v_new's
+        padded tail are 0.
 
     Raises:
         ValueError: inputs the kernels cannot take (``unsupported_reason``).
@@ -169,4 +170,12 @@ def _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l
     chunk_fwd.chunk_fwd(q3, k3, v3, ag, gamma, b3, h_init, pl.segs, o, ht, scale=scale, bDV=bDV, rn=rn, states=states)
     if states is None:
         return o.view(B, Tn, Hv, V), ht
-    return o.view(B, Tn, Hv, V), ht, states[1], states[2]
+    # what no chunk writes is zeroed, as o's padded tail is: the op's outputs are the same on every run (opcheck
+    # compares two), and no uninitialised memory is kept until the backward
+    _, h, v_new = states
+    num_chunks = sum(seq_chunks)
+    if h.shape[0] > num_chunks:
+        h[num_chunks:].zero_()
+    if cu[-1] < B * Tn:
+        v_new[cu[-1]:].zero_()
+    return o.view(B, Tn, Hv, V), ht, h, v_new
