@@ -125,5 +125,6 @@ def empty_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
 @functools.lru_cache(maxsize=128)
 def unread(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A kernel argument its specialisation never reads or writes (an absent h0, l2norm factors without l2norm, a
-    final state not asked for): one tensor per (shape, dtype, device), kept, so a call allocates nothing for it."""
+    final state not asked for): a small uninitialised tensor of the argument's shape, never filled (not even under
+    :func:`poisoned_outputs`), since nothing reads it."""
     return torch.empty(shape, dtype=dtype, device=device)
