@@ -66,7 +66,7 @@ save_caches() {  # TileLang's cache now also holds FlashQLA's JIT kernels; both 
 { nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 } > "$OUT/machine.txt" 2>&1
-echo "setup $(( $(date +%s) - t0 )) s; cached kernels: $(find /tmp/tlcache -name executable.so | wc -l)" | tee "$OUT/phases.log"
+echo "setup $(( $(date +%s) - t0 )) s; cached kernels: $(find /tmp/tlcache -name executable.so | wc -l)" | tee -a "$OUT/phases.log"
 if [ -z "${NO_SAVE_CACHES:-}" ]; then  # the top-level call: SM clocks, power and throttle reasons every 250 ms
     smi_q=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active
     nvidia-smi --query-gpu=$smi_q --format=csv -c 1 > /dev/null 2>&1 || smi_q=timestamp,index,clocks.sm,power.draw
@@ -145,8 +145,10 @@ done
 if [ -z "${NO_SAVE_CACHES:-}" ]; then
     kill $smi_pid 2>/dev/null
     # the device tool returns a limited number of files: the results and logs travel as one archive
-    (cd "$OUT" && tar czf results.tgz --exclude='*cache.tar.xz' --exclude=results.tgz --exclude=phases.log . \
-        && find . -maxdepth 1 -type f ! -name '*cache.tar.xz' ! -name results.tgz ! -name phases.log -delete)
+    # (one archive per invocation, so a second `bash h200.sh ...` in the same call keeps the first one's logs)
+    archive=results-$(date +%H%M%S).tgz
+    (cd "$OUT" && tar czf "$archive" --exclude='*cache.tar.xz' --exclude='results*.tgz' --exclude=phases.log . \
+        && find . -maxdepth 1 -type f ! -name '*cache.tar.xz' ! -name 'results*.tgz' ! -name phases.log -delete)
     save_caches
 fi
 echo "total $(( $(date +%s) - t0 )) s" | tee -a "$OUT/phases.log"
