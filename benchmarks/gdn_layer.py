@@ -70,7 +70,8 @@ CATEGORIES = [  # (bucket, kernel-name pattern), first match wins
     ("elementwise", r"attention_gate_mul"),  # the attention layers' glue kernel, not attention itself
     ("conv", r"gdn_conv|conv1d|convolution|conv_depthwise|depthwise|causal_conv|cudnn.*conv|im2col"),
     ("norms", r"gated_rms|rms_?norm|layer_?norm|triton_(red|per)_|reduce_kernel|reduce|welford|norm"),
-    ("GDN op", r"gdn_|chunk_|recompute_w_u|solve_tril|kkt|fused_recurrent|gated_delta|cumsum_|l2norm_fwd"),
+    ("GDN op", r"gdn_|chunk_|recompute_w_u|solve_tril|kkt|fused_recurrent|gated_delta|cumsum_|l2norm_fwd|gdr_|"
+               r"prepare_d?h|group_reduce|warmup_chunks|correct_h0"),
     ("attention", r"flash|fmha|sdpa|attention|cudnn_generated|softmax"),
     ("GEMM", r"gemm|cutlass|xmma|nvjet|cublas|matmul|aten::(mm|addmm|bmm|linear)"),
     ("copies", r"copy|cat|transpose|permute|contiguous|memcpy|memset|index|gather|scatter|aten::(to|_to_copy|clone)"),

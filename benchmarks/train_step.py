@@ -10,7 +10,9 @@ nano corpus (token ids are bytes: any vocabulary takes them). Timing: ``finetune
 with 1 step; the difference over ``steps - 1`` is one training step without the fixed costs (the held-out
 evaluations before and after, the first step's compiles), reported as training tokens/s.
 
-Usage (GPU): ``python benchmarks/train_step.py --out benchmarks/results`` writes ``train_step.json`` and ``.md``;
+Usage (GPU): ``python benchmarks/train_step.py --out benchmarks/results`` writes ``train_step.json`` and ``.md``
+(after every arm, so a run stopped by its time limit keeps the arms it finished); ``--profile`` adds one profiled
+training step per arm (device time by kind of kernel: GEMM, GDN op, norms, conv, copies, elementwise, attention);
 ``--tiny`` runs every arm on a tiny model (CPU is fine) as a dry run. ``--precompile-only`` (no GPU) builds the
 GDN op's forward chunk kernels and its backward kernels for the 2B layer as the "ours" arm trains it (bf16 under
 autocast, l2norm in the op, no initial or final state); the fused layer's, for the held-out evaluations, come from
@@ -120,6 +122,18 @@ def write_results(result: dict, out: Path) -> str:
                          f"{r.get('vs_flashqla', float('nan')):.2f} | |")
         else:
             lines.append(f"| {r['arm']} | - | - | - | {r.get('error') or r.get('note')} |")
+    profiled = [r for r in result["arms"] if "profile" in r]
+    if profiled:
+        kinds = sorted({k for r in profiled for k in r["profile"]["ms"]})
+        lines += ["", "One training step profiled (torch.profiler; device time by kind of kernel, ms; CPU time in a "
+                  "CPU dry run):", "", "| arm | " + " | ".join(kinds) + " | total |",
+                  "|---|" + "---|" * (len(kinds) + 1)]
+        for r in profiled:
+            ms = r["profile"]["ms"]
+            lines.append(f"| {r['arm']} | " + " | ".join(f"{ms.get(k, 0.0):.1f}" for k in kinds)
+                         + f" | {r['profile']['total_ms']:.1f} |")
+        for r in profiled:
+            lines += ["", f"Top kernels, {r['arm']}:", ""] + [f"- {k}" for k in r["profile"]["top_kernels"]]
     text = "\n".join(lines) + "\n"
     (out / "train_step.md").write_text(text)
     return text
@@ -138,6 +152,8 @@ def main(argv=None) -> None:
     parser.add_argument("--micro", type=int, default=None, help="rows a micro-batch (default 2; tiny 1)")
     parser.add_argument("--arms", default="transformers,flashqla,ours", type=lambda a: a.split(","))
     parser.add_argument("--precompile-only", action="store_true", help="build the GDN op's kernels and stop (no GPU)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one training step of each arm: device time by kind of kernel")
     args = parser.parse_args(argv)
     if args.precompile_only:
         print(f"precompiled {precompile(args.micro or 2)} kernels", flush=True)
@@ -164,12 +180,26 @@ def main(argv=None) -> None:
         ct.sync()
         return time.perf_counter() - start
 
+    def train_only(n: int) -> None:
+        # the training steps alone: finetune's own loop (its module's private _train), without the held-out
+        # evaluations finetune runs before and after
+        ft = sys.modules[finetune.__module__]
+
+        cfg = FinetuneConfig(steps=n, lr=1e-5, batch_size=micro, grad_accum=batch // micro, seq_len=seq,
+                             precision=precision)
+        rows = ft.pack_texts(scope.tokenizer, train, seq, what="train_texts")
+        ft._train(scope, rows, ft._penalties(scope, {layer: [7]}), cfg, False)
+
     for name in args.arms:
         row = {"arm": name}
         try:
             with arm_context(name):
                 run(1)  # warm-up: kernels compiled, the optimizer's first allocations
                 one, many = run(1), run(steps)
+                if args.profile:
+                    import gdn_layer
+
+                    row["profile"] = gdn_layer.breakdown(lambda: train_only(1), DEVICE)
             if many > one:
                 step_s = (many - one) / max(steps - 1, 1)
                 row.update(step_s=step_s, tokens_per_s=batch * seq / step_s, call_s=many)

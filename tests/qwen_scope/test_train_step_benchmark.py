@@ -13,7 +13,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 def test_tiny_dry_run_trains_through_finetune_on_every_arm_it_can(tmp_path):
     import train_step
 
-    train_step.main(["--tiny", "--out", str(tmp_path), "--steps", "2"])
+    train_step.main(["--tiny", "--out", str(tmp_path), "--steps", "2", "--profile"])
     result = json.loads((tmp_path / "train_step.json").read_text())
     arms = {r["arm"]: r for r in result["arms"]}
     assert set(arms) == {"transformers", "flashqla", "ours"}
@@ -24,6 +24,12 @@ def test_tiny_dry_run_trains_through_finetune_on_every_arm_it_can(tmp_path):
     assert "flash_qla" in arms["flashqla"]["error"]
     assert (result["batch"], result["micro"], result["seq_len"]) == (2, 1, 64)
     assert "| ours |" in (tmp_path / "train_step.md").read_text()
+    # --profile: one training step's time by kind of op per arm that ran, in the JSON and the table
+    for name in ("transformers", "ours"):
+        prof = arms[name]["profile"]
+        assert prof["total_ms"] > 0 and abs(sum(prof["ms"].values()) - prof["total_ms"]) <= 1e-6 * prof["total_ms"]
+        assert prof["ms"].get("GEMM", 0) > 0 and prof["top_kernels"]
+    assert "One training step profiled" in (tmp_path / "train_step.md").read_text()
 
 
 def test_precompile_builds_the_ops_kernels_of_the_2b_layer(monkeypatch):
