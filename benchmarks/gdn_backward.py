@@ -154,8 +154,16 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     grouped = (bwd_dqkwg.bwd_dqkwg_group(q3, k3, v_new, do3, du, h, dh, gamma, chunks, scale=scale)
                if Kd <= 128 and Vd <= 128 else None)
     _, dk_k, dw_g, dgp_g = grouped if grouped is not None else (None,) * 4
+    from flashqla_kernels.gated_delta_rule.hopper import forward
+
+    qd, kd, vd, gd, bd = (x.detach() for x in (q, k, v, g, beta))
     return {
         "segment_chunks": L,
+        # the forward as the custom op runs it under grad, without and with the states saved for the backward
+        "forward": bench(lambda: forward.chunk_gated_delta_rule_fwd(qd, kd, vd, gd, bd, initial_state=h0,
+                                                                    output_final_state=True, cu_seqlens=cu)),
+        "forward, saving": bench(lambda: forward.chunk_gated_delta_rule_fwd(
+            qd, kd, vd, gd, bd, initial_state=h0, output_final_state=True, cu_seqlens=cu, save_states=True)),
         "kkt_solve": bench(lambda: kkt_solve.kkt_solve(k3, g3, b3, chunks, Hv)),
         "states + dh": bench(sequential),
         **sweep,
@@ -278,13 +286,14 @@ def write(out: Path, result: dict) -> None:
         lines += ["", f"Geomean x FlashQLA: {fwd.geomean(ratios):.3f} over {len(ratios)} rows."]
     staged = [r for r in result["rows"] if "stages_ms" in r]
     if staged:
-        names = list(staged[0]["stages_ms"])
-        lines += ["", "Internal, not the user's number: the backward's stages alone, ms (each launched on the others' "
-                  "outputs; the forward is not in them).", "",
+        names = list(dict.fromkeys(n for r in staged for n in r["stages_ms"]))  # a row may lack a stage: "-"
+        lines += ["", "Internal, not the user's number: the forward launcher as the custom op calls it under grad "
+                  "(plain, and saving the states), then the backward's stages alone, ms (each launched on the others' "
+                  "outputs).", "",
                   "| Hk/Hv | seqs | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
         lines += [f"| {r['Hk']}/{r['Hv']} | {r['seqlen']}x{r['nseq']} | "
-                  + " | ".join(f"{r['stages_ms'][n]:.3f}" if isinstance(r['stages_ms'][n], float)
-                               else str(r['stages_ms'][n]) for n in names) + " |" for r in staged]
+                  + " | ".join(f"{r['stages_ms'][n]:.3f}" if isinstance(r['stages_ms'].get(n), float)
+                               else str(r['stages_ms'].get(n, "-")) for n in names) + " |" for r in staged]
     (out / "gdn_backward.md").write_text("\n".join(lines) + "\n")
 
 
