@@ -122,9 +122,15 @@ def empty_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
     return empty(x.shape, dtype or x.dtype, x.device)
 
 
-@functools.lru_cache(maxsize=128)
 def unread(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A kernel argument its specialisation never reads or writes (an absent h0, l2norm factors without l2norm, a
-    final state not asked for): a small uninitialised tensor of the argument's shape, never filled (not even under
-    :func:`poisoned_outputs`), since nothing reads it."""
+    final state not asked for): one tensor per (shape, dtype, device), kept, so a call allocates nothing for it.
+    Under :func:`poisoned_outputs` a fresh NaN / -1 filled one instead, so a kernel that does read it shows NaN."""
+    if _poison:
+        return empty(shape, dtype, device)
+    return _unread(tuple(shape), dtype, device)
+
+
+@functools.lru_cache(maxsize=128)
+def _unread(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)

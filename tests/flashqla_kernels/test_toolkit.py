@@ -25,6 +25,17 @@ def test_unread_arguments_are_one_kept_tensor_per_shape_dtype_and_device():
     assert a.shape == (1, 4, 2) and a.dtype == torch.float32
 
 
+def test_unread_arguments_are_poisoned_fresh_tensors_inside_poisoned_outputs():
+    """So a kernel that reads an argument its specialisation should not read shows NaN in the GPU tests."""
+    kept = toolkit.unread((1, 4, 2), torch.float32, torch.device("cpu"))
+    with toolkit.poisoned_outputs():
+        f = toolkit.unread((1, 4, 2), torch.float32, torch.device("cpu"))
+        i = toolkit.unread((3,), torch.int32, torch.device("cpu"))
+    assert f is not kept and f.shape == (1, 4, 2) and f.isnan().all()
+    assert i.dtype == torch.int32 and (i == -1).all()
+    assert toolkit.unread((1, 4, 2), torch.float32, torch.device("cpu")) is kept
+
+
 def _refusing_builder(width):
     raise ValueError(f"no kernel for width {width}")
 
