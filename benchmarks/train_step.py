@@ -171,9 +171,12 @@ def main(argv=None) -> None:
               "Qwen3.5-2B-shaped random, fp32 weights, bf16 autocast", "batch": batch, "seq_len": seq,
               "micro": micro, "steps": steps, "layer": layer, "arms": []}
 
+    def config(n: int) -> FinetuneConfig:  # the timed calls and the profiled step train alike
+        return FinetuneConfig(steps=n, lr=1e-5, batch_size=micro, grad_accum=batch // micro, seq_len=seq,
+                              precision=precision, eval_batch_size=micro, max_eval_rows=micro)
+
     def run(n: int) -> float:
-        cfg = FinetuneConfig(steps=n, lr=1e-5, batch_size=micro, grad_accum=batch // micro, seq_len=seq,
-                             precision=precision, eval_batch_size=micro, max_eval_rows=micro)
+        cfg = config(n)
         ct.sync()
         start = time.perf_counter()
         finetune(scope, train, held, {layer: [7]}, cfg, progress=False)
@@ -185,8 +188,7 @@ def main(argv=None) -> None:
         # evaluations finetune runs before and after
         ft = sys.modules[finetune.__module__]
 
-        cfg = FinetuneConfig(steps=n, lr=1e-5, batch_size=micro, grad_accum=batch // micro, seq_len=seq,
-                             precision=precision)
+        cfg = config(n)
         rows = ft.pack_texts(scope.tokenizer, train, seq, what="train_texts")
         ft._train(scope, rows, ft._penalties(scope, {layer: [7]}), cfg, False)
 
