@@ -203,8 +203,15 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
                     T.copy(vd_f, vd_sh)
                     T.fence_proxy_async()
                     T.barrier_arrive(bar_vd)
-                    for i, j in T.Parallel(C, bDV):
-                        vn_sh[i, j] = vd_f[i, j] * er_sh[i]
+                    if store_states:  # vd_f itself is stored below (v_new)
+                        for i, j in T.Parallel(C, bDV):
+                            vn_sh[i, j] = vd_f[i, j] * er_sh[i]
+                    else:
+                        # Vn scaled in the registers, then one fragment store (stmatrix), as W is: the state
+                        # warpgroup waits for Vn, and element stores with swizzled addresses cost more
+                        for i, j in T.Parallel(C, bDV):
+                            vd_f[i, j] = vd_f[i, j] * er_sh[i]
+                        T.copy(vd_f, vn_sh)
                     T.fence_proxy_async()
                     T.barrier_arrive(bar_vn)
                     T.barrier_arrive(free[it % 2])
