@@ -103,6 +103,8 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
             vd_sh = T.alloc_shared((C, bDV), idt)
             w_sh = T.alloc_shared((C, bDV), idt) if separate_w else None
             vn_sh = T.alloc_shared((C, bDV), dtype)
+            # with store_states: v_new (= Vd in the input dtype) leaves from here by one bulk store
+            vs_sh = T.alloc_shared((C, bDV), dtype) if store_states else None
             eg_sh = T.alloc_shared((C,), "float32", scope="shared")
             er_sh = T.alloc_shared((C,), "float32", scope="shared")
             # l2norm: the inverse norms of the chunk's q and k rows, the log2 gates carrying them (Pg's scaling
@@ -168,6 +170,10 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
                 set_nreg(NREG_VALUES)
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
+                    if store_states:
+                        # the previous step's v_new store must have read vs_sh (as h_sh's, thread 128 waits)
+                        if tx == 128:
+                            T.tma_store_wait(0)
                     T.barrier_arrive(bar_start)
                     T.barrier_wait(bar_start, it % 2)
                     if l2norm:
@@ -203,26 +209,29 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
                     T.copy(vd_f, vd_sh)
                     T.fence_proxy_async()
                     T.barrier_arrive(bar_vd)
-                    if store_states:  # vd_f itself is stored below (v_new)
-                        for i, j in T.Parallel(C, bDV):
-                            vn_sh[i, j] = vd_f[i, j] * er_sh[i]
-                    else:
-                        # Vn scaled in the registers, then one fragment store (stmatrix), as W is: the state
-                        # warpgroup waits for Vn, and element stores with swizzled addresses cost more
-                        for i, j in T.Parallel(C, bDV):
-                            vd_f[i, j] = vd_f[i, j] * er_sh[i]
-                        T.copy(vd_f, vn_sh)
+                    if store_states:
+                        T.copy(vd_f, vs_sh)
+                    # Vn scaled in the registers, then one fragment store (stmatrix), as W is: the state warpgroup
+                    # waits for Vn, and element stores with swizzled addresses cost more
+                    for i, j in T.Parallel(C, bDV):
+                        vd_f[i, j] = vd_f[i, j] * er_sh[i]
+                    T.copy(vd_f, vn_sh)
                     T.fence_proxy_async()
                     T.barrier_arrive(bar_vn)
                     T.barrier_arrive(free[it % 2])
                     if store_states:
+                        # v_new of full chunks: one bulk store (thread 128) that runs while the next step starts; a
+                        # ragged chunk's rows end inside the box, so it stores row by row
                         cs = s0 + it * C
                         if cs + C <= s1:
-                            T.copy(vd_f, vns[cs:cs + C, bh, v0:v0 + bDV])
+                            T.tma_copy(vs_sh, vns[cs:cs + C, bh, v0:v0 + bDV])
                         else:
                             for i, j in T.Parallel(C, bDV):
                                 if cs + i < s1:
-                                    vns[cs + i, bh, v0 + j] = vd_f[i, j]
+                                    vns[cs + i, bh, v0 + j] = vs_sh[i, j]
+                if store_states:
+                    if tx == 128:
+                        T.tma_store_wait(0)
 
             elif tx < 384:
                 set_nreg(NREG_OUTPUT)
