@@ -57,6 +57,8 @@ THREADS = 512
 # beside its accumulator, so 8 registers move to it from the values warpgroup (20-44 bytes of spills at 128 / 128,
 # none at 120 / 136).
 NREG_STATE, NREG_VALUES, NREG_OUTPUT, NREG_PRODUCER = 160, 120, 136, 88
+# 2: the V slice is walked as two half-width chains offset by half a step (``_chunk_step_lanes``); 1: one chain
+LANES = 2
 NREG_LAUNCH = 65536 // THREADS  # what every warp holds at launch: setmaxnreg.inc may only raise it, .dec only lower it
 
 
@@ -342,12 +344,322 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
     return chunk_step
 
 
+def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool,
+                      l2norm: bool, store_states: bool, outputs: bool = True):
+    """The chunk step on two lanes (the module doc's ping-pong): the CTA's V slice is walked as two halves of
+    ``bDV // 2`` columns, each its own chain of the per-chunk recurrence, offset by half a step so that the state
+    warpgroup updates one half while the values warpgroup works on the other. Arguments as ``_chunk_step``."""
+    group = Hv // Hk
+    idt = "float16"
+    separate_w = idt != dtype
+    H = bDV // 2  # one lane's columns
+    # one barrier per lane and hand-off; a phase completes once per chunk step. hfree (the lane's h_sh reads of a
+    # step are done: K S, Q S) also counts the state warpgroup's thread 0 once its bulk store of h_sh has read it;
+    # vdfree (Pg Vd has read vd_sh) counts the values warpgroup's thread 128 once its v_new store has read vs_sh.
+    n_hfree = 128 + (128 if outputs else 0) + (1 if store_states else 0)
+    n_vdfree = (128 if outputs else 0) + (1 if store_states else 0)
+
+    @T.macro
+    def publish(s_f, lane, it, tx, bs, bh, v0, h_sh, st, hfree, hs, seg_chunk0):
+        # the state entering step ``it`` of ``lane`` to h_sh once the lane's readers of step it - 1 are done
+        if it > 0:
+            if store_states:
+                # and the lane's previous bulk store has read h_sh (thread 0 issued it)
+                if tx == 0:
+                    T.tma_store_wait(0)
+                    T.barrier_arrive(hfree[lane])
+            T.barrier_wait(hfree[lane], (it - 1) % 2)
+        T.copy(s_f, h_sh[lane, :, :])
+        T.fence_proxy_async()
+        T.barrier_arrive(st[lane])
+        if store_states:
+            # every thread's part of h_sh is written: one bulk store from shared memory
+            T.barrier_wait(st[lane], it % 2)
+            if tx == 0:
+                T.tma_copy(h_sh[lane, :, :], hs[seg_chunk0[bs] + it, bh, :, v0 + lane * H:v0 + lane * H + H])
+
+    @T.macro
+    def update(s_f, lane, it, k_sh, vn_sh, vnb, eg_sh):
+        # S <- exp(gamma_C) S + K^T Vn for step ``it`` of ``lane``
+        for i, j in T.Parallel(K, H):
+            s_f[i, j] = s_f[i, j] * eg_sh[it % 2, C - 1]
+        T.barrier_wait(vnb[lane], it % 2)
+        T.gemm(k_sh[it % 2, :, :], vn_sh[lane, :, :], s_f, transpose_A=True)
+
+    @T.macro
+    def chunk_step(q, k, v, a0, gamma, beta, h_init, segs, o, ht, rn, hs, vns, seg_chunk0):
+        with T.Kernel(V // bDV, Hv, segs.shape[0], threads=THREADS) as (bv, bh, bs):
+            hk = bh // group
+            v0 = bv * bDV
+            s0 = T.alloc_var("int32")
+            s1 = T.alloc_var("int32")
+            init = T.alloc_var("int32")
+            fin = T.alloc_var("int32")
+            n_it = T.alloc_var("int32")
+            s0 = segs[bs, 0]
+            s1 = segs[bs, 1]
+            init = segs[bs, 2]
+            fin = segs[bs, 3]
+            n_it = T.ceildiv(s1 - s0, C)
+            tx = T.get_thread_binding()
+
+            q_sh = T.alloc_shared((2, C, K), dtype)
+            k_sh = T.alloc_shared((2, C, K), dtype)
+            v_sh = T.alloc_shared((2, 2, C, H), dtype)  # [stage, lane]
+            a_sh = T.alloc_shared((2, C, C), "float16")
+            g_sh = T.alloc_shared((2, C), "float32", scope="shared")
+            b_sh = T.alloc_shared((2, C), "float32", scope="shared")
+            # the per-row gate factors of each stage, formed by the producer: exp(gamma) (times rk: K S's rows,
+            # and rq: Q S's rows, with l2norm) and exp(gamma_C - gamma) (times rk)
+            eg_sh = T.alloc_shared((2, C), "float32", scope="shared")
+            er_sh = T.alloc_shared((2, C), "float32", scope="shared")
+            ek_sh = T.alloc_shared((2, C), "float32", scope="shared") if l2norm else None
+            eq_sh = T.alloc_shared((2, C), "float32", scope="shared") if l2norm else None
+            lq_sh = T.alloc_shared((2, C), "float32", scope="shared") if l2norm else None
+            lk_sh = T.alloc_shared((2, C), "float32", scope="shared") if l2norm else None
+            h_sh = T.alloc_shared((2, K, H), dtype)  # [lane]
+            vd_sh = T.alloc_shared((2, C, H), idt)
+            w_sh = T.alloc_shared((2, C, H), idt) if separate_w else None
+            vn_sh = T.alloc_shared((2, C, H), dtype)
+            vs_sh = T.alloc_shared((2, C, H), dtype) if store_states else None
+
+            s_a = T.alloc_fragment((K, H), "float32")
+            s_b = T.alloc_fragment((K, H), "float32")
+            u_f = T.alloc_fragment((C, H), "float32")
+            vd_f = T.alloc_fragment((C, H), "float32")
+            p_f = T.alloc_fragment((C, C), "float32")
+            o_f = T.alloc_fragment((C, H), "float32")
+            pg_f = T.alloc_fragment((C, C), idt)
+
+            ready = T.alloc_barrier(arrive_count=[96] * 2)
+            free = T.alloc_barrier(arrive_count=[384] * 2)
+            st = T.alloc_barrier(arrive_count=[128] * 2)  # h_sh[lane] holds the lane's entering state
+            hfree = T.alloc_barrier(arrive_count=[n_hfree] * 2)
+            vdb = T.alloc_barrier(arrive_count=[128] * 2)  # vd_sh[lane] (and vs_sh[lane]) written
+            vdfree = T.alloc_barrier(arrive_count=[max(n_vdfree, 1)] * 2)
+            vnb = T.alloc_barrier(arrive_count=[128] * 2)  # vn_sh[lane] written
+
+            if tx < 128:
+                set_nreg(NREG_STATE)
+                if init >= 0:
+                    T.copy(h_init[init, bh, :, v0:v0 + H], s_a)
+                    T.copy(h_init[init, bh, :, v0 + H:v0 + bDV], s_b)
+                else:
+                    T.clear(s_a)
+                    T.clear(s_b)
+                # body it: publish lane 0's entering state, finish lane 1's previous step and publish its entering
+                # state, then update lane 0; lane 1's last update follows the loop
+                for it in T.serial(n_it):
+                    T.barrier_wait(ready[it % 2], (it // 2) % 2)
+                    publish(s_a, 0, it, tx, bs, bh, v0, h_sh, st, hfree, hs, seg_chunk0)
+                    if it > 0:
+                        update(s_b, 1, it - 1, k_sh, vn_sh, vnb, eg_sh)
+                        T.barrier_arrive(free[(it - 1) % 2])
+                    publish(s_b, 1, it, tx, bs, bh, v0, h_sh, st, hfree, hs, seg_chunk0)
+                    update(s_a, 0, it, k_sh, vn_sh, vnb, eg_sh)
+                if n_it > 0:
+                    update(s_b, 1, n_it - 1, k_sh, vn_sh, vnb, eg_sh)
+                    T.barrier_arrive(free[(n_it - 1) % 2])
+                if store_states:
+                    if tx == 0:
+                        T.tma_store_wait(0)
+                if store_final:
+                    if fin >= 0:
+                        T.copy(s_a, ht[fin, bh, :, v0:v0 + H])
+                        T.copy(s_b, ht[fin, bh, :, v0 + H:v0 + bDV])
+
+            elif tx < 256:
+                set_nreg(NREG_VALUES)
+                for it in T.serial(n_it):
+                    T.barrier_wait(ready[it % 2], (it // 2) % 2)
+                    for lane in T.unroll(2):
+                        T.barrier_wait(st[lane], it % 2)
+                        T.gemm(k_sh[it % 2, :, :], h_sh[lane, :, :], u_f, clear_accum=True)
+                        T.barrier_arrive(hfree[lane])
+                        # W = V - exp(gamma) U in registers, then one fragment store
+                        if l2norm:
+                            for i, j in T.Parallel(C, H):
+                                u_f[i, j] = v_sh[it % 2, lane, i, j] - ek_sh[it % 2, i] * u_f[i, j]
+                        else:
+                            for i, j in T.Parallel(C, H):
+                                u_f[i, j] = v_sh[it % 2, lane, i, j] - eg_sh[it % 2, i] * u_f[i, j]
+                        if separate_w:
+                            T.copy(u_f, w_sh[lane, :, :])
+                            T.fence_proxy_async()
+                            T.gemm(a_sh[it % 2, :, :], w_sh[lane, :, :], vd_f, clear_accum=True)
+                        else:
+                            T.copy(u_f, v_sh[it % 2, lane, :, :])
+                            T.fence_proxy_async()
+                            T.gemm(a_sh[it % 2, :, :], v_sh[it % 2, lane, :, :], vd_f, clear_accum=True)
+                        if it > 0:
+                            if store_states:
+                                # the lane's previous v_new store must have read vs_sh
+                                if tx == 128:
+                                    T.tma_store_wait(0)
+                                    T.barrier_arrive(vdfree[lane])
+                            T.barrier_wait(vdfree[lane], (it - 1) % 2)
+                        if outputs:
+                            T.copy(vd_f, vd_sh[lane, :, :])
+                        if store_states:
+                            T.copy(vd_f, vs_sh[lane, :, :])
+                        T.fence_proxy_async()
+                        T.barrier_arrive(vdb[lane])
+                        # Vn scaled in the registers, then one fragment store
+                        for i, j in T.Parallel(C, H):
+                            vd_f[i, j] = vd_f[i, j] * er_sh[it % 2, i]
+                        T.copy(vd_f, vn_sh[lane, :, :])
+                        T.fence_proxy_async()
+                        T.barrier_arrive(vnb[lane])
+                        if store_states:
+                            # v_new of full chunks: one bulk store (thread 128) once every thread's part of vs_sh
+                            # is written; a ragged chunk's rows end inside the box, so it stores row by row
+                            T.barrier_wait(vdb[lane], it % 2)
+                            cs = s0 + it * C
+                            if cs + C <= s1:
+                                if tx == 128:
+                                    T.tma_copy(vs_sh[lane, :, :], vns[cs:cs + C, bh, v0 + lane * H:v0 + lane * H + H])
+                            else:
+                                for i, j in T.Parallel(C, H):
+                                    if cs + i < s1:
+                                        vns[cs + i, bh, v0 + lane * H + j] = vs_sh[lane, i, j]
+                    T.barrier_arrive(free[it % 2])
+                if store_states:
+                    if tx == 128:
+                        T.tma_store_wait(0)
+
+            elif tx < 384:
+                set_nreg(NREG_OUTPUT)
+                for it in T.serial(n_it):
+                    T.barrier_wait(ready[it % 2], (it // 2) % 2)
+                    if outputs:
+                        T.gemm(q_sh[it % 2, :, :], k_sh[it % 2, :, :], p_f, transpose_B=True, clear_accum=True)
+                        if l2norm:
+                            for i, j in T.Parallel(C, C):
+                                p_f[i, j] = T.if_then_else(
+                                    j <= i, p_f[i, j] * T.exp2(lq_sh[it % 2, i] - lk_sh[it % 2, j]) * scale, 0.0)
+                        else:
+                            for i, j in T.Parallel(C, C):
+                                p_f[i, j] = T.if_then_else(
+                                    j <= i, p_f[i, j] * T.exp2((g_sh[it % 2, i] - g_sh[it % 2, j]) * LOG2E) * scale,
+                                    0.0)
+                        T.copy(p_f, pg_f)
+                    for lane in T.unroll(2):
+                        if outputs:
+                            T.barrier_wait(st[lane], it % 2)
+                            T.gemm(q_sh[it % 2, :, :], h_sh[lane, :, :], o_f, clear_accum=True)
+                            T.barrier_arrive(hfree[lane])
+                            if l2norm:
+                                for i, j in T.Parallel(C, H):
+                                    o_f[i, j] = o_f[i, j] * eq_sh[it % 2, i] * scale
+                            else:
+                                for i, j in T.Parallel(C, H):
+                                    o_f[i, j] = o_f[i, j] * eg_sh[it % 2, i] * scale
+                            T.barrier_wait(vdb[lane], it % 2)
+                            T.gemm(pg_f, vd_sh[lane, :, :], o_f)
+                            T.barrier_arrive(vdfree[lane])
+                            cs = s0 + it * C
+                            if cs + C <= s1:
+                                T.copy(o_f, o[cs:cs + C, bh, v0 + lane * H:v0 + lane * H + H])
+                            else:
+                                for i, j in T.Parallel(C, H):
+                                    if cs + i < s1:
+                                        o[cs + i, bh, v0 + lane * H + j] = o_f[i, j]
+                    T.barrier_arrive(free[it % 2])
+
+            else:
+                set_nreg(NREG_PRODUCER)
+                if tx < 384 + 32:
+                    for it in T.serial(n_it):
+                        T.barrier_wait(free[it % 2], (it // 2 + 1) % 2)
+                        cs = s0 + it * C
+                        # the recompute reads no q (its output warpgroup is idle)
+                        if cs + C <= s1:
+                            if outputs:
+                                T.tma_copy(q[cs:cs + C, hk, :], q_sh[it % 2, :, :], barrier=ready[it % 2])
+                            T.tma_copy(k[cs:cs + C, hk, :], k_sh[it % 2, :, :], barrier=ready[it % 2])
+                        elif not outputs:
+                            for i, j in T.Parallel(C, K):
+                                k_sh[it % 2, i, j] = T.if_then_else(cs + i < s1, k[T.min(cs + i, s1 - 1), hk, j],
+                                                                    T.cast(0, dtype))
+                            T.fence_proxy_async()
+                        else:
+                            for i, j in T.Parallel(C, K):
+                                q_sh[it % 2, i, j] = T.if_then_else(cs + i < s1, q[T.min(cs + i, s1 - 1), hk, j],
+                                                                    T.cast(0, dtype))
+                                k_sh[it % 2, i, j] = T.if_then_else(cs + i < s1, k[T.min(cs + i, s1 - 1), hk, j],
+                                                                    T.cast(0, dtype))
+                            T.fence_proxy_async()
+                        T.barrier_arrive(ready[it % 2])
+                elif tx < 384 + 64:
+                    for it in T.serial(n_it):
+                        T.barrier_wait(free[it % 2], (it // 2 + 1) % 2)
+                        cs = s0 + it * C
+                        if cs + C <= s1:
+                            T.tma_copy(v[cs:cs + C, bh, v0:v0 + H], v_sh[it % 2, 0, :, :], barrier=ready[it % 2])
+                            T.tma_copy(v[cs:cs + C, bh, v0 + H:v0 + bDV], v_sh[it % 2, 1, :, :],
+                                       barrier=ready[it % 2])
+                        else:
+                            for ln, i, j in T.Parallel(2, C, H):
+                                v_sh[it % 2, ln, i, j] = T.if_then_else(
+                                    cs + i < s1, v[T.min(cs + i, s1 - 1), bh, v0 + ln * H + j], T.cast(0, dtype))
+                            T.fence_proxy_async()
+                        for i in T.Parallel(C):
+                            b_sh[it % 2, i] = T.if_then_else(cs + i < s1, beta[T.min(cs + i, s1 - 1), bh], 0.0)
+                        T.barrier_arrive(ready[it % 2])
+                elif tx < 384 + 96:
+                    for it in T.serial(n_it):
+                        T.barrier_wait(free[it % 2], (it // 2 + 1) % 2)
+                        cs = s0 + it * C
+                        if cs + C <= s1:
+                            T.tma_copy(a0[cs:cs + C, bh, :], a_sh[it % 2, :, :], barrier=ready[it % 2])
+                        else:
+                            for i, j in T.Parallel(C, C):
+                                a_sh[it % 2, i, j] = T.if_then_else(
+                                    cs + i < s1, a0[T.min(cs + i, s1 - 1), bh, j], T.cast(0, "float16"))
+                            # the values warpgroup's wgmma reads this tile (async proxy)
+                            T.fence_proxy_async()
+                        # padded rows repeat the last valid gamma: Gamma stays <= 1 and their terms are zero
+                        for i in T.Parallel(C):
+                            g_sh[it % 2, i] = gamma[T.min(cs + i, s1 - 1), bh]
+                            eg_sh[it % 2, i] = T.exp2(gamma[T.min(cs + i, s1 - 1), bh] * LOG2E)
+                        if l2norm:
+                            for i in T.Parallel(C):
+                                ek_sh[it % 2, i] = (T.exp2(gamma[T.min(cs + i, s1 - 1), bh] * LOG2E)
+                                                    * rn[T.min(cs + i, s1 - 1), hk, 1])
+                                eq_sh[it % 2, i] = (T.exp2(gamma[T.min(cs + i, s1 - 1), bh] * LOG2E)
+                                                    * rn[T.min(cs + i, s1 - 1), hk, 0])
+                                er_sh[it % 2, i] = (T.exp2((gamma[T.min(cs + C - 1, s1 - 1), bh]
+                                                            - gamma[T.min(cs + i, s1 - 1), bh]) * LOG2E)
+                                                    * rn[T.min(cs + i, s1 - 1), hk, 1])
+                                lq_sh[it % 2, i] = (gamma[T.min(cs + i, s1 - 1), bh] * LOG2E
+                                                    + T.log2(rn[T.min(cs + i, s1 - 1), hk, 0]))
+                                lk_sh[it % 2, i] = (gamma[T.min(cs + i, s1 - 1), bh] * LOG2E
+                                                    - T.log2(rn[T.min(cs + i, s1 - 1), hk, 1]))
+                        else:
+                            for i in T.Parallel(C):
+                                er_sh[it % 2, i] = T.exp2((gamma[T.min(cs + C - 1, s1 - 1), bh]
+                                                           - gamma[T.min(cs + i, s1 - 1), bh]) * LOG2E)
+                        T.barrier_arrive(ready[it % 2])
+
+    return chunk_step
+
+
+def lanes_for(bDV: int) -> int:
+    """Chains one CTA walks: ``LANES`` where each half of the slice is at least 32 columns wide, else 1."""
+    return LANES if bDV >= 64 else 1
+
+
+def _builder(lanes: int):
+    return _chunk_step_lanes if lanes == 2 else _chunk_step
+
+
 def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool,
-                    l2norm: bool = False, save_states: bool = False):
+                    l2norm: bool = False, save_states: bool = False, lanes: int = 1):
     """The chunk_fwd kernel for q/k/v in ``dtype`` (bfloat16 or float16); ``store_final``: write ``ht``;
     ``l2norm``: normalise q and k by ``rn`` (the module doc); ``save_states``: also write every chunk's entering
-    state and v_new for the backward (``chunk_states``' outputs)."""
-    step = _chunk_step(Hk, Hv, K, V, bDV, dtype, scale, store_final, l2norm, save_states)
+    state and v_new for the backward (``chunk_states``' outputs); ``lanes``: 2 walks the slice as two half-width
+    chains (``lanes_for``)."""
+    step = _builder(lanes)(Hk, Hv, K, V, bDV, dtype, scale, store_final, l2norm, save_states)
     num_tokens = T.dynamic("num_tokens")
     num_segs = T.dynamic("num_segs")
     num_init = T.dynamic("num_init")
@@ -396,10 +708,10 @@ def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
     return gdn_chunk_fwd
 
 
-def build_chunk_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str):
+def build_chunk_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, lanes: int = 1):
     """The backward's recompute kernel ``gdn_chunk_states`` (the module doc): keys already normalised, every
-    chunk's entering state and v_new written in ``dtype``."""
-    step = _chunk_step(Hk, Hv, K, V, bDV, dtype, 1.0, False, False, True, outputs=False)
+    chunk's entering state and v_new written in ``dtype``; ``lanes`` as ``build_chunk_fwd``."""
+    step = _builder(lanes)(Hk, Hv, K, V, bDV, dtype, 1.0, False, False, True, outputs=False)
     num_tokens = T.dynamic("num_tokens")
     num_segs = T.dynamic("num_segs")
     num_init = T.dynamic("num_init")
@@ -437,7 +749,7 @@ def chunk_states(k, v, ag, gamma, beta, h_init, segs, seg_chunk0, num_chunks: in
     """
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
-    kernel = toolkit.compile_kernel(build_chunk_states, Hk, Hv, K, V, bDV, toolkit.tl_dtype(k.dtype))
+    kernel = toolkit.compile_kernel(build_chunk_states, Hk, Hv, K, V, bDV, toolkit.tl_dtype(k.dtype), lanes_for(bDV))
     h = toolkit.empty((num_chunks, Hv, K, V), k.dtype, k.device)
     v_new = toolkit.empty((Tn, Hv, V), k.dtype, k.device)
     if segs.shape[0] > 0:
@@ -460,7 +772,7 @@ def chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale: float, bD
     Hv, V = v.shape[1], v.shape[2]
     store_final = ht is not None
     kernel = toolkit.compile_kernel(build_chunk_fwd, Hk, Hv, K, V, bDV, toolkit.tl_dtype(q.dtype), float(scale),
-                                    store_final, rn is not None, states is not None)
+                                    store_final, rn is not None, states is not None, lanes_for(bDV))
     if ht is None:
         # the kernel's ht argument, not written without store_final
         ht = toolkit.unread((1, Hv, K, V), torch.float32, q.device)
