@@ -348,7 +348,10 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
                       l2norm: bool, store_states: bool, outputs: bool = True):
     """The chunk step on two lanes (the module doc's ping-pong): the CTA's V slice is walked as two halves of
     ``bDV // 2`` columns, each its own chain of the per-chunk recurrence, offset by half a step so that the state
-    warpgroup updates one half while the values warpgroup works on the other. Arguments as ``_chunk_step``."""
+    warpgroup updates one half while the values warpgroup works on the other. Arguments as ``_chunk_step``.
+
+    Every per-lane tile is a 2-D buffer of its own, and the lane code is a macro called once per lane with that
+    lane's buffers: fragment copies into a slice of a 3-D tile at a run-time lane index lose the stmatrix path."""
     group = Hv // Hk
     idt = "float16"
     separate_w = idt != dtype
@@ -361,7 +364,7 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
 
     @T.macro
     def publish(s_f, lane, it, tx, bs, bh, v0, h_sh, st, hfree, hs, seg_chunk0):
-        # the state entering step ``it`` of ``lane`` to h_sh once the lane's readers of step it - 1 are done
+        # the state entering step ``it`` of ``lane`` to h_sh, once the lane's readers of step it - 1 are done
         if it > 0:
             if store_states:
                 # and the lane's previous bulk store has read h_sh (thread 0 issued it)
@@ -369,14 +372,14 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
                     T.tma_store_wait(0)
                     T.barrier_arrive(hfree[lane])
             T.barrier_wait(hfree[lane], (it - 1) % 2)
-        T.copy(s_f, h_sh[lane, :, :])
+        T.copy(s_f, h_sh)
         T.fence_proxy_async()
         T.barrier_arrive(st[lane])
         if store_states:
             # every thread's part of h_sh is written: one bulk store from shared memory
             T.barrier_wait(st[lane], it % 2)
             if tx == 0:
-                T.tma_copy(h_sh[lane, :, :], hs[seg_chunk0[bs] + it, bh, :, v0 + lane * H:v0 + lane * H + H])
+                T.tma_copy(h_sh, hs[seg_chunk0[bs] + it, bh, :, v0 + lane * H:v0 + lane * H + H])
 
     @T.macro
     def update(s_f, lane, it, k_sh, vn_sh, vnb, eg_sh):
@@ -384,7 +387,83 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
         for i, j in T.Parallel(K, H):
             s_f[i, j] = s_f[i, j] * eg_sh[it % 2, C - 1]
         T.barrier_wait(vnb[lane], it % 2)
-        T.gemm(k_sh[it % 2, :, :], vn_sh[lane, :, :], s_f, transpose_A=True)
+        T.gemm(k_sh[it % 2, :, :], vn_sh, s_f, transpose_A=True)
+
+    @T.macro
+    def values(lane, it, tx, s0, s1, bh, v0, k_sh, a_sh, v_sh, h_sh, w_sh, vd_sh, vn_sh, vs_sh, eg_sh, ek_sh,
+               er_sh, u_f, vd_f, st, hfree, vdb, vdfree, vnb, vns):
+        # U = K S, W = V - exp(gamma) U, Vd = Ag W, Vn for step ``it`` of ``lane``
+        T.barrier_wait(st[lane], it % 2)
+        T.gemm(k_sh[it % 2, :, :], h_sh, u_f, clear_accum=True)
+        T.barrier_arrive(hfree[lane])
+        if l2norm:
+            for i, j in T.Parallel(C, H):
+                u_f[i, j] = v_sh[it % 2, i, j] - ek_sh[it % 2, i] * u_f[i, j]
+        else:
+            for i, j in T.Parallel(C, H):
+                u_f[i, j] = v_sh[it % 2, i, j] - eg_sh[it % 2, i] * u_f[i, j]
+        if separate_w:
+            T.copy(u_f, w_sh)
+            T.fence_proxy_async()
+            T.gemm(a_sh[it % 2, :, :], w_sh, vd_f, clear_accum=True)
+        else:
+            T.copy(u_f, v_sh[it % 2, :, :])
+            T.fence_proxy_async()
+            T.gemm(a_sh[it % 2, :, :], v_sh[it % 2, :, :], vd_f, clear_accum=True)
+        if it > 0:
+            if store_states:
+                # the lane's previous v_new store must have read vs_sh (thread 128 issued it)
+                if tx == 128:
+                    T.tma_store_wait(0)
+                    T.barrier_arrive(vdfree[lane])
+            T.barrier_wait(vdfree[lane], (it - 1) % 2)
+        if outputs:
+            T.copy(vd_f, vd_sh)
+        if store_states:
+            T.copy(vd_f, vs_sh)
+        T.fence_proxy_async()
+        T.barrier_arrive(vdb[lane])
+        # Vn scaled in the registers, then one fragment store
+        for i, j in T.Parallel(C, H):
+            vd_f[i, j] = vd_f[i, j] * er_sh[it % 2, i]
+        T.copy(vd_f, vn_sh)
+        T.fence_proxy_async()
+        T.barrier_arrive(vnb[lane])
+        if store_states:
+            # v_new of full chunks: one bulk store (thread 128) once every thread's part of vs_sh is written; a
+            # ragged chunk's rows end inside the box, so it stores row by row
+            T.barrier_wait(vdb[lane], it % 2)
+            cs = s0 + it * C
+            if cs + C <= s1:
+                if tx == 128:
+                    T.tma_copy(vs_sh, vns[cs:cs + C, bh, v0 + lane * H:v0 + lane * H + H])
+            else:
+                for i, j in T.Parallel(C, H):
+                    if cs + i < s1:
+                        vns[cs + i, bh, v0 + lane * H + j] = vs_sh[i, j]
+
+    @T.macro
+    def output(lane, it, s0, s1, bh, v0, q_sh, h_sh, vd_sh, eg_sh, eq_sh, pg_f, o_f, st, hfree, vdb, vdfree, o):
+        # O = exp(gamma) scale Q S + Pg Vd for step ``it`` of ``lane``, stored from the registers
+        T.barrier_wait(st[lane], it % 2)
+        T.gemm(q_sh[it % 2, :, :], h_sh, o_f, clear_accum=True)
+        T.barrier_arrive(hfree[lane])
+        if l2norm:
+            for i, j in T.Parallel(C, H):
+                o_f[i, j] = o_f[i, j] * eq_sh[it % 2, i] * scale
+        else:
+            for i, j in T.Parallel(C, H):
+                o_f[i, j] = o_f[i, j] * eg_sh[it % 2, i] * scale
+        T.barrier_wait(vdb[lane], it % 2)
+        T.gemm(pg_f, vd_sh, o_f)
+        T.barrier_arrive(vdfree[lane])
+        cs = s0 + it * C
+        if cs + C <= s1:
+            T.copy(o_f, o[cs:cs + C, bh, v0 + lane * H:v0 + lane * H + H])
+        else:
+            for i, j in T.Parallel(C, H):
+                if cs + i < s1:
+                    o[cs + i, bh, v0 + lane * H + j] = o_f[i, j]
 
     @T.macro
     def chunk_step(q, k, v, a0, gamma, beta, h_init, segs, o, ht, rn, hs, vns, seg_chunk0):
@@ -405,23 +484,29 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
 
             q_sh = T.alloc_shared((2, C, K), dtype)
             k_sh = T.alloc_shared((2, C, K), dtype)
-            v_sh = T.alloc_shared((2, 2, C, H), dtype)  # [stage, lane]
+            v_sh0 = T.alloc_shared((2, C, H), dtype)
+            v_sh1 = T.alloc_shared((2, C, H), dtype)
             a_sh = T.alloc_shared((2, C, C), "float16")
             g_sh = T.alloc_shared((2, C), "float32", scope="shared")
             b_sh = T.alloc_shared((2, C), "float32", scope="shared")
-            # the per-row gate factors of each stage, formed by the producer: exp(gamma) (times rk: K S's rows,
-            # and rq: Q S's rows, with l2norm) and exp(gamma_C - gamma) (times rk)
+            # the per-row gate factors of each stage, formed by the producer: exp(gamma) (times rk for K S's rows
+            # and rq for Q S's with l2norm) and exp(gamma_C - gamma) (times rk)
             eg_sh = T.alloc_shared((2, C), "float32", scope="shared")
             er_sh = T.alloc_shared((2, C), "float32", scope="shared")
             ek_sh = T.alloc_shared((2, C), "float32", scope="shared") if l2norm else None
             eq_sh = T.alloc_shared((2, C), "float32", scope="shared") if l2norm else None
             lq_sh = T.alloc_shared((2, C), "float32", scope="shared") if l2norm else None
             lk_sh = T.alloc_shared((2, C), "float32", scope="shared") if l2norm else None
-            h_sh = T.alloc_shared((2, K, H), dtype)  # [lane]
-            vd_sh = T.alloc_shared((2, C, H), idt)
-            w_sh = T.alloc_shared((2, C, H), idt) if separate_w else None
-            vn_sh = T.alloc_shared((2, C, H), dtype)
-            vs_sh = T.alloc_shared((2, C, H), dtype) if store_states else None
+            h_sh0 = T.alloc_shared((K, H), dtype)
+            h_sh1 = T.alloc_shared((K, H), dtype)
+            vd_sh0 = T.alloc_shared((C, H), idt) if outputs else None
+            vd_sh1 = T.alloc_shared((C, H), idt) if outputs else None
+            w_sh0 = T.alloc_shared((C, H), idt) if separate_w else None
+            w_sh1 = T.alloc_shared((C, H), idt) if separate_w else None
+            vn_sh0 = T.alloc_shared((C, H), dtype)
+            vn_sh1 = T.alloc_shared((C, H), dtype)
+            vs_sh0 = T.alloc_shared((C, H), dtype) if store_states else None
+            vs_sh1 = T.alloc_shared((C, H), dtype) if store_states else None
 
             s_a = T.alloc_fragment((K, H), "float32")
             s_b = T.alloc_fragment((K, H), "float32")
@@ -433,11 +518,11 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
 
             ready = T.alloc_barrier(arrive_count=[96] * 2)
             free = T.alloc_barrier(arrive_count=[384] * 2)
-            st = T.alloc_barrier(arrive_count=[128] * 2)  # h_sh[lane] holds the lane's entering state
+            st = T.alloc_barrier(arrive_count=[128] * 2)  # h_sh of the lane holds its entering state
             hfree = T.alloc_barrier(arrive_count=[n_hfree] * 2)
-            vdb = T.alloc_barrier(arrive_count=[128] * 2)  # vd_sh[lane] (and vs_sh[lane]) written
+            vdb = T.alloc_barrier(arrive_count=[128] * 2)  # vd_sh / vs_sh of the lane written
             vdfree = T.alloc_barrier(arrive_count=[max(n_vdfree, 1)] * 2)
-            vnb = T.alloc_barrier(arrive_count=[128] * 2)  # vn_sh[lane] written
+            vnb = T.alloc_barrier(arrive_count=[128] * 2)  # vn_sh of the lane written
 
             if tx < 128:
                 set_nreg(NREG_STATE)
@@ -451,14 +536,14 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
                 # state, then update lane 0; lane 1's last update follows the loop
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
-                    publish(s_a, 0, it, tx, bs, bh, v0, h_sh, st, hfree, hs, seg_chunk0)
+                    publish(s_a, 0, it, tx, bs, bh, v0, h_sh0, st, hfree, hs, seg_chunk0)
                     if it > 0:
-                        update(s_b, 1, it - 1, k_sh, vn_sh, vnb, eg_sh)
+                        update(s_b, 1, it - 1, k_sh, vn_sh1, vnb, eg_sh)
                         T.barrier_arrive(free[(it - 1) % 2])
-                    publish(s_b, 1, it, tx, bs, bh, v0, h_sh, st, hfree, hs, seg_chunk0)
-                    update(s_a, 0, it, k_sh, vn_sh, vnb, eg_sh)
+                    publish(s_b, 1, it, tx, bs, bh, v0, h_sh1, st, hfree, hs, seg_chunk0)
+                    update(s_a, 0, it, k_sh, vn_sh0, vnb, eg_sh)
                 if n_it > 0:
-                    update(s_b, 1, n_it - 1, k_sh, vn_sh, vnb, eg_sh)
+                    update(s_b, 1, n_it - 1, k_sh, vn_sh1, vnb, eg_sh)
                     T.barrier_arrive(free[(n_it - 1) % 2])
                 if store_states:
                     if tx == 0:
@@ -472,56 +557,10 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
                 set_nreg(NREG_VALUES)
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
-                    for lane in T.unroll(2):
-                        T.barrier_wait(st[lane], it % 2)
-                        T.gemm(k_sh[it % 2, :, :], h_sh[lane, :, :], u_f, clear_accum=True)
-                        T.barrier_arrive(hfree[lane])
-                        # W = V - exp(gamma) U in registers, then one fragment store
-                        if l2norm:
-                            for i, j in T.Parallel(C, H):
-                                u_f[i, j] = v_sh[it % 2, lane, i, j] - ek_sh[it % 2, i] * u_f[i, j]
-                        else:
-                            for i, j in T.Parallel(C, H):
-                                u_f[i, j] = v_sh[it % 2, lane, i, j] - eg_sh[it % 2, i] * u_f[i, j]
-                        if separate_w:
-                            T.copy(u_f, w_sh[lane, :, :])
-                            T.fence_proxy_async()
-                            T.gemm(a_sh[it % 2, :, :], w_sh[lane, :, :], vd_f, clear_accum=True)
-                        else:
-                            T.copy(u_f, v_sh[it % 2, lane, :, :])
-                            T.fence_proxy_async()
-                            T.gemm(a_sh[it % 2, :, :], v_sh[it % 2, lane, :, :], vd_f, clear_accum=True)
-                        if it > 0:
-                            if store_states:
-                                # the lane's previous v_new store must have read vs_sh
-                                if tx == 128:
-                                    T.tma_store_wait(0)
-                                    T.barrier_arrive(vdfree[lane])
-                            T.barrier_wait(vdfree[lane], (it - 1) % 2)
-                        if outputs:
-                            T.copy(vd_f, vd_sh[lane, :, :])
-                        if store_states:
-                            T.copy(vd_f, vs_sh[lane, :, :])
-                        T.fence_proxy_async()
-                        T.barrier_arrive(vdb[lane])
-                        # Vn scaled in the registers, then one fragment store
-                        for i, j in T.Parallel(C, H):
-                            vd_f[i, j] = vd_f[i, j] * er_sh[it % 2, i]
-                        T.copy(vd_f, vn_sh[lane, :, :])
-                        T.fence_proxy_async()
-                        T.barrier_arrive(vnb[lane])
-                        if store_states:
-                            # v_new of full chunks: one bulk store (thread 128) once every thread's part of vs_sh
-                            # is written; a ragged chunk's rows end inside the box, so it stores row by row
-                            T.barrier_wait(vdb[lane], it % 2)
-                            cs = s0 + it * C
-                            if cs + C <= s1:
-                                if tx == 128:
-                                    T.tma_copy(vs_sh[lane, :, :], vns[cs:cs + C, bh, v0 + lane * H:v0 + lane * H + H])
-                            else:
-                                for i, j in T.Parallel(C, H):
-                                    if cs + i < s1:
-                                        vns[cs + i, bh, v0 + lane * H + j] = vs_sh[lane, i, j]
+                    values(0, it, tx, s0, s1, bh, v0, k_sh, a_sh, v_sh0, h_sh0, w_sh0, vd_sh0, vn_sh0, vs_sh0,
+                           eg_sh, ek_sh, er_sh, u_f, vd_f, st, hfree, vdb, vdfree, vnb, vns)
+                    values(1, it, tx, s0, s1, bh, v0, k_sh, a_sh, v_sh1, h_sh1, w_sh1, vd_sh1, vn_sh1, vs_sh1,
+                           eg_sh, ek_sh, er_sh, u_f, vd_f, st, hfree, vdb, vdfree, vnb, vns)
                     T.barrier_arrive(free[it % 2])
                 if store_states:
                     if tx == 128:
@@ -543,27 +582,10 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
                                     j <= i, p_f[i, j] * T.exp2((g_sh[it % 2, i] - g_sh[it % 2, j]) * LOG2E) * scale,
                                     0.0)
                         T.copy(p_f, pg_f)
-                    for lane in T.unroll(2):
-                        if outputs:
-                            T.barrier_wait(st[lane], it % 2)
-                            T.gemm(q_sh[it % 2, :, :], h_sh[lane, :, :], o_f, clear_accum=True)
-                            T.barrier_arrive(hfree[lane])
-                            if l2norm:
-                                for i, j in T.Parallel(C, H):
-                                    o_f[i, j] = o_f[i, j] * eq_sh[it % 2, i] * scale
-                            else:
-                                for i, j in T.Parallel(C, H):
-                                    o_f[i, j] = o_f[i, j] * eg_sh[it % 2, i] * scale
-                            T.barrier_wait(vdb[lane], it % 2)
-                            T.gemm(pg_f, vd_sh[lane, :, :], o_f)
-                            T.barrier_arrive(vdfree[lane])
-                            cs = s0 + it * C
-                            if cs + C <= s1:
-                                T.copy(o_f, o[cs:cs + C, bh, v0 + lane * H:v0 + lane * H + H])
-                            else:
-                                for i, j in T.Parallel(C, H):
-                                    if cs + i < s1:
-                                        o[cs + i, bh, v0 + lane * H + j] = o_f[i, j]
+                        output(0, it, s0, s1, bh, v0, q_sh, h_sh0, vd_sh0, eg_sh, eq_sh, pg_f, o_f, st, hfree, vdb,
+                               vdfree, o)
+                        output(1, it, s0, s1, bh, v0, q_sh, h_sh1, vd_sh1, eg_sh, eq_sh, pg_f, o_f, st, hfree, vdb,
+                               vdfree, o)
                     T.barrier_arrive(free[it % 2])
 
             else:
@@ -595,13 +617,15 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
                         T.barrier_wait(free[it % 2], (it // 2 + 1) % 2)
                         cs = s0 + it * C
                         if cs + C <= s1:
-                            T.tma_copy(v[cs:cs + C, bh, v0:v0 + H], v_sh[it % 2, 0, :, :], barrier=ready[it % 2])
-                            T.tma_copy(v[cs:cs + C, bh, v0 + H:v0 + bDV], v_sh[it % 2, 1, :, :],
+                            T.tma_copy(v[cs:cs + C, bh, v0:v0 + H], v_sh0[it % 2, :, :], barrier=ready[it % 2])
+                            T.tma_copy(v[cs:cs + C, bh, v0 + H:v0 + bDV], v_sh1[it % 2, :, :],
                                        barrier=ready[it % 2])
                         else:
-                            for ln, i, j in T.Parallel(2, C, H):
-                                v_sh[it % 2, ln, i, j] = T.if_then_else(
-                                    cs + i < s1, v[T.min(cs + i, s1 - 1), bh, v0 + ln * H + j], T.cast(0, dtype))
+                            for i, j in T.Parallel(C, H):
+                                v_sh0[it % 2, i, j] = T.if_then_else(
+                                    cs + i < s1, v[T.min(cs + i, s1 - 1), bh, v0 + j], T.cast(0, dtype))
+                                v_sh1[it % 2, i, j] = T.if_then_else(
+                                    cs + i < s1, v[T.min(cs + i, s1 - 1), bh, v0 + H + j], T.cast(0, dtype))
                             T.fence_proxy_async()
                         for i in T.Parallel(C):
                             b_sh[it % 2, i] = T.if_then_else(cs + i < s1, beta[T.min(cs + i, s1 - 1), bh], 0.0)
