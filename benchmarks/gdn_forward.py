@@ -257,6 +257,13 @@ def stage_ms(q, k, v, g, beta, h0, cu):
     o, ht = torch.empty_like(v3), torch.empty_like(h0)
     out["chunk_fwd"] = bench(lambda: chunk_fwd.chunk_fwd(q3, k3, v3, ag, gamma, b3, h_init, pl.segs, o, ht,
                                                          scale=Kd ** -0.5, bDV=bdv))
+    if chunk_fwd.lanes_for(bdv) != 1:  # the same stage walking the slice as one chain, for comparison
+        lanes, chunk_fwd.LANES = chunk_fwd.LANES, 1
+        try:
+            out["chunk_fwd_1lane"] = bench(lambda: chunk_fwd.chunk_fwd(q3, k3, v3, ag, gamma, b3, h_init, pl.segs, o,
+                                                                       ht, scale=Kd ** -0.5, bDV=bdv))
+        finally:
+            chunk_fwd.LANES = lanes
     out["bDV"], out["segment_chunks"] = bdv, pl.segment_chunks
     return out
 

@@ -59,13 +59,20 @@ THREADS = 512
 NREG_STATE, NREG_VALUES, NREG_OUTPUT, NREG_PRODUCER = 160, 120, 136, 88
 # 2: the V slice is walked as two half-width chains offset by half a step (``_chunk_step_lanes``); 1: one chain
 LANES = 2
+# the two-lane step: a state warpgroup per lane, 640 threads (96 registers each at launch; a lane's state warpgroup
+# keeps them: 64 for its half of S). ptxas -v, K = V = 128, bDV 128 and 64, bf16 and fp16, with and without l2norm and
+# saved states: no spills (104 / 104 / 120 / 80 spilled 16 bytes saving the states, 104 / 104 / 128 / 72 12 bytes in
+# the fp16 producer).
+LANE_THREADS = 640
+LANE_NREG_STATE, LANE_NREG_VALUES, LANE_NREG_OUTPUT, LANE_NREG_PRODUCER = 96, 112, 128, 80
+LANE_NREG_LAUNCH = 65536 // LANE_THREADS // 8 * 8  # registers are allocated 8 a thread at a time
 NREG_LAUNCH = 65536 // THREADS  # what every warp holds at launch: setmaxnreg.inc may only raise it, .dec only lower it
 
 
-def set_nreg(count: int):
-    """``setmaxnreg`` towards ``count`` from the launch allocation: .inc above it, .dec below (an .inc to a lower count
-    is an illegal instruction on the H200: every launch faults)."""
-    return T.set_max_nreg(count, 1 if count >= NREG_LAUNCH else 0)
+def set_nreg(count: int, launch: int = NREG_LAUNCH):
+    """``setmaxnreg`` towards ``count`` from the launch allocation ``launch``: .inc above it, .dec below (an .inc to a
+    lower count is an illegal instruction on the H200: every launch faults)."""
+    return T.set_max_nreg(count, 1 if count >= launch else 0)
 
 
 def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool,
@@ -363,9 +370,10 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
     n_vdfree = (128 if outputs else 0) + (1 if store_states else 0)
 
     @T.macro
-    def publish(s_f, lane, it, tx, bs, bh, v0, h_sh, st, hfree, hs, seg_chunk0):
+    def publish(s_f, lane, it, first, tx, bs, bh, v0, h_sh, st, hfree, hs, seg_chunk0):
         # the state entering step ``it`` of ``lane`` to h_sh, once the lane's readers of step it - 1 are done
-        if it > 0:
+        # (``first``: step 0, a Python bool, so no branch is left in the loop)
+        if not first:
             if store_states:
                 # and the lane's previous bulk store has read h_sh (thread 0 issued it)
                 if tx == 0:
@@ -388,6 +396,31 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
             s_f[i, j] = s_f[i, j] * eg_sh[it % 2, C - 1]
         T.barrier_wait(vnb[lane], it % 2)
         T.gemm(k_sh[it % 2, :, :], vn_sh, s_f, transpose_A=True)
+
+    @T.macro
+    def state(s_f, lane, n_it, init, fin, tx, bs, bh, v0, h_init, ht, k_sh, h_sh, vn_sh, eg_sh, ready, free, st, hfree,
+              vnb, hs, seg_chunk0):
+        # one lane's state warpgroup (``tx``: its thread index within the warpgroup): S in registers, published to
+        # h_sh before each step and updated by the step's Vn. The GEMM sits at one unconditional place in the loop
+        # (a second site gave ptxas two register assignments of the accumulator and a trip through local memory).
+        if init >= 0:
+            T.copy(h_init[init, bh, :, v0 + lane * H:v0 + lane * H + H], s_f)
+        else:
+            T.clear(s_f)
+        if n_it > 0:  # an empty segment stores no state
+            publish(s_f, lane, 0, True, tx, bs, bh, v0, h_sh, st, hfree, hs, seg_chunk0)
+        for it in T.serial(n_it):
+            T.barrier_wait(ready[it % 2], (it // 2) % 2)
+            update(s_f, lane, it, k_sh, vn_sh, vnb, eg_sh)
+            T.barrier_arrive(free[it % 2])
+            if it + 1 < n_it:
+                publish(s_f, lane, it + 1, False, tx, bs, bh, v0, h_sh, st, hfree, hs, seg_chunk0)
+        if store_states:
+            if tx == 0:
+                T.tma_store_wait(0)
+        if store_final:
+            if fin >= 0:
+                T.copy(s_f, ht[fin, bh, :, v0 + lane * H:v0 + lane * H + H])
 
     @T.macro
     def values(lane, it, tx, s0, s1, bh, v0, k_sh, a_sh, v_sh, h_sh, w_sh, vd_sh, vn_sh, vs_sh, eg_sh, ek_sh,
@@ -413,7 +446,7 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
         if it > 0:
             if store_states:
                 # the lane's previous v_new store must have read vs_sh (thread 128 issued it)
-                if tx == 128:
+                if tx == 256:
                     T.tma_store_wait(0)
                     T.barrier_arrive(vdfree[lane])
             T.barrier_wait(vdfree[lane], (it - 1) % 2)
@@ -435,7 +468,7 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
             T.barrier_wait(vdb[lane], it % 2)
             cs = s0 + it * C
             if cs + C <= s1:
-                if tx == 128:
+                if tx == 256:
                     T.tma_copy(vs_sh, vns[cs:cs + C, bh, v0 + lane * H:v0 + lane * H + H])
             else:
                 for i, j in T.Parallel(C, H):
@@ -467,7 +500,7 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
 
     @T.macro
     def chunk_step(q, k, v, a0, gamma, beta, h_init, segs, o, ht, rn, hs, vns, seg_chunk0):
-        with T.Kernel(V // bDV, Hv, segs.shape[0], threads=THREADS) as (bv, bh, bs):
+        with T.Kernel(V // bDV, Hv, segs.shape[0], threads=LANE_THREADS) as (bv, bh, bs):
             hk = bh // group
             v0 = bv * bDV
             s0 = T.alloc_var("int32")
@@ -517,7 +550,7 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
             pg_f = T.alloc_fragment((C, C), idt)
 
             ready = T.alloc_barrier(arrive_count=[96] * 2)
-            free = T.alloc_barrier(arrive_count=[384] * 2)
+            free = T.alloc_barrier(arrive_count=[512] * 2)
             st = T.alloc_barrier(arrive_count=[128] * 2)  # h_sh of the lane holds its entering state
             hfree = T.alloc_barrier(arrive_count=[n_hfree] * 2)
             vdb = T.alloc_barrier(arrive_count=[128] * 2)  # vd_sh / vs_sh of the lane written
@@ -525,36 +558,17 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
             vnb = T.alloc_barrier(arrive_count=[128] * 2)  # vn_sh of the lane written
 
             if tx < 128:
-                set_nreg(NREG_STATE)
-                if init >= 0:
-                    T.copy(h_init[init, bh, :, v0:v0 + H], s_a)
-                    T.copy(h_init[init, bh, :, v0 + H:v0 + bDV], s_b)
-                else:
-                    T.clear(s_a)
-                    T.clear(s_b)
-                # body it: publish lane 0's entering state, finish lane 1's previous step and publish its entering
-                # state, then update lane 0; lane 1's last update follows the loop
-                for it in T.serial(n_it):
-                    T.barrier_wait(ready[it % 2], (it // 2) % 2)
-                    publish(s_a, 0, it, tx, bs, bh, v0, h_sh0, st, hfree, hs, seg_chunk0)
-                    if it > 0:
-                        update(s_b, 1, it - 1, k_sh, vn_sh1, vnb, eg_sh)
-                        T.barrier_arrive(free[(it - 1) % 2])
-                    publish(s_b, 1, it, tx, bs, bh, v0, h_sh1, st, hfree, hs, seg_chunk0)
-                    update(s_a, 0, it, k_sh, vn_sh0, vnb, eg_sh)
-                if n_it > 0:
-                    update(s_b, 1, n_it - 1, k_sh, vn_sh1, vnb, eg_sh)
-                    T.barrier_arrive(free[(n_it - 1) % 2])
-                if store_states:
-                    if tx == 0:
-                        T.tma_store_wait(0)
-                if store_final:
-                    if fin >= 0:
-                        T.copy(s_a, ht[fin, bh, :, v0:v0 + H])
-                        T.copy(s_b, ht[fin, bh, :, v0 + H:v0 + bDV])
-
+                if LANE_NREG_STATE != LANE_NREG_LAUNCH:
+                    set_nreg(LANE_NREG_STATE, LANE_NREG_LAUNCH)
+                state(s_a, 0, n_it, init, fin, tx, bs, bh, v0, h_init, ht, k_sh, h_sh0, vn_sh0, eg_sh, ready, free, st,
+                      hfree, vnb, hs, seg_chunk0)
             elif tx < 256:
-                set_nreg(NREG_VALUES)
+                if LANE_NREG_STATE != LANE_NREG_LAUNCH:
+                    set_nreg(LANE_NREG_STATE, LANE_NREG_LAUNCH)
+                state(s_b, 1, n_it, init, fin, tx - 128, bs, bh, v0, h_init, ht, k_sh, h_sh1, vn_sh1, eg_sh, ready,
+                      free, st, hfree, vnb, hs, seg_chunk0)
+            elif tx < 384:
+                set_nreg(LANE_NREG_VALUES, LANE_NREG_LAUNCH)
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
                     values(0, it, tx, s0, s1, bh, v0, k_sh, a_sh, v_sh0, h_sh0, w_sh0, vd_sh0, vn_sh0, vs_sh0,
@@ -563,11 +577,11 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
                            eg_sh, ek_sh, er_sh, u_f, vd_f, st, hfree, vdb, vdfree, vnb, vns)
                     T.barrier_arrive(free[it % 2])
                 if store_states:
-                    if tx == 128:
+                    if tx == 256:
                         T.tma_store_wait(0)
 
-            elif tx < 384:
-                set_nreg(NREG_OUTPUT)
+            elif tx < 512:
+                set_nreg(LANE_NREG_OUTPUT, LANE_NREG_LAUNCH)
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
                     if outputs:
@@ -589,8 +603,8 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
                     T.barrier_arrive(free[it % 2])
 
             else:
-                set_nreg(NREG_PRODUCER)
-                if tx < 384 + 32:
+                set_nreg(LANE_NREG_PRODUCER, LANE_NREG_LAUNCH)
+                if tx < 512 + 32:
                     for it in T.serial(n_it):
                         T.barrier_wait(free[it % 2], (it // 2 + 1) % 2)
                         cs = s0 + it * C
@@ -612,7 +626,7 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
                                                                     T.cast(0, dtype))
                             T.fence_proxy_async()
                         T.barrier_arrive(ready[it % 2])
-                elif tx < 384 + 64:
+                elif tx < 512 + 64:
                     for it in T.serial(n_it):
                         T.barrier_wait(free[it % 2], (it // 2 + 1) % 2)
                         cs = s0 + it * C
@@ -630,7 +644,7 @@ def _chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sc
                         for i in T.Parallel(C):
                             b_sh[it % 2, i] = T.if_then_else(cs + i < s1, beta[T.min(cs + i, s1 - 1), bh], 0.0)
                         T.barrier_arrive(ready[it % 2])
-                elif tx < 384 + 96:
+                elif tx < 512 + 96:
                     for it in T.serial(n_it):
                         T.barrier_wait(free[it % 2], (it // 2 + 1) % 2)
                         cs = s0 + it * C
