@@ -22,6 +22,21 @@ beside it, and the next chunk's tiles land while this one computes. WG0 waits on
 output GEMM, before its state update; WG2 arrives at the next step's ``bar_start`` as soon as its last shared-memory
 read (the Pg Vd GEMM) is done, so its O store to global memory overlaps the next step of the other warpgroups.
 
+Two lanes (``LANES = 2``, slices of 64 columns or more; ``_chunk_step_lanes``). On one chain the values and state
+warpgroups take turns: each waits while the other works, and the tensor cores idle through every hand-off. The
+slice is therefore walked as two independent chains, its two column halves, offset by half a step:
+
+    WG0, WG1  state of lane 0 / lane 1 (half of S each, 64 fp32 registers a thread at bDV 128)
+    WG2       values: lane 0, then lane 1, of each step
+    WG3       output: Q K^T and Pg once per step, then Q S, Pg Vd and the O store per lane
+    WG4       producer, as above; it also forms the per-row gate factors exp(gamma) and exp(gamma_C - gamma)
+
+While WG2 works on lane 1, lane 0's state warpgroup updates its S and publishes the next step's, so WG2 goes on to
+lane 0 of the next step without waiting. Every hand-off is an mbarrier per lane (no step-wide barrier): ``st`` (S in
+h_sh), ``hfree`` (K S and Q S have read it), ``vdb`` / ``vdfree`` (Vd for the output GEMM), ``vnb`` (Vn for the state
+update). Each output element is the same products summed in the same order as on one chain (N-splitting a GEMM does
+not change its K order), so the two walks agree bit for bit.
+
 W, Ag, Vd and Pg are fp16 (the Ag W and Pg Vd GEMMs) for bf16 inputs too: 8x finer rounding than bf16 (the values are
 bounded like A0), which halves the bf16 error against the float64 reference; q, k, S and Vn stay in the input dtype.
 W is formed in the K S accumulator and stored with one fragment copy (stmatrix) because an element loop over shared
@@ -59,12 +74,13 @@ THREADS = 512
 NREG_STATE, NREG_VALUES, NREG_OUTPUT, NREG_PRODUCER = 160, 120, 136, 88
 # 2: the V slice is walked as two half-width chains offset by half a step (``_chunk_step_lanes``); 1: one chain
 LANES = 2
-# the two-lane step: a state warpgroup per lane, 640 threads (96 registers each at launch; a lane's state warpgroup
-# keeps them: 64 for its half of S). ptxas -v, K = V = 128, bDV 128 and 64, bf16 and fp16, with and without l2norm and
-# saved states: no spills (104 / 104 / 120 / 80 spilled 16 bytes saving the states, 104 / 104 / 128 / 72 12 bytes in
-# the fp16 producer).
+# the two-lane step: a state warpgroup per lane, 640 threads at 96 registers each. setmaxnreg.inc draws only on what
+# the CTA's own .dec released, so the budgets sum to 5 x 96 (a sum of 512, as at 512 threads, deadlocked the first
+# launch on the GPU). A lane's state warpgroup keeps its 96 (64 for its half of S; 88 spilled 1.2 KB). ptxas -v at
+# K = V = 128: no spills with l2norm (the op under transformers), 12-40 bytes in the other bf16 / fp16 variants; no
+# split of the 288 registers left is spill-free in all of them.
 LANE_THREADS = 640
-LANE_NREG_STATE, LANE_NREG_VALUES, LANE_NREG_OUTPUT, LANE_NREG_PRODUCER = 96, 112, 128, 80
+LANE_NREG_STATE, LANE_NREG_VALUES, LANE_NREG_OUTPUT, LANE_NREG_PRODUCER = 96, 104, 112, 72
 LANE_NREG_LAUNCH = 65536 // LANE_THREADS // 8 * 8  # registers are allocated 8 a thread at a time
 NREG_LAUNCH = 65536 // THREADS  # what every warp holds at launch: setmaxnreg.inc may only raise it, .dec only lower it
 
