@@ -105,6 +105,11 @@ def _check_chunk_fwd(args, src):
     # K S, Q K^T, Ag W, Q S, K^T Vn from shared memory; Pg Vd with Pg in registers. Two lanes: Q K^T once, K S,
     # Ag W, Q S and Pg Vd per lane, and K^T Vn at three sites (lane 0 in the loop, lane 1 in the loop and after it)
     if lanes == 2:
+        # TileLang's planner puts named bar.syncs inside warpgroup branches; one id shared by two warpgroups that run
+        # at once mixes their warps (in the backward that hung a kernel): every warpgroup keeps its own ids
+        bounds = [src.index(f"threadIdx.x) < {n}) {{") for n in (128, 256, 384, 512)] + [len(src)]
+        ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", src[a:b])) for a, b in zip(bounds, bounds[1:])]
+        assert all(not (x & y) for i, x in enumerate(ids) for y in ids[i + 1:]), f"shared bar.sync ids: {ids}"
         # one K^T Vn site per lane's state warpgroup
         assert src.count("tl::wgmma_ss<") == 9 and src.count("tl::wgmma_rs<") == 2
     else:
