@@ -107,8 +107,8 @@ for p in "$@"; do
     case $p in
         gdn-tests) phase gdn-tests "${GDN_TESTS_S:-330}" gdn_tests ;;
         fwd-smoke) phase fwd-smoke "${SMOKE_S:-150}" bash -c "python3 benchmarks/gdn_forward.py --precompile 14 \
-                       --precompile-only --configs 0; python3 -m pytest -q -x -rfE --timeout 60 --timeout-method thread -p no:cacheprovider \
-                       tests/flashqla_kernels/test_hopper_gpu.py -k two_lanes" ;;
+                       --precompile-only --configs 0; python3 -m pytest -q -x -rfE --timeout 60 \
+                       --timeout-method thread -p no:cacheprovider tests/flashqla_kernels/test_hopper_gpu.py -k two_lanes" ;;
         gdn-bench|gdn-bench:*)  # gdn-bench:0,1,2 names the configs of this GPU (a --split half of the suite)
                    cfg=${p#gdn-bench}; cfg=${cfg#:}
                    phase gdn-bench "${GDN_BENCH_S:-420}" python3 benchmarks/gdn_forward.py \
