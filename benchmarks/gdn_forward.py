@@ -228,7 +228,8 @@ def precompile(configs, workers, sms):
 
 def stage_ms(q, k, v, g, beta, h0, cu):
     """Medians (ms) of the launcher's stages on these inputs: kkt_solve, the context-parallel maps + scan (0 when the
-    plan keeps sequences whole) and chunk_fwd, each launched alone on the others' outputs."""
+    plan keeps sequences whole) and chunk_fwd, each launched alone on the others' outputs; where chunk_fwd runs two
+    lanes, also chunk_fwd_1lane, the same stage on one (internal timings)."""
     import triton
 
     from flashqla_kernels.gated_delta_rule import checks
