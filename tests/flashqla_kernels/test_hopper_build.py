@@ -174,7 +174,7 @@ NO_SPILL = [CORE[0], CORE[2], CORE[4], CORE[5], CORE[7],
 def test_kernels_do_not_spill(stage, args, tmp_path):
     """ptxas -v on the generated CUDA: the setmaxnreg budgets (chunk_fwd) and the occupancy bound (kkt_solve) cost no
     spills on the Qwen3.5 layout (bf16, K = V = 128, l2norm in the kernel) and on one lane; the PTX carries the Hopper
-    instructions themselves. (Two lanes spill 12-40 bytes in their other variants: ``chunk_fwd.LANE_NREG_*``.)"""
+    instructions themselves. (Two lanes spill 12-40 bytes in their other variants: ``chunk_lanes.NREG_*``.)"""
     tilelang = pytest.importorskip("tilelang")
     src = tmp_path / "k.cu"
     src.write_text(_source(stage, args))
