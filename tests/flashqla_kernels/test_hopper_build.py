@@ -136,6 +136,9 @@ def _check_chunk_fwd(args, src):
 
 def _check_structure(stage, args, src):
     assert "__global__" in src
+    # TileLang issues a TMA copy from the thread its elect.sync picks, over a full warp's mask: a copy put under a
+    # one-thread branch (``if tx == 0``) elects inside it and hangs the kernel on the GPU
+    assert not re.search(r"threadIdx\.x\) == \d+\) \{\s*if \(tl::tl_shuffle_elect", src), "an elect under one thread"
     if stage == "chunk_fwd":
         _check_chunk_fwd(args, src)
     elif stage == "segment_states":

@@ -10,6 +10,7 @@ backward.precompile()"``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -64,6 +65,8 @@ def _check(builder, args):
     assert "__global__" in src
     # every cross-CTA sum is a fixed-order loop over partials: a float atomic would make runs differ
     assert "atomicAdd" not in src and "AtomicAdd" not in src, f"{builder.__name__}{args}: atomics"
+    # a TMA copy under a one-thread branch: TileLang's elect.sync inside it hangs the kernel
+    assert not re.search(r"threadIdx\.x\) == \d+\) \{\s*if \(tl::tl_shuffle_elect", src), f"{builder.__name__}{args}"
     name = builder.__name__
     if name in ("build_chunk_states", "build_bwd_dh", "build_bwd_dqkwg", "build_bwd_dqkwg_group", "build_bwd_wy",
                 "build_bwd_wy_group"):

@@ -49,8 +49,8 @@ def chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sca
     separate_w = idt != dtype
     H = bDV // 2  # one lane's columns
     # one barrier per lane and hand-off; a phase completes once per chunk step. hfree (the lane's h_sh reads of a
-    # step are done: K S, Q S) also counts the state warpgroup's thread 0 once its bulk store of h_sh has read it;
-    # vdfree (Pg Vd has read vd_sh) counts the values warpgroup's thread 128 once its v_new store has read vs_sh.
+    # step are done: K S, Q S) also counts the state warpgroup's first thread once its bulk store of h_sh has read
+    # it; vdfree (Pg Vd has read vd_sh) counts the values warpgroup's (thread 256) once its v_new store has read vs_sh.
     n_hfree = 128 + (128 if outputs else 0) + (1 if store_states else 0)
     n_vdfree = (128 if outputs else 0) + (1 if store_states else 0)
 
@@ -71,8 +71,9 @@ def chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sca
         if store_states:
             # every thread's part of h_sh is written: one bulk store from shared memory
             T.barrier_wait(st[lane], it % 2)
-            if tx == 0:
-                T.tma_copy(h_sh, hs[seg_chunk0[bs] + it, bh, :, v0 + lane * H:v0 + lane * H + H])
+            # issued by the whole warpgroup: TileLang elects its first thread (thread 0 of the lane's warpgroup, the
+            # one that waits for the store) with elect.sync over full warps, which hangs under a one-thread branch
+            T.tma_copy(h_sh, hs[seg_chunk0[bs] + it, bh, :, v0 + lane * H:v0 + lane * H + H])
 
     @T.macro
     def update(s_f, lane, it, k_sh, vn_sh, vnb, eg_sh):
@@ -130,7 +131,7 @@ def chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sca
             T.gemm(a_sh[it % 2, :, :], v_sh[it % 2, :, :], vd_f, clear_accum=True)
         if it > 0:
             if store_states:
-                # the lane's previous v_new store must have read vs_sh (thread 128 issued it)
+                # the lane's previous v_new store must have read vs_sh (thread 256 issued it)
                 if tx == 256:
                     T.tma_store_wait(0)
                     T.barrier_arrive(vdfree[lane])
@@ -148,13 +149,13 @@ def chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sca
         T.fence_proxy_async()
         T.barrier_arrive(vnb[lane])
         if store_states:
-            # v_new of full chunks: one bulk store (thread 128) once every thread's part of vs_sh is written; a
+            # v_new of full chunks: one bulk store (thread 256) once every thread's part of vs_sh is written; a
             # ragged chunk's rows end inside the box, so it stores row by row
             T.barrier_wait(vdb[lane], it % 2)
             cs = s0 + it * C
             if cs + C <= s1:
-                if tx == 256:
-                    T.tma_copy(vs_sh, vns[cs:cs + C, bh, v0 + lane * H:v0 + lane * H + H])
+                # the warpgroup issues it; TileLang elects thread 256 (as the state warpgroup's store)
+                T.tma_copy(vs_sh, vns[cs:cs + C, bh, v0 + lane * H:v0 + lane * H + H])
             else:
                 for i, j in T.Parallel(C, H):
                     if cs + i < s1:
