@@ -32,9 +32,10 @@ def chunk_specs(layouts, sms, *, scale=None, final=(True,), scans=True, widths=(
         specs.add(("kkt_solve", (Hk, Hv, Kd, dt, l2)))
         for bdv in slices:
             specs.add(("segment_states", (Hk, Hv, Kd, Kd, bdv, dt, l2)))
-            # no states saved for a backward (no grad); the lanes the op runs, and one lane for the stage A/B
+            # no states saved for a backward (no grad); one lane and, where the slice takes them, two (the op runs
+            # one of them, gdn_forward --stages times both)
             specs |= {("chunk_fwd", (Hk, Hv, Kd, Kd, bdv, dt, sc, fin, l2, False, lanes)) for fin in final
-                      for lanes in {chunk_fwd.lanes_for(bdv), 1}}
+                      for lanes in ((1, 2) if bdv >= chunk_fwd.LANE_MIN_SLICE else (1,))}
         if scans:
             specs |= {("state_scan", (Hv, Kd, Kd, True)), ("state_scan", (Hv, Kd, Kd, False))}
     return sorted(specs)
