@@ -10,6 +10,7 @@ backward.precompile()"``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -64,6 +65,8 @@ def _check(builder, args):
     assert "__global__" in src
     # every cross-CTA sum is a fixed-order loop over partials: a float atomic would make runs differ
     assert "atomicAdd" not in src and "AtomicAdd" not in src, f"{builder.__name__}{args}: atomics"
+    # a TMA copy under a one-thread branch: TileLang's elect.sync inside it hangs the kernel
+    assert not re.search(r"threadIdx\.x\) == \d+\) \{\s*if \(tl::tl_shuffle_elect", src), f"{builder.__name__}{args}"
     name = builder.__name__
     if name in ("build_chunk_states", "build_bwd_dh", "build_bwd_dqkwg", "build_bwd_dqkwg_group", "build_bwd_wy",
                 "build_bwd_wy_group"):
@@ -136,7 +139,7 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
             cu_seqlens=cu, segment_chunks=segment_chunks, save_states=True)
         assert len(out) == 4 and out[2].shape[1:] == (Hv, Kp, Vp) and out[3].shape == (q.shape[0] * q.shape[1], Hv, Vp)
     saving = {(b, a) for b, a in set(asked) - recompute if b.__name__ == "build_chunk_fwd"}
-    assert saving and all(a[-1] is True for _, a in saving) and saving <= want
+    assert saving and all(a[9] is True for _, a in saving) and saving <= want  # save_states (then lanes)
     # the forward's plan picks one of the V slices listed for the states, bwd_dqkwg.KERNEL between the
     # per-value-head path (dqkwg, WY, GVA) and the grouped one: only those may go unasked
     assert {b.__name__ for b, _ in want - set(asked)} <= {

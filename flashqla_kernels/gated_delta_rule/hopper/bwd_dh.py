@@ -14,8 +14,8 @@ carried gradient is dh0. Pt, X and X^T dv go through shared memory in the input 
 
 The step is split over four warpgroups as the forward's ``chunk_fwd`` splits its own (below): a TMA producer fills a
 2-deep ring, the chain dS' -> K dS' -> X^T dv -> K^T Y runs on two warpgroups, and Pt and the scaled dO are formed
-beside it. Against one warpgroup running the loads and GEMMs in turn, the walk takes 0.88 ms instead of 2.41 at
-16/32 8192x4 on an H100.
+beside it (Pt a step ahead, so Pt dO is off the chain). Against one warpgroup running the loads and GEMMs in turn,
+the walk takes 0.88 ms instead of 2.41 at 16/32 8192x4 on an H100.
 
 Grid (V / bDV, Hv, N), 512 threads. ``seqs[n] = (start, end, first chunk)``.
 """
@@ -39,9 +39,10 @@ def block_v(K: int, V: int) -> int:
 # it, and the next chunk's tiles land while this one computes.
 #
 #   WG0 state    dS' (fp32 registers): dS' -> smem (and dh), dS' *= exp(gamma_C), += Q^T Doe, += K^T Y
-#   WG1 values   dv = diag(r) K dS' + Pt dO (stored), Y = -diag(exp(gamma)) X^T dv -> smem
-#   WG2 aux      Pt = scale (K Q^T) * Gamma^T (upper triangle), X in the input dtype (bf16 inputs), Doe = scale
-#                diag(exp(gamma)) dO
+#   WG1 values   Pd = Pt dO while dS' is published, then dv = diag(r) K dS' + Pd (stored),
+#                Y = -diag(exp(gamma)) X^T dv -> smem
+#   WG2 aux      Doe = scale diag(exp(gamma)) dO, then the next step's Pt = scale (K Q^T) * Gamma^T (upper triangle) and
+#                X in the input dtype (bf16 inputs), into the other of two slots (``bar_pt`` / ``pt_free``)
 #   WG3 producer warp 0: q, k; warp 1: the dO slice, gamma; warp 2: X (TMA for full chunks, masked loads for the
 #                ragged one), double-buffered against ``ready`` / ``free``
 WS_THREADS = 512
@@ -64,6 +65,21 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
     num_dh0 = T.dynamic("num_dh0")
     # dv's own row count: without store_grads it is a one-row placeholder
     num_dv = T.dynamic("num_dv")
+
+    @T.macro
+    def form_pt(slot, k_sh, q_sh, g_sh, a_sh, p_f, xa_f, pt_sh, x_sh, bar_pt):
+        # Pt[i, j] = scale k_i . q_j exp(gamma_j - gamma_i) for j >= i (masked before exp), and X in the input dtype,
+        # for the chunk in ring slot ``slot``
+        T.gemm(k_sh[slot, :, :], q_sh[slot, :, :], p_f, transpose_B=True, clear_accum=True)
+        for i, j in T.Parallel(C, C):
+            p_f[i, j] = T.if_then_else(
+                j >= i, p_f[i, j] * T.exp2((g_sh[slot, j] - g_sh[slot, i]) * LOG2E) * scale, 0.0)
+        T.copy(p_f, pt_sh[slot, :, :])
+        if convert_x:
+            T.copy(a_sh[slot, :, :], xa_f)
+            T.copy(xa_f, x_sh[slot, :, :])
+        T.fence_proxy_async()
+        T.barrier_arrive(bar_pt[slot])
 
     @T.prim_func
     def gdn_bwd_dh(
@@ -97,8 +113,9 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
             a_sh = T.alloc_shared((2, C, C), "float16")
             g_sh = T.alloc_shared((2, C), "float32", scope="shared")
             dh_sh = T.alloc_shared((K, bDV), dtype)
-            pt_sh = T.alloc_shared((C, C), dtype)
-            x_sh = T.alloc_shared((C, C), dtype) if convert_x else None
+            # Pt and X (in the input dtype) are formed a step ahead by the aux warpgroup: one buffer a ring slot
+            pt_sh = T.alloc_shared((2, C, C), dtype)
+            x_sh = T.alloc_shared((2, C, C), dtype) if convert_x else None
             doe_sh = T.alloc_shared((C, bDV), dtype)
             dv_sh = T.alloc_shared((C, bDV), dtype)
             y_sh = T.alloc_shared((C, bDV), dtype)
@@ -107,6 +124,7 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
 
             ds_f = T.alloc_fragment((K, bDV), "float32")
             dv_f = T.alloc_fragment((C, bDV), "float32")
+            pd_f = T.alloc_fragment((C, bDV), "float32")
             y_f = T.alloc_fragment((C, bDV), "float32")
             p_f = T.alloc_fragment((C, C), "float32")
             xa_f = T.alloc_fragment((C, C), "float32")
@@ -116,8 +134,10 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
             free = T.alloc_barrier(arrive_count=[384] * 2)
             bar_start = T.alloc_barrier(arrive_count=384)
             bar_state = T.alloc_barrier(arrive_count=256)
-            bar_pt = T.alloc_barrier(arrive_count=128)
+            bar_pt = T.alloc_barrier(arrive_count=[128] * 2)
+            pt_free = T.alloc_barrier(arrive_count=[128] * 2)
             bar_doe = T.alloc_barrier(arrive_count=128)
+
             bar_y = T.alloc_barrier(arrive_count=128)
 
             if tx < 128:
@@ -170,19 +190,23 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
                         eg_sh[i] = T.exp2(g_sh[it % 2, i] * LOG2E)
                         er_sh[i] = T.exp2((g_sh[it % 2, C - 1] - g_sh[it % 2, i]) * LOG2E)
                     T.barrier_arrive(bar_state)
+                    # Pt dO does not depend on dS': it runs while the state warpgroup publishes dS', from the Pt the
+                    # aux warpgroup formed a step ahead, so the chain below is one product shorter
+                    T.barrier_wait(bar_pt[it % 2], (it // 2) % 2)
+                    T.gemm(pt_sh[it % 2, :, :], do_sh[it % 2, :, :], pd_f, clear_accum=True)
                     T.barrier_wait(bar_state, it % 2)
                     T.gemm(k_sh[it % 2, :, :], dh_sh, dv_f, clear_accum=True)
                     for i, j in T.Parallel(C, bDV):
-                        dv_f[i, j] = dv_f[i, j] * er_sh[i]
-                    T.barrier_wait(bar_pt, it % 2)
-                    T.gemm(pt_sh, do_sh[it % 2, :, :], dv_f)
+                        dv_f[i, j] = dv_f[i, j] * er_sh[i] + pd_f[i, j]
                     T.copy(dv_f, dv_sh)
                     T.fence_proxy_async()
                     # Y = -diag(exp(gamma)) X^T dv: the w^T dv term of dS as K^T Y
                     if convert_x:
-                        T.gemm(x_sh, dv_sh, y_f, transpose_A=True, clear_accum=True)
+                        T.gemm(x_sh[it % 2, :, :], dv_sh, y_f, transpose_A=True, clear_accum=True)
                     else:
                         T.gemm(a_sh[it % 2, :, :], dv_sh, y_f, transpose_A=True, clear_accum=True)
+                    # this slot's Pt and X are read: the aux warpgroup may form the step after next's there
+                    T.barrier_arrive(pt_free[it % 2])
                     for i, j in T.Parallel(C, bDV):
                         y_f[i, j] = -eg_sh[i] * y_f[i, j]
                     T.copy(y_f, y_sh)
@@ -205,21 +229,13 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
 
             elif tx < 384:
                 set_nreg(WS_NREG_AUX)
+                if n_it > 0:
+                    T.barrier_wait(ready[0], 0)
+                    form_pt(0, k_sh, q_sh, g_sh, a_sh, p_f, xa_f, pt_sh, x_sh, bar_pt)
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
                     T.barrier_arrive(bar_start)
                     T.barrier_wait(bar_start, it % 2)
-                    # Pt[i, j] = scale k_i . q_j exp(gamma_j - gamma_i) for j >= i (masked before exp)
-                    T.gemm(k_sh[it % 2, :, :], q_sh[it % 2, :, :], p_f, transpose_B=True, clear_accum=True)
-                    for i, j in T.Parallel(C, C):
-                        p_f[i, j] = T.if_then_else(
-                            j >= i, p_f[i, j] * T.exp2((g_sh[it % 2, j] - g_sh[it % 2, i]) * LOG2E) * scale, 0.0)
-                    T.copy(p_f, pt_sh)
-                    if convert_x:
-                        T.copy(a_sh[it % 2, :, :], xa_f)
-                        T.copy(xa_f, x_sh)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(bar_pt)
                     T.copy(do_sh[it % 2, :, :], doe_f)
                     for i, j in T.Parallel(C, bDV):
                         doe_f[i, j] = doe_f[i, j] * T.exp2(g_sh[it % 2, i] * LOG2E) * scale
@@ -227,6 +243,11 @@ def build_bwd_dh(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: 
                     T.fence_proxy_async()
                     T.barrier_arrive(bar_doe)
                     T.barrier_arrive(free[it % 2])
+                    # the next step's Pt and X, into the other slot once the values warpgroup has read it
+                    if it + 1 < n_it:
+                        T.barrier_wait(ready[(it + 1) % 2], ((it + 1) // 2) % 2)
+                        T.barrier_wait(pt_free[(it + 1) % 2], ((it + 1) // 2 + 1) % 2)
+                        form_pt((it + 1) % 2, k_sh, q_sh, g_sh, a_sh, p_f, xa_f, pt_sh, x_sh, bar_pt)
 
             else:
                 set_nreg(WS_NREG_PRODUCER)
