@@ -24,17 +24,23 @@ C = CHUNK
 LOG2E = toolkit.LOG2E
 # the two-lane step: a state warpgroup per lane, 640 threads at 96 registers each. setmaxnreg.inc draws only on what
 # the CTA's own .dec released, so the budgets sum to 5 x 96 (a sum of 512, as at 512 threads, deadlocked the first
-# launch on the GPU). A lane's state warpgroup keeps its 96 (64 for its half of S; 88 spilled 1.2 KB). ptxas -v at
-# K = V = 128: no spills with l2norm (the op under transformers), 12-40 bytes in the other bf16 / fp16 variants; no
-# split of the 288 registers left is spill-free in all of them.
+# launch on the GPU). A lane's state warpgroup keeps its 96 (64 for its half of S; 88 spilled 1.2 KB).
 THREADS = 640
-NREG_STATE, NREG_VALUES, NREG_OUTPUT, NREG_PRODUCER = 96, 104, 112, 72
+NREG_STATE = 96
+# (values, output, producer): the split of the 288 registers left, by what the step does: the plain forward, the
+# forward that saves the states for a backward, the backward's recompute of the states (no outputs). ptxas -v over
+# fourteen splits at K = V = 128: none is spill-free in every variant (where the producer gets too few, the whole
+# kernel spills more), but each of these has no spills in the variants it serves: bf16 and fp16, with and without
+# l2norm and the final state, slices of 64 and 128.
+NREG_SPLIT = {"plain": (104, 104, 80), "saving": (88, 112, 88), "recompute": (104, 88, 96)}
 NREG_LAUNCH = 65536 // THREADS // 8 * 8  # registers are allocated 8 a thread at a time
 
 
 def set_nreg(count: int):
-    """``setmaxnreg`` towards ``count`` from the 96-register launch allocation: .inc above it, .dec below."""
-    return T.set_max_nreg(count, 1 if count >= NREG_LAUNCH else 0)
+    """``setmaxnreg`` towards ``count`` from the 96-register launch allocation: .inc above it, .dec below, nothing
+    at it."""
+    # the call is returned: the kernel's parser emits an expression statement's value
+    return T.set_max_nreg(count, 1 if count > NREG_LAUNCH else 0) if count != NREG_LAUNCH else None
 
 
 def chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool,
@@ -48,6 +54,8 @@ def chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sca
     idt = "float16"
     separate_w = idt != dtype
     H = bDV // 2  # one lane's columns
+    nreg_values, nreg_output, nreg_producer = NREG_SPLIT[
+        "recompute" if not outputs else "saving" if store_states else "plain"]
     # one barrier per lane and hand-off; a phase completes once per chunk step. hfree (the lane's h_sh reads of a
     # step are done: K S, Q S) also counts the state warpgroup's first thread once its bulk store of h_sh has read
     # it; vdfree (Pg Vd has read vd_sh) counts the values warpgroup's (thread 256) once its v_new store has read vs_sh.
@@ -244,17 +252,15 @@ def chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sca
             vnb = T.alloc_barrier(arrive_count=[128] * 2)  # vn_sh of the lane written
 
             if tx < 128:
-                if NREG_STATE != NREG_LAUNCH:
-                    set_nreg(NREG_STATE)
+                set_nreg(NREG_STATE)
                 state(s_a, 0, n_it, init, fin, tx, bs, bh, v0, h_init, ht, k_sh, h_sh0, vn_sh0, eg_sh, ready, free, st,
                       hfree, vnb, hs, seg_chunk0)
             elif tx < 256:
-                if NREG_STATE != NREG_LAUNCH:
-                    set_nreg(NREG_STATE)
+                set_nreg(NREG_STATE)
                 state(s_b, 1, n_it, init, fin, tx - 128, bs, bh, v0, h_init, ht, k_sh, h_sh1, vn_sh1, eg_sh, ready,
                       free, st, hfree, vnb, hs, seg_chunk0)
             elif tx < 384:
-                set_nreg(NREG_VALUES)
+                set_nreg(nreg_values)
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
                     values(0, it, tx, s0, s1, bh, v0, k_sh, a_sh, v_sh0, h_sh0, w_sh0, vd_sh0, vn_sh0, vs_sh0,
@@ -267,7 +273,7 @@ def chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sca
                         T.tma_store_wait(0)
 
             elif tx < 512:
-                set_nreg(NREG_OUTPUT)
+                set_nreg(nreg_output)
                 for it in T.serial(n_it):
                     T.barrier_wait(ready[it % 2], (it // 2) % 2)
                     if outputs:
@@ -289,7 +295,7 @@ def chunk_step_lanes(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, sca
                     T.barrier_arrive(free[it % 2])
 
             else:
-                set_nreg(NREG_PRODUCER)
+                set_nreg(nreg_producer)
                 if tx < 512 + 32:
                     for it in T.serial(n_it):
                         T.barrier_wait(free[it % 2], (it // 2 + 1) % 2)
