@@ -226,10 +226,11 @@ def precompile(configs, workers, sms):
         print(f"  FAILED {spec}: {err}", flush=True)
 
 
-def stage_ms(q, k, v, g, beta, h0, cu):
+def stage_ms(q, k, v, g, beta, h0, cu, bench=None):
     """Medians (ms) of the launcher's stages on these inputs: kkt_solve, the context-parallel maps + scan (0 when the
     plan keeps sequences whole) and chunk_fwd, each launched alone on the others' outputs; where the slice can take
-    two lanes, chunk_fwd_lanes: the same stage on one and on two, whatever ``LANES`` says (internal timings)."""
+    two lanes, chunk_fwd_lanes: the same stage on one and on two, whatever ``LANES`` says (internal timings).
+    ``bench(fn)`` times one stage (default: do_bench's median); ``ncu_stages.py`` passes one that launches it once."""
     import triton
 
     from flashqla_kernels.gated_delta_rule import checks
@@ -243,7 +244,7 @@ def stage_ms(q, k, v, g, beta, h0, cu):
     seq_chunks = [-(-(e - s) // CHUNK) for s, e in zip(offsets, offsets[1:])]
     bdv = plan.block_dv(seq_chunks, Hv, Kd, Vd, plan.num_sms(q.device))
     pl = plan.make_plan(offsets, Hv, Vd // bdv, True, q.device)
-    bench = (lambda fn: triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median"))
+    bench = bench or (lambda fn: triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median"))
     gamma, ag, _ = kkt_solve.kkt_solve(k3, g3, b3, pl.chunks, Hv)  # no l2norm: normalised inputs
     out = {"kkt_solve": bench(lambda: kkt_solve.kkt_solve(k3, g3, b3, pl.chunks, Hv)), "cp": 0.0}
 

@@ -1,0 +1,38 @@
+"""Launch each forward stage once on a suite config, for Nsight Compute to read its hardware counters.
+
+    ncu --clock-control none --section SpeedOfLight --section Occupancy --section SchedulerStats \\
+        --section WarpStateStats -k regex:gdn_ python3 benchmarks/ncu_stages.py --configs 0
+
+``benchmarks/h200.sh ncu`` runs exactly that. Each stage runs as ``gdn_forward.stage_ms`` launches it (kkt_solve, the
+context-parallel maps and scan where the plan splits, chunk_fwd, then chunk_fwd on one lane and on two), but once
+each instead of under do_bench, so the profile holds a handful of launches. The counters say where a stage's time
+goes (issue-bound, waiting on memory, waiting at barriers); they are not timings of the op users call.
+"""
+import argparse
+
+import torch
+
+import gdn_forward
+
+
+def once(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return 0.0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="0", help="comma-separated indices into gdn_forward.SUITE")
+    args = ap.parse_args()
+    with torch.no_grad():
+        for i in (int(c) for c in args.configs.split(",")):
+            Hk, Hv, seqlen, nseq = gdn_forward.SUITE[i]
+            q, k, v, g, beta, h0, cu = gdn_forward.make_inputs(Hk, Hv, seqlen, nseq)
+            info = gdn_forward.stage_ms(q, k, v, g, beta, h0, cu, bench=once)
+            print(f"config {i} ({Hk}/{Hv} {seqlen}x{nseq}): bDV {info['bDV']}, segment chunks "
+                  f"{info['segment_chunks']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
