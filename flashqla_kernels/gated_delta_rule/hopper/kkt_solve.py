@@ -10,8 +10,13 @@ Ag is the matrix the chunk step multiplies by (Vd = Ag W, see ``chunk_fwd``). Ev
 the tile as it is loaded instead of re-gating 64 x 64 elements per chunk and V slice. The gate is formed only on and
 below the diagonal (exp(gamma_r - gamma_c) overflows above it).
 
-Work split: one CTA per (chunk, key head, slice of G value heads), G = ``heads_per_cta(Hv // Hk)``, loads K once and
-computes S = K K^T once for its G heads, then runs 64 * G threads, one column of one head's inverse each. The inverse
+Work split: per (chunk, key head, slice of G value heads), G = ``heads_per_cta(Hv // Hk)``, a CTA loads K once and
+computes S = K K^T once for its G heads, then runs 64 * G threads, one column of one head's inverse each. With
+``PERSISTENT`` one wave of CTAs (``plan.kkt_ctas``) walks the chunks, each CTA every ``kkt_ctas``-th one; otherwise
+a CTA takes one chunk. The stage is bound by issue more than by bytes (the CTA-a-chunk kernel ran about 2 400 SASS
+instructions a thread and chunk, ~0.1 ms of issue at 16/32 32768x1 against ~0.06 ms of HBM traffic): the walk pays
+the prologue (~300 of them) once a CTA, and gamma is one shuffle scan a head (TileLang's ``T.cumsum``, ~350 fewer)
+instead of a 64-step sum a thread. The inverse
 is the hierarchical one of FLA's ``solve_tril`` and FlashQLA's ``kkt_solve``; with L = diag(beta) S and X = (I + L)^-1:
 
     1. the four 16 x 16 diagonal blocks D0..D3 by substitution, one column of one block a thread, in fp32:
