@@ -29,8 +29,7 @@ def chunk_specs(layouts, sms, *, scale=None, final=(True,), scans=True, widths=(
             # plan.wide_slices_pay: 128 where the sequences are split into segments
             slices.add(128)
         sc = float(Kd ** -0.5) if scale is None else float(scale)
-        # a CTA a chunk and the persistent walk (the op runs one of them, gdn_forward --stages times both)
-        specs |= {("kkt_solve", (Hk, Hv, Kd, dt, l2, ctas)) for ctas in (0, plan.kkt_ctas(Hk, Hv, Kd, l2, sms))}
+        specs.add(("kkt_solve", (Hk, Hv, Kd, dt, l2)))
         for bdv in slices:
             specs.add(("segment_states", (Hk, Hv, Kd, Kd, bdv, dt, l2)))
             # no states saved for a backward (no grad); one lane and, where the slice takes them, two (the op runs

@@ -67,7 +67,6 @@ AB_ARMS = {
     "ours_per_value_head": ("bwd_dqkwg", "KERNEL", "blocked"),
     "ours_recomputed_states": ("custom_op", "SAVE_STATES", False),
     "ours_two_lanes": ("chunk_fwd", "LANES", 2),
-    "ours_kkt_cta_per_chunk": ("kkt_solve", "PERSISTENT", False),
 }
 
 
@@ -79,9 +78,9 @@ DH_NARROW = "dh walk, bDV=32"
 def fwd_bwd(fn, do, dht, override=None):
     """One forward + backward through ``fn`` (the op, then the backward of (o, final state)); ``override``: an
     ``AB_ARMS`` entry set for this step only (the public op's backward reads the module defaults)."""
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, chunk_fwd, custom_op, kkt_solve
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, chunk_fwd, custom_op
 
-    modules = {"bwd_dqkwg": bwd_dqkwg, "chunk_fwd": chunk_fwd, "custom_op": custom_op, "kkt_solve": kkt_solve}
+    modules = {"bwd_dqkwg": bwd_dqkwg, "chunk_fwd": chunk_fwd, "custom_op": custom_op}
 
     def step():
         if override is None:
@@ -205,9 +204,9 @@ def run_row(cfg, stages=False, ab=False) -> dict:
     grads = {}
     runs = arms(q, k, v, g, beta, h0, cu)
     if ab:
-        from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, custom_op
+        from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, chunk_fwd, custom_op
 
-        current = {"bwd_dqkwg": bwd_dqkwg, "custom_op": custom_op}
+        current = {"bwd_dqkwg": bwd_dqkwg, "chunk_fwd": chunk_fwd, "custom_op": custom_op}
         runs.update({name: runs["ours"] for name, (module, attr, value) in AB_ARMS.items()
                      if getattr(current[module], attr) != value})
     for name, fn in runs.items():
@@ -247,7 +246,7 @@ def precompile(rows, workers: int = 1) -> int:
     from flashqla_kernels.gated_delta_rule.hopper import backward
 
     from flashqla_kernels import toolkit
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, chunk_fwd, kkt_solve
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, chunk_fwd
 
     layouts = {(Hk, Hv, fwd.K, fwd.V, "bfloat16", False, True, True) for Hk, Hv, _, _ in rows}
     # --stages' narrow dh walk (from zeros, no dh0)
@@ -260,8 +259,6 @@ def precompile(rows, workers: int = 1) -> int:
                   if b in (chunk_fwd.build_chunk_fwd, chunk_fwd.build_chunk_states)}
     finally:
         chunk_fwd.LANES = lanes
-    # --ab's ours_kkt_cta_per_chunk: kkt_solve with a CTA a chunk (forward and backward)
-    extra |= {(kkt_solve.build_kkt_solve, (Hk, Hv, fwd.K, "bfloat16", False, 0)) for Hk, Hv, _, _ in rows}
     for builder, args, err in toolkit.compile_many(extra, workers):
         print(f"  FAILED {builder.__name__}{args}: {err.splitlines()[-1] if err else ''}", flush=True)
     return backward.precompile(sorted(layouts), workers) + len(extra)

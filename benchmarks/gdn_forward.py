@@ -229,8 +229,7 @@ def precompile(configs, workers, sms):
 def stage_ms(q, k, v, g, beta, h0, cu, bench=None):
     """Medians (ms) of the launcher's stages on these inputs: kkt_solve, the context-parallel maps + scan (0 when the
     plan keeps sequences whole) and chunk_fwd, each launched alone on the others' outputs; where the slice can take
-    two lanes, chunk_fwd_lanes: the same stage on one and on two, whatever ``LANES`` says; kkt_solve_walk: kkt_solve
-    with a CTA a chunk and as the persistent walk, whatever ``PERSISTENT`` says (internal timings).
+    two lanes, chunk_fwd_lanes: the same stage on one and on two, whatever ``LANES`` says (internal timings).
     ``bench(fn)`` times one stage (default: do_bench's median); ``ncu_stages.py`` passes one that launches it once."""
     import triton
 
@@ -248,14 +247,6 @@ def stage_ms(q, k, v, g, beta, h0, cu, bench=None):
     bench = bench or (lambda fn: triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median"))
     gamma, ag, _ = kkt_solve.kkt_solve(k3, g3, b3, pl.chunks, Hv)  # no l2norm: normalised inputs
     out = {"kkt_solve": bench(lambda: kkt_solve.kkt_solve(k3, g3, b3, pl.chunks, Hv)), "cp": 0.0}
-    persistent = kkt_solve.PERSISTENT
-    try:  # kkt_solve with a CTA a chunk and as the persistent walk, side by side
-        out["kkt_solve_walk"] = {}
-        for mode in ("chunk", "persistent"):
-            kkt_solve.PERSISTENT = mode == "persistent"
-            out["kkt_solve_walk"][mode] = bench(lambda: kkt_solve.kkt_solve(k3, g3, b3, pl.chunks, Hv))
-    finally:
-        kkt_solve.PERSISTENT = persistent
 
     def cp():
         hs, ms = segment_states.segment_states(k3, v3, ag, gamma, b3, pl.maps, bDV=bdv)

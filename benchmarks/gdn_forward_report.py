@@ -89,9 +89,6 @@ def stages_markdown(r):
         # JSON keys are strings once written
         one = ("; chunk_fwd on one / two lanes " + " / ".join(f"{lanes[n]:.3f}" for n in sorted(lanes))
                if lanes else "")
-        walk = st.get("kkt_solve_walk") or {}
-        kkt = ("; kkt_solve a CTA a chunk / persistent " + " / ".join(f"{walk[m]:.3f}" for m in ("chunk", "persistent"))
-               if walk else "")
         lines.append(f"- {x['Hk']}/{x['Hv']} {x['seqlen']}x{x['nseq']}: {st['kkt_solve']:.3f} / {st['cp']:.3f} / "
-                     f"{st['chunk_fwd']:.3f} ({st['bDV']}, {st['segment_chunks']}){one}{kkt}")
+                     f"{st['chunk_fwd']:.3f} ({st['bDV']}, {st['segment_chunks']}){one}")
     return lines + [""]

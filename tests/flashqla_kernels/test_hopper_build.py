@@ -25,17 +25,16 @@ NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/u
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc to compile for sm_90a")
 S128 = 128 ** -0.5
 
-# (stage, builder args); builders: kkt_solve(Hk, Hv, K, dtype, l2norm, ctas: 0 = a CTA a chunk), chunk_fwd(Hk, Hv, K, V, bDV, dtype, scale,
+# (stage, builder args); builders: kkt_solve(Hk, Hv, K, dtype, l2norm), chunk_fwd(Hk, Hv, K, V, bDV, dtype, scale,
 # store_final, l2norm, save_states, lanes), segment_states(Hk, Hv, K, V, bDV, dtype, l2norm), state_scan(Hv, K, V,
 # has_h0)
 CORE = [
-    # the persistent walk at plan.kkt_ctas' grid for 132 SMs
-    ("kkt_solve", (16, 32, 128, "bfloat16", False, 33)),
+    ("kkt_solve", (16, 32, 128, "bfloat16", False)),
     ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, False, False, 2)),
     ("segment_states", (16, 32, 128, 128, 64, "bfloat16", False)),
     ("state_scan", (32, 128, 128, True)),
     # the op under transformers (use_qk_l2norm_in_kernel=True): q and k normalised inside the stages
-    ("kkt_solve", (16, 32, 128, "bfloat16", True, 24)),
+    ("kkt_solve", (16, 32, 128, "bfloat16", True)),
     ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, True, False, 2)),
     # the forward under grad: also the states for the backward
     ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, True, True, 2)),
@@ -159,39 +158,6 @@ def _check_structure(stage, args, src):
         assert "ldmatrix" in src
         G = plan.heads_per_cta(args[1] // args[0])
         assert f"__launch_bounds__({64 * G}, {max(1, 8 // G)})" in src
-        # gamma by one shuffle scan a row, not a 64-step loop a thread
-        assert "tl::CumSum2D<" in src
-        ctas = args[5] if len(args) > 5 else 0
-        if ctas:
-            # the persistent walk: chunks blockIdx.x, + ctas, ...
-            walk = re.search(rf"for \(int step = 0; step < \(\(max\(\(num_chunks - \(\(int\)blockIdx\.x\)\), 0\) "
-                             rf"\+ {ctas - 1}\) / {ctas}\)", src)
-            assert walk, "no persistent walk over the chunks"
-            if args[4]:
-                # l2norm: the queries' products read the key tile last, so a barrier precedes the next chunk's keys
-                # (without it the last barrier is before the output stores, which read only out_sh)
-                assert "__syncthreads();" in src[walk.end():src.index("if (n == 64)", walk.end())]
-
-
-def _kkt_shared_bytes(args) -> int:
-    """The dynamic shared memory kkt_solve launches with: the last launch argument its host code packs."""
-    from flashqla_kernels import toolkit
-
-    host = toolkit.compile_kernel(_builder("kkt_solve"), *args).get_host_source()
-    launch = host[:host.index("gdn_kkt_solve_kernel_packed == NULL")]
-    return int(re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\);", launch)[-1])
-
-
-@needs_nvcc
-@pytest.mark.parametrize("args", [a for s, a in CORE + EXTRA if s == "kkt_solve"], ids=str)
-def test_kkt_solve_shared_memory_is_what_the_persistent_grid_assumes(args):
-    """plan.kkt_ctas sizes the persistent grid to one wave from plan.KKT_SHARED_BYTES: a table that no longer matches
-    the kernel would put CTAs in a second wave, each walking as many chunks as the first."""
-    pytest.importorskip("tilelang")
-    Hk, Hv, K = args[:3]
-    l2norm = len(args) > 4 and args[4]
-    G = plan.heads_per_cta(Hv // Hk)
-    assert _kkt_shared_bytes(args) == plan.KKT_SHARED_BYTES[(K, G, l2norm)]
 
 
 @needs_nvcc

@@ -111,8 +111,6 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
     asked = []
     monkeypatch.setattr(toolkit, "compile_kernel", lambda builder, *args: asked.append((builder, args)) or (
         lambda *tensors: None))
-    # kkt_solve's persistent grid and the forward's plan ask the device for its SMs
-    monkeypatch.setattr(backward.plan, "num_sms", lambda device: 132)
     Hk, Hv, K, V, dtype, l2, has_h0, has_dht = layout
     q, k, v, g, beta, do, N, cu = _cpu_inputs(Hk, Hv, K, V, dtype, [1, 70, 130], pad=5)
     h0 = torch.randn(N, Hv, K, V) if has_h0 else None
@@ -134,6 +132,7 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
     # the forward under grad saves the states with its chunk kernel: that kernel is listed too (its other kernels
     # are the forward's own precompile list's)
     recompute = set(asked)
+    monkeypatch.setattr(backward.plan, "num_sms", lambda device: 132)  # the forward's plan asks the device
     for segment_chunks in (None, 1):
         out = backward.forward.chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, initial_state=h0, output_final_state=has_dht, use_qk_l2norm_in_kernel=l2,

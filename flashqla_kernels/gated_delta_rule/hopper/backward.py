@@ -201,13 +201,12 @@ def recompute_states(kn, v3, ag, gamma, b3, h0, num_chunks, fpl, bdv):
 
 
 def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has_h0: bool, has_dht: bool,
-                 scale: float | None = None, num_sms: int = 132) -> list[tuple]:
+                 scale: float | None = None) -> list[tuple]:
     """The (builder, args) of every kernel ``chunk_gated_delta_rule_bwd`` compiles for one layout (kernel head dims
     K, V in 64 / 128 / 256; dtype "bfloat16" or "float16"; scale None = K^-0.5), with and without context
     parallelism, the states at every V slice the forward's plan may pick (recomputed, or saved by the forward's
     chunk kernel), and both of ``bwd_dqkwg.KERNELS``' paths
-    (per value head: dqkwg, WY, the GVA pass; per key head: the grouped dqkwg and WY, K, V <= 128). ``num_sms``: the
-    SM count kkt_solve's persistent grid is sized for (132 on an H100 or H200)."""
+    (per value head: dqkwg, WY, the GVA pass; per key head: the grouped dqkwg and WY, K, V <= 128)."""
     from flashqla_kernels.gated_delta_rule.hopper import (
         bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, chunk_fwd, kkt_solve, segment_states, state_scan,
     )
@@ -217,8 +216,7 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
     build_dh = bwd_dh.build_bwd_dh
     specs = [(chunk_bwd.build_l2norm_fwd, (Hk, K, dtype))] if l2norm else []
     specs += [
-        (kkt_solve.build_kkt_solve, (Hk, Hv, K, dtype, False, plan.kkt_ctas(Hk, Hv, K, False, num_sms)
-                                     if kkt_solve.PERSISTENT else 0)),
+        (kkt_solve.build_kkt_solve, (Hk, Hv, K, dtype, False)),
         (build_dh, (Hk, Hv, K, V, bDV, dtype, scale, has_dht, has_h0, True)),
         (bwd_dqkwg.build_bwd_dqkwg, (Hk, Hv, K, V, dtype, scale)),
         (bwd_wy.build_bwd_wy, (Hk, Hv, K, V, dtype)),

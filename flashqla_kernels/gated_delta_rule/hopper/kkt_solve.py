@@ -10,13 +10,8 @@ Ag is the matrix the chunk step multiplies by (Vd = Ag W, see ``chunk_fwd``). Ev
 the tile as it is loaded instead of re-gating 64 x 64 elements per chunk and V slice. The gate is formed only on and
 below the diagonal (exp(gamma_r - gamma_c) overflows above it).
 
-Work split: per (chunk, key head, slice of G value heads), G = ``heads_per_cta(Hv // Hk)``, a CTA loads K once and
-computes S = K K^T once for its G heads, then runs 64 * G threads, one column of one head's inverse each. With
-``PERSISTENT`` one wave of CTAs (``plan.kkt_ctas``) walks the chunks, each CTA every ``kkt_ctas``-th one; otherwise
-a CTA takes one chunk. The stage is bound by issue more than by bytes (the CTA-a-chunk kernel ran about 2 400 SASS
-instructions a thread and chunk, ~0.1 ms of issue at 16/32 32768x1 against ~0.06 ms of HBM traffic): the walk pays
-the prologue (~300 of them) once a CTA, and gamma is one shuffle scan a head (TileLang's ``T.cumsum``, ~350 fewer)
-instead of a 64-step sum a thread. The inverse
+Work split: one CTA per (chunk, key head, slice of G value heads), G = ``heads_per_cta(Hv // Hk)``, loads K once and
+computes S = K K^T once for its G heads, then runs 64 * G threads, one column of one head's inverse each. The inverse
 is the hierarchical one of FLA's ``solve_tril`` and FlashQLA's ``kkt_solve``; with L = diag(beta) S and X = (I + L)^-1:
 
     1. the four 16 x 16 diagonal blocks D0..D3 by substitution, one column of one block a thread, in fp32:
@@ -42,7 +37,6 @@ import tilelang.language as T
 import torch
 
 from flashqla_kernels import toolkit
-from flashqla_kernels.gated_delta_rule.hopper import plan
 from flashqla_kernels.gated_delta_rule.hopper.plan import CHUNK, heads_per_cta
 
 LOG2E = toolkit.LOG2E
@@ -50,14 +44,11 @@ PANEL = 16
 HALF = CHUNK // 2
 # the l2norm's epsilon, FLA's and transformers': x * rsqrt(sum(x^2) + 1e-6)
 L2NORM_EPS = 1e-6
-# one wave of persistent CTAs, each walking every plan.kkt_ctas-th chunk (False: a CTA a chunk)
-PERSISTENT = True
 
 
-def build_kkt_solve(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool = False, ctas: int = 0):
+def build_kkt_solve(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool = False):
     """The kkt_solve kernel: grid (chunks, Hk, group / G), 64 * G threads, G = ``heads_per_cta(Hv // Hk)``;
-    ``l2norm``: normalise the keys inside the stage and write both inverse norms to ``rn`` (the module doc);
-    ``ctas`` > 0: a grid of (ctas, Hk, group / G), each CTA walking chunks ctas apart (``plan.kkt_ctas``)."""
+    ``l2norm``: normalise the keys inside the stage and write both inverse norms to ``rn`` (the module doc)."""
     C = CHUNK
     group = Hv // Hk
     G = heads_per_cta(group)
@@ -65,7 +56,6 @@ def build_kkt_solve(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool = False, 
     num_chunks = T.dynamic("num_chunks")
     # q and rn are read / written only with l2norm; without it the launcher passes one-row placeholders
     num_rn = T.dynamic("num_rn")
-    stride = ctas or num_chunks  # CTAs along the chunks, and so the step of each CTA's walk
 
     @T.prim_func
     def gdn_kkt_solve(
@@ -78,7 +68,7 @@ def build_kkt_solve(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool = False, 
         q: T.Tensor((num_rn, Hk, K), dtype),
         rn: T.Tensor((num_rn, Hk, 2), "float32"),
     ):
-        with T.Kernel(stride, Hk, group // G, threads=C * G) as (bp, hk, bg):
+        with T.Kernel(num_chunks, Hk, group // G, threads=C * G) as (bc, hk, bg):
             # 16 warps per SM (2 * G per CTA) at <= 128 registers a thread
             T.annotate_min_blocks_per_sm(max(1, 8 // G))
             tx = T.get_thread_binding()
@@ -87,6 +77,10 @@ def build_kkt_solve(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool = False, 
             bh = hk * group + bg * G + hl
             s0 = T.alloc_var("int32")
             s1 = T.alloc_var("int32")
+            s0 = chunks[bc, 0]
+            s1 = chunks[bc, 1]
+            n = s1 - s0
+
             k_sh = T.alloc_shared((C, K), dtype)
             g_sh = T.alloc_shared((G, C), "float32")
             b_sh = T.alloc_shared((G, C), "float32")
@@ -110,158 +104,150 @@ def build_kkt_solve(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool = False, 
             x = T.alloc_local((PANEL,), "float32")
             acc = T.alloc_local((4,), "float32")
 
-            # with ctas, CTA bp walks chunks bp, bp + ctas, ...: the address arithmetic that depends only on the
-            # thread is computed once, not once a chunk; without, a CTA a chunk
-            for step in T.serial(T.ceildiv(T.max(num_chunks - bp, 0), stride)):
-                bc = bp + step * stride
-                s0 = chunks[bc, 0]
-                s1 = chunks[bc, 1]
-                n = s1 - s0
+            if n == C:
+                T.copy(k[s0:s0 + C, hk, :], k_sh)
+            else:
+                for i, j in T.Parallel(C, K):
+                    k_sh[i, j] = T.if_then_else(i < n, k[T.min(s0 + i, s1 - 1), hk, j], T.cast(0, dtype))
+            for h, i in T.Parallel(G, C):
+                g_sh[h, i] = T.if_then_else(i < n, g[T.min(s0 + i, s1 - 1), hk * group + bg * G + h], 0.0)
+                b_sh[h, i] = T.if_then_else(i < n, beta[T.min(s0 + i, s1 - 1), hk * group + bg * G + h], 0.0)
 
+            # S = K K^T once for the G heads, scattered into the diagonal blocks and the two product operands
+            T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
+            if l2norm:
+                # the keys' inverse norms from S's diagonal, then S of the normalised keys (padded rows: k = 0)
+                for i, j in T.Parallel(C, C):
+                    if i == j:
+                        rk_sh[i] = T.rsqrt(kk[i, j] + L2NORM_EPS)
+                T.sync_threads()
+                for i, j in T.Parallel(C, C):
+                    kk[i, j] = kk[i, j] * rk_sh[i] * rk_sh[j]
+            for i, j in T.Parallel(C, C):
+                if i // PANEL == j // PANEL:
+                    sd_sh[i, j % PANEL] = T.if_then_else(j < i, kk[i, j], 0.0)
+                if i >= HALF and j < HALF:
+                    sba[i - HALF, j] = kk[i, j]
+                if (i // PANEL) % 2 == 1 and j // PANEL == i // PANEL - 1:
+                    sbd[i // HALF * PANEL + i % PANEL, j // HALF * PANEL + j % PANEL] = kk[i, j]
+            for i, j in T.Parallel(PANEL, PANEL):
+                sbd[i, PANEL + j] = 0.0
+                sbd[PANEL + i, j] = 0.0
+            for h, i, j in T.Parallel(G, PANEL, PANEL):  # the zero blocks of X's halves and of the D tiles
+                xaa[h, i, PANEL + j] = 0.0
+                xbb[h, i, PANEL + j] = 0.0
+                d02[h, i, PANEL + j] = 0.0
+                d02[h, PANEL + i, j] = 0.0
+                d13[h, i, PANEL + j] = 0.0
+                d13[h, PANEL + i, j] = 0.0
+            for h, i, j in T.Parallel(G, HALF, HALF):  # the zero blocks of the written tile (above the diagonal)
+                out_sh[h, i, HALF + j] = T.cast(0, "float16")
+            for h, i, j in T.Parallel(G, PANEL, PANEL):
+                out_sh[h, i, PANEL + j] = T.cast(0, "float16")
+                out_sh[h, HALF + i, HALF + PANEL + j] = T.cast(0, "float16")
+
+            # gamma: chunk-local inclusive cumsum of head hl, row col
+            for a in T.unroll(4):
+                acc[a] = 0.0
+            for j in T.unroll(C):
+                acc[j % 4] += T.if_then_else(j <= col, g_sh[hl, j], 0.0)
+            gam = T.alloc_var("float32")
+            gam = acc[0] + acc[1] + acc[2] + acc[3]
+            if col < n:
+                gamma[s0 + col, bh] = gam
+            gm_sh[hl, col] = gam
+            bcol = T.alloc_var("float32")
+            bcol = b_sh[hl, col]
+            T.sync_threads()
+
+            # 1. diagonal block db, its column c: x_r = [r == c] - beta_r sum_{m < r} S[r, m] x_m (16 rows)
+            db = col // PANEL
+            c = col % PANEL
+            for r in T.unroll(PANEL):
+                x[r] = 0.0
+            for r in T.unroll(PANEL):
+                for a in T.unroll(4):
+                    acc[a] = 0.0
+                for m in T.unroll(r):
+                    acc[m % 4] += sd_sh[db * PANEL + r, m] * x[m]
+                x[r] = T.if_then_else(r == c, 1.0, -b_sh[hl, db * PANEL + r] * (acc[0] + acc[1] + acc[2] + acc[3]))
+            # rows/columns of the block inside its half (warp-uniform: a warp's 32 columns are one half)
+            ro = (db % 2) * PANEL
+            for r in T.unroll(PANEL):
+                if db < 2:
+                    xaa[hl, ro + r, ro + c] = T.cast(x[r], "float16")
+                else:
+                    xbb[hl, ro + r, ro + c] = T.cast(x[r], "float16")
+                if db % 2 == 0:
+                    d02[hl, db // 2 * PANEL + r, db // 2 * PANEL + c] = T.cast(x[r], "float16")
+                else:
+                    d13[hl, db // 2 * PANEL + r, db // 2 * PANEL + c] = T.cast(x[r], "float16")
+                out_sh[hl, db * PANEL + r, col] = T.cast(T.if_then_else(
+                    r >= c, x[r] * T.exp2((gm_sh[hl, db * PANEL + r] - gam) * LOG2E) * bcol, 0.0), "float16")
+            T.sync_threads()
+
+            # 2. X10 and X32: T1 = diag(beta) blockdiag(S10, S32) blockdiag(D0, D2); then -blockdiag(D1, D3) T1.
+            # Row i of the 32-row tiles is matrix row 16 + i (i < 16) or 48 + (i - 16) = 32 + i (i >= 16).
+            for h in T.serial(G):
+                T.gemm(sbd, d02[h, :, :], f, clear_accum=True)
+                for i, j in T.Parallel(HALF, HALF):
+                    t_sh[h, i, j] = T.cast(f[i, j] * b_sh[h, PANEL + i + i // PANEL * PANEL], "float16")
+                T.sync_threads()
+                T.gemm(d13[h, :, :], t_sh[h, :, :], f, clear_accum=True)
+                for i, j in T.Parallel(HALF, HALF):
+                    if i // PANEL == j // PANEL:
+                        if i < PANEL:
+                            xaa[h, PANEL + i, j] = T.cast(-f[i, j], "float16")
+                        else:
+                            xbb[h, i, j - PANEL] = T.cast(-f[i, j], "float16")
+                        out_sh[h, PANEL + i + i // PANEL * PANEL, j + j // PANEL * PANEL] = T.cast(
+                            -f[i, j] * T.exp2((gm_sh[h, PANEL + i + i // PANEL * PANEL]
+                                               - gm_sh[h, j + j // PANEL * PANEL]) * LOG2E)
+                            * b_sh[h, j + j // PANEL * PANEL], "float16")
+                T.sync_threads()
+
+            # 3. X[B, A] = -X[B, B] (diag(beta_B) S[B, A] X[A, A])
+            for h in T.serial(G):
+                T.gemm(sba, xaa[h, :, :], f, clear_accum=True)
+                for i, j in T.Parallel(HALF, HALF):
+                    t_sh[h, i, j] = T.cast(f[i, j] * b_sh[h, HALF + i], "float16")
+                T.sync_threads()
+                T.gemm(xbb[h, :, :], t_sh[h, :, :], f, clear_accum=True)
+                for i, j in T.Parallel(HALF, HALF):
+                    out_sh[h, HALF + i, j] = T.cast(
+                        -f[i, j] * T.exp2((gm_sh[h, HALF + i] - gm_sh[h, j]) * LOG2E) * b_sh[h, j], "float16")
+            T.sync_threads()
+
+            # the tiles to HBM: 16 bytes (8 fp16 of a row) a thread per step, a row of one head in 8 threads
+            for it in T.unroll(C // 8):
+                idx = it * C * G + tx
+                h = idx // (C * 8)
+                r = idx // 8 % C
+                seg = idx % 8 * 8
+                if r < n:
+                    for v in T.vectorized(8):
+                        a0[s0 + r, hk * group + bg * G + h, seg + v] = out_sh[h, r, seg + v]
+
+            if l2norm:
+                # the queries' inverse norms from the diagonal of Q Q^T on the key tile's buffer (its product is
+                # done); one CTA of each key head writes rn
+                T.sync_threads()
                 if n == C:
-                    T.copy(k[s0:s0 + C, hk, :], k_sh)
+                    T.copy(q[s0:s0 + C, hk, :], k_sh)
                 else:
                     for i, j in T.Parallel(C, K):
-                        k_sh[i, j] = T.if_then_else(i < n, k[T.min(s0 + i, s1 - 1), hk, j], T.cast(0, dtype))
-                for h, i in T.Parallel(G, C):
-                    g_sh[h, i] = T.if_then_else(i < n, g[T.min(s0 + i, s1 - 1), hk * group + bg * G + h], 0.0)
-                    b_sh[h, i] = T.if_then_else(i < n, beta[T.min(s0 + i, s1 - 1), hk * group + bg * G + h], 0.0)
-
-                # S = K K^T once for the G heads, scattered into the diagonal blocks and the two product operands
+                        k_sh[i, j] = T.if_then_else(i < n, q[T.min(s0 + i, s1 - 1), hk, j], T.cast(0, dtype))
                 T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
-                if l2norm:
-                    # the keys' inverse norms from S's diagonal, then S of the normalised keys (padded rows: k = 0)
+                if bg == 0:
                     for i, j in T.Parallel(C, C):
-                        if i == j:
-                            rk_sh[i] = T.rsqrt(kk[i, j] + L2NORM_EPS)
-                    T.sync_threads()
-                    for i, j in T.Parallel(C, C):
-                        kk[i, j] = kk[i, j] * rk_sh[i] * rk_sh[j]
-                for i, j in T.Parallel(C, C):
-                    if i // PANEL == j // PANEL:
-                        sd_sh[i, j % PANEL] = T.if_then_else(j < i, kk[i, j], 0.0)
-                    if i >= HALF and j < HALF:
-                        sba[i - HALF, j] = kk[i, j]
-                    if (i // PANEL) % 2 == 1 and j // PANEL == i // PANEL - 1:
-                        sbd[i // HALF * PANEL + i % PANEL, j // HALF * PANEL + j % PANEL] = kk[i, j]
-                for i, j in T.Parallel(PANEL, PANEL):
-                    sbd[i, PANEL + j] = 0.0
-                    sbd[PANEL + i, j] = 0.0
-                for h, i, j in T.Parallel(G, PANEL, PANEL):  # the zero blocks of X's halves and of the D tiles
-                    xaa[h, i, PANEL + j] = 0.0
-                    xbb[h, i, PANEL + j] = 0.0
-                    d02[h, i, PANEL + j] = 0.0
-                    d02[h, PANEL + i, j] = 0.0
-                    d13[h, i, PANEL + j] = 0.0
-                    d13[h, PANEL + i, j] = 0.0
-                for h, i, j in T.Parallel(G, HALF, HALF):  # the zero blocks of the written tile (above the diagonal)
-                    out_sh[h, i, HALF + j] = T.cast(0, "float16")
-                for h, i, j in T.Parallel(G, PANEL, PANEL):
-                    out_sh[h, i, PANEL + j] = T.cast(0, "float16")
-                    out_sh[h, HALF + i, HALF + PANEL + j] = T.cast(0, "float16")
-
-                # gamma: each head's chunk-local inclusive cumsum, one shuffle scan a row (TileLang's cumsum)
-                T.cumsum(g_sh, gm_sh, dim=1)
-                gam = T.alloc_var("float32")
-                gam = gm_sh[hl, col]
-                if col < n:
-                    gamma[s0 + col, bh] = gam
-                bcol = T.alloc_var("float32")
-                bcol = b_sh[hl, col]
-                T.sync_threads()
-
-                # 1. diagonal block db, its column c: x_r = [r == c] - beta_r sum_{m < r} S[r, m] x_m (16 rows)
-                db = col // PANEL
-                c = col % PANEL
-                for r in T.unroll(PANEL):
-                    x[r] = 0.0
-                for r in T.unroll(PANEL):
-                    for a in T.unroll(4):
-                        acc[a] = 0.0
-                    for m in T.unroll(r):
-                        acc[m % 4] += sd_sh[db * PANEL + r, m] * x[m]
-                    x[r] = T.if_then_else(r == c, 1.0, -b_sh[hl, db * PANEL + r] * (acc[0] + acc[1] + acc[2] + acc[3]))
-                # rows/columns of the block inside its half (warp-uniform: a warp's 32 columns are one half)
-                ro = (db % 2) * PANEL
-                for r in T.unroll(PANEL):
-                    if db < 2:
-                        xaa[hl, ro + r, ro + c] = T.cast(x[r], "float16")
-                    else:
-                        xbb[hl, ro + r, ro + c] = T.cast(x[r], "float16")
-                    if db % 2 == 0:
-                        d02[hl, db // 2 * PANEL + r, db // 2 * PANEL + c] = T.cast(x[r], "float16")
-                    else:
-                        d13[hl, db // 2 * PANEL + r, db // 2 * PANEL + c] = T.cast(x[r], "float16")
-                    out_sh[hl, db * PANEL + r, col] = T.cast(T.if_then_else(
-                        r >= c, x[r] * T.exp2((gm_sh[hl, db * PANEL + r] - gam) * LOG2E) * bcol, 0.0), "float16")
-                T.sync_threads()
-
-                # 2. X10 and X32: T1 = diag(beta) blockdiag(S10, S32) blockdiag(D0, D2); then -blockdiag(D1, D3) T1.
-                # Row i of the 32-row tiles is matrix row 16 + i (i < 16) or 48 + (i - 16) = 32 + i (i >= 16).
-                for h in T.serial(G):
-                    T.gemm(sbd, d02[h, :, :], f, clear_accum=True)
-                    for i, j in T.Parallel(HALF, HALF):
-                        t_sh[h, i, j] = T.cast(f[i, j] * b_sh[h, PANEL + i + i // PANEL * PANEL], "float16")
-                    T.sync_threads()
-                    T.gemm(d13[h, :, :], t_sh[h, :, :], f, clear_accum=True)
-                    for i, j in T.Parallel(HALF, HALF):
-                        if i // PANEL == j // PANEL:
-                            if i < PANEL:
-                                xaa[h, PANEL + i, j] = T.cast(-f[i, j], "float16")
-                            else:
-                                xbb[h, i, j - PANEL] = T.cast(-f[i, j], "float16")
-                            out_sh[h, PANEL + i + i // PANEL * PANEL, j + j // PANEL * PANEL] = T.cast(
-                                -f[i, j] * T.exp2((gm_sh[h, PANEL + i + i // PANEL * PANEL]
-                                                   - gm_sh[h, j + j // PANEL * PANEL]) * LOG2E)
-                                * b_sh[h, j + j // PANEL * PANEL], "float16")
-                    T.sync_threads()
-
-                # 3. X[B, A] = -X[B, B] (diag(beta_B) S[B, A] X[A, A])
-                for h in T.serial(G):
-                    T.gemm(sba, xaa[h, :, :], f, clear_accum=True)
-                    for i, j in T.Parallel(HALF, HALF):
-                        t_sh[h, i, j] = T.cast(f[i, j] * b_sh[h, HALF + i], "float16")
-                    T.sync_threads()
-                    T.gemm(xbb[h, :, :], t_sh[h, :, :], f, clear_accum=True)
-                    for i, j in T.Parallel(HALF, HALF):
-                        out_sh[h, HALF + i, j] = T.cast(
-                            -f[i, j] * T.exp2((gm_sh[h, HALF + i] - gm_sh[h, j]) * LOG2E) * b_sh[h, j], "float16")
-                T.sync_threads()
-
-                # the tiles to HBM: 16 bytes (8 fp16 of a row) a thread per step, a row of one head in 8 threads
-                for it in T.unroll(C // 8):
-                    idx = it * C * G + tx
-                    h = idx // (C * 8)
-                    r = idx // 8 % C
-                    seg = idx % 8 * 8
-                    if r < n:
-                        for v in T.vectorized(8):
-                            a0[s0 + r, hk * group + bg * G + h, seg + v] = out_sh[h, r, seg + v]
-
-                if l2norm:
-                    # the queries' inverse norms from the diagonal of Q Q^T on the key tile's buffer (its product is
-                    # done); one CTA of each key head writes rn
-                    T.sync_threads()
-                    if n == C:
-                        T.copy(q[s0:s0 + C, hk, :], k_sh)
-                    else:
-                        for i, j in T.Parallel(C, K):
-                            k_sh[i, j] = T.if_then_else(i < n, q[T.min(s0 + i, s1 - 1), hk, j], T.cast(0, dtype))
-                    T.gemm(k_sh, k_sh, kk, transpose_B=True, clear_accum=True)
-                    if bg == 0:
-                        for i, j in T.Parallel(C, C):
-                            if i == j and i < n:
-                                rn[s0 + i, hk, 0] = T.rsqrt(kk[i, j] + L2NORM_EPS)
-                        for i in T.Parallel(C):
-                            if i < n:
-                                rn[s0 + i, hk, 1] = rk_sh[i]
+                        if i == j and i < n:
+                            rn[s0 + i, hk, 0] = T.rsqrt(kk[i, j] + L2NORM_EPS)
+                    for i in T.Parallel(C):
+                        if i < n:
+                            rn[s0 + i, hk, 1] = rk_sh[i]
 
     return gdn_kkt_solve
 
-
-# Lifetimes planned statement by statement: the persistent loop otherwise keeps every tile apart (65 KB at G = 2,
-# three CTAs an SM); merged, the tiles written after K K^T share the key tile's bytes, as in a CTA a chunk (48 KB)
-build_kkt_solve.pass_configs = {"tl.enable_aggressive_shared_memory_merge": True}
 
 
 def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: torch.Tensor, Hv: int,
@@ -278,8 +264,7 @@ def kkt_solve(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunks: torc
     """
     Tn, Hk, K = k.shape
     l2norm = q is not None
-    ctas = plan.kkt_ctas(Hk, Hv, K, l2norm, plan.num_sms(k.device)) if PERSISTENT else 0
-    kernel = toolkit.compile_kernel(build_kkt_solve, Hk, Hv, K, toolkit.tl_dtype(k.dtype), l2norm, ctas)
+    kernel = toolkit.compile_kernel(build_kkt_solve, Hk, Hv, K, toolkit.tl_dtype(k.dtype), l2norm)
     gamma = toolkit.empty((Tn, Hv), torch.float32, k.device)
     ag = toolkit.empty((Tn, Hv, CHUNK), torch.float16, k.device)
     rn = toolkit.empty((Tn, Hk, 2), torch.float32, k.device) if l2norm else None

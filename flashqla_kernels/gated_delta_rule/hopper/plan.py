@@ -72,27 +72,6 @@ def heads_per_cta(group: int) -> int:
     return max(d for d in range(1, MAX_HEADS_PER_CTA + 1) if group % d == 0)
 
 
-# kkt_solve's dynamic shared memory, bytes, by (K, value heads a CTA, l2norm), 2-byte inputs (the CPU build test
-# checks every entry against the compiled kernel); an SM holds 228 KB, 1 KB of it reserved a CTA
-KKT_SHARED_BYTES = {
-    (64, 1, False): 26624, (64, 1, True): 35072, (64, 2, False): 46080, (64, 2, True): 53248,
-    (64, 4, False): 90112, (64, 4, True): 97792, (128, 1, False): 34560, (128, 1, True): 43264,
-    (128, 2, False): 48128, (128, 2, True): 61440, (128, 4, False): 96256, (128, 4, True): 105984,
-    (256, 1, False): 41728, (256, 1, True): 59648, (256, 2, False): 52224, (256, 2, True): 77824,
-    (256, 4, False): 96256, (256, 4, True): 122368,
-}
-SM_SHARED_BYTES = 228 * 1024
-
-
-def kkt_ctas(Hk: int, Hv: int, K: int, l2norm: bool, num_sms: int) -> int:
-    """CTAs along the chunks of the persistent kkt_solve: one wave over the Hk x group / G (key head, value-head
-    slice) columns, as many CTAs an SM as its shared memory and its ``8 // G`` register budget allow; each CTA
-    then walks every ``kkt_ctas``-th chunk."""
-    G = heads_per_cta(Hv // Hk)
-    per_sm = min(max(1, 8 // G), SM_SHARED_BYTES // (KKT_SHARED_BYTES[(K, G, l2norm)] + 1024))
-    return max(1, num_sms * per_sm // (Hk * (Hv // Hk // G)))
-
-
 def choose_block_v(N: int, Hv: int, K: int, V: int, num_sms: int) -> int:
     """V slice per CTA: 32 for K = 256 (registers and shared memory), else 128, or 64 when even 64-wide slices
     of N x Hv heads would not fill half the SMs (more, shorter-lived CTAs)."""
