@@ -204,9 +204,9 @@ def run_row(cfg, stages=False, ab=False) -> dict:
     grads = {}
     runs = arms(q, k, v, g, beta, h0, cu)
     if ab:
-        from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, custom_op
+        from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, chunk_fwd, custom_op
 
-        current = {"bwd_dqkwg": bwd_dqkwg, "custom_op": custom_op}
+        current = {"bwd_dqkwg": bwd_dqkwg, "chunk_fwd": chunk_fwd, "custom_op": custom_op}
         runs.update({name: runs["ours"] for name, (module, attr, value) in AB_ARMS.items()
                      if getattr(current[module], attr) != value})
     for name, fn in runs.items():
