@@ -17,7 +17,7 @@ def chunk_specs(layouts, sms, *, scale=None, final=(True,), scans=True, widths=(
     not) as the launcher passes them; ``l2norm`` (default False) as ``use_qk_l2norm_in_kernel``; ``scans``: also the
     state scans (with and without h0).
     """
-    from flashqla_kernels.gated_delta_rule.hopper import chunk_fwd, plan
+    from flashqla_kernels.gated_delta_rule.hopper import plan
 
     specs = set()
     for layout in layouts:
@@ -32,10 +32,8 @@ def chunk_specs(layouts, sms, *, scale=None, final=(True,), scans=True, widths=(
         specs.add(("kkt_solve", (Hk, Hv, Kd, dt, l2)))
         for bdv in slices:
             specs.add(("segment_states", (Hk, Hv, Kd, Kd, bdv, dt, l2)))
-            # no states saved for a backward (no grad); one lane and, where the slice takes them, two (the op runs
-            # one of them, gdn_forward --stages times both)
-            specs |= {("chunk_fwd", (Hk, Hv, Kd, Kd, bdv, dt, sc, fin, l2, False, lanes)) for fin in final
-                      for lanes in ((1, 2) if bdv >= chunk_fwd.LANE_MIN_SLICE else (1,))}
+            # no states saved for a backward (no grad)
+            specs |= {("chunk_fwd", (Hk, Hv, Kd, Kd, bdv, dt, sc, fin, l2, False)) for fin in final}
         if scans:
             specs |= {("state_scan", (Hv, Kd, Kd, True)), ("state_scan", (Hv, Kd, Kd, False))}
     return sorted(specs)

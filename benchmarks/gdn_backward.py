@@ -66,7 +66,6 @@ def arms(q, k, v, g, beta, h0, cu) -> dict:
 AB_ARMS = {
     "ours_per_value_head": ("bwd_dqkwg", "KERNEL", "blocked"),
     "ours_recomputed_states": ("custom_op", "SAVE_STATES", False),
-    "ours_two_lanes": ("chunk_fwd", "LANES", 2),
 }
 
 
@@ -78,9 +77,9 @@ DH_NARROW = "dh walk, bDV=32"
 def fwd_bwd(fn, do, dht, override=None):
     """One forward + backward through ``fn`` (the op, then the backward of (o, final state)); ``override``: an
     ``AB_ARMS`` entry set for this step only (the public op's backward reads the module defaults)."""
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, chunk_fwd, custom_op
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, custom_op
 
-    modules = {"bwd_dqkwg": bwd_dqkwg, "chunk_fwd": chunk_fwd, "custom_op": custom_op}
+    modules = {"bwd_dqkwg": bwd_dqkwg, "custom_op": custom_op}
 
     def step():
         if override is None:
@@ -204,9 +203,9 @@ def run_row(cfg, stages=False, ab=False) -> dict:
     grads = {}
     runs = arms(q, k, v, g, beta, h0, cu)
     if ab:
-        from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, chunk_fwd, custom_op
+        from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, custom_op
 
-        current = {"bwd_dqkwg": bwd_dqkwg, "chunk_fwd": chunk_fwd, "custom_op": custom_op}
+        current = {"bwd_dqkwg": bwd_dqkwg, "custom_op": custom_op}
         runs.update({name: runs["ours"] for name, (module, attr, value) in AB_ARMS.items()
                      if getattr(current[module], attr) != value})
     for name, fn in runs.items():
@@ -246,19 +245,12 @@ def precompile(rows, workers: int = 1) -> int:
     from flashqla_kernels.gated_delta_rule.hopper import backward
 
     from flashqla_kernels import toolkit
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, chunk_fwd
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh
 
     layouts = {(Hk, Hv, fwd.K, fwd.V, "bfloat16", False, True, True) for Hk, Hv, _, _ in rows}
     # --stages' narrow dh walk (from zeros, no dh0)
     extra = {(bwd_dh.build_bwd_dh, (Hk, Hv, fwd.K, fwd.V, 32, "bfloat16", fwd.K ** -0.5, False, False, True))
              for Hk, Hv in {(Hk, Hv) for Hk, Hv, _, _ in rows}}
-    # --ab's ours_two_lanes: the forward under grad and the states' recompute on two lanes
-    lanes, chunk_fwd.LANES = chunk_fwd.LANES, 2
-    try:
-        extra |= {(b, a) for layout in layouts for b, a in backward.kernel_specs(*layout)
-                  if b in (chunk_fwd.build_chunk_fwd, chunk_fwd.build_chunk_states)}
-    finally:
-        chunk_fwd.LANES = lanes
     for builder, args, err in toolkit.compile_many(extra, workers):
         print(f"  FAILED {builder.__name__}{args}: {err.splitlines()[-1] if err else ''}", flush=True)
     return backward.precompile(sorted(layouts), workers) + len(extra)

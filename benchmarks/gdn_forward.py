@@ -228,8 +228,7 @@ def precompile(configs, workers, sms):
 
 def stage_ms(q, k, v, g, beta, h0, cu, bench=None):
     """Medians (ms) of the launcher's stages on these inputs: kkt_solve, the context-parallel maps + scan (0 when the
-    plan keeps sequences whole) and chunk_fwd, each launched alone on the others' outputs; where the slice can take
-    two lanes, chunk_fwd_lanes: the same stage on one and on two, whatever ``LANES`` says (internal timings).
+    plan keeps sequences whole) and chunk_fwd, each launched alone on the others' outputs (internal timings).
     ``bench(fn)`` times one stage (default: do_bench's median); ``ncu_stages.py`` passes one that launches it once."""
     import triton
 
@@ -259,16 +258,6 @@ def stage_ms(q, k, v, g, beta, h0, cu, bench=None):
     o, ht = torch.empty_like(v3), torch.empty_like(h0)
     out["chunk_fwd"] = bench(lambda: chunk_fwd.chunk_fwd(q3, k3, v3, ag, gamma, b3, h_init, pl.segs, o, ht,
                                                          scale=Kd ** -0.5, bDV=bdv))
-    if bdv >= chunk_fwd.LANE_MIN_SLICE:  # the stage on one chain a slice and on two, side by side
-        lanes = chunk_fwd.LANES
-        try:
-            out["chunk_fwd_lanes"] = {}
-            for n in (1, 2):
-                chunk_fwd.LANES = n
-                out["chunk_fwd_lanes"][n] = bench(lambda: chunk_fwd.chunk_fwd(
-                    q3, k3, v3, ag, gamma, b3, h_init, pl.segs, o, ht, scale=Kd ** -0.5, bDV=bdv))
-        finally:
-            chunk_fwd.LANES = lanes
     out["bDV"], out["segment_chunks"] = bdv, pl.segment_chunks
     return out
 

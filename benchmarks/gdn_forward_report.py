@@ -85,10 +85,6 @@ def stages_markdown(r):
     lines = ["Stages alone, ms (kkt_solve / CP maps + scan / chunk_fwd; bDV, segment chunks):", ""]
     for x in staged:
         st = x["stages_ms"]
-        lanes = st.get("chunk_fwd_lanes") or {}
-        # JSON keys are strings once written
-        one = ("; chunk_fwd on one / two lanes " + " / ".join(f"{lanes[n]:.3f}" for n in sorted(lanes))
-               if lanes else "")
         lines.append(f"- {x['Hk']}/{x['Hv']} {x['seqlen']}x{x['nseq']}: {st['kkt_solve']:.3f} / {st['cp']:.3f} / "
-                     f"{st['chunk_fwd']:.3f} ({st['bDV']}, {st['segment_chunks']}){one}")
+                     f"{st['chunk_fwd']:.3f} ({st['bDV']}, {st['segment_chunks']})")
     return lines + [""]

@@ -15,10 +15,10 @@
 # $OUT/cache.tar.xz (now with FlashQLA's JIT kernels too) and $OUT/triton_cache.tar.xz (FLA's compiled Triton
 # kernels, when under 8 MB): copy them into .tlc_dev/ for the next call. Phases:
 #   gdn-tests    the Gated DeltaNet GPU suite (the launcher and the public op against the float64 reference)
-#   fwd-smoke    the forward's kernels built, then chunk_fwd's two lanes against one (bit for bit) with a 60 s limit a
-#                test (pytest-timeout's thread method: a hung kernel blocks the main thread in the driver, where a
-#                signal never lands), so a kernel that hangs costs a minute, not a whole phase (SMOKE_K="two_lanes or
-#                public_op" selects other tests of that file as pytest -k does)
+#   fwd-smoke    the forward's kernels built, then the public op against the float64 reference on every case of
+#                the forward's GPU test with a 60 s limit a test (pytest-timeout's thread method: a hung kernel blocks
+#                the main thread in the driver, where a signal never lands), so a new kernel that hangs costs a
+#                minute, not a whole phase (SMOKE_K selects other tests of that file as pytest -k does)
 #   gdn-bench    benchmarks/gdn_forward.py: the public op beside FLA and FlashQLA (GDN_CONFIGS=0,7,8,9 narrows it;
 #                GDN_BENCH_ARGS="--skip-fla --skip-torch" times ours and FlashQLA only; gdn-bench:0,1,2 runs those
 #                configs, e.g. half the suite per GPU of a --split, joined afterwards by gdn_forward.py --merge)
@@ -111,7 +111,8 @@ for p in "$@"; do
         gdn-tests) phase gdn-tests "${GDN_TESTS_S:-330}" gdn_tests ;;
         fwd-smoke) phase fwd-smoke "${SMOKE_S:-150}" bash -c "python3 benchmarks/gdn_forward.py --precompile 14 \
                        --precompile-only --configs 0; python3 -m pytest -q -x -rfE --timeout 60 \
-                       --timeout-method thread -p no:cacheprovider tests/flashqla_kernels/test_hopper_gpu.py -k '${SMOKE_K:-two_lanes}'" ;;
+                       --timeout-method thread -p no:cacheprovider tests/flashqla_kernels/test_hopper_gpu.py \
+                       -k '${SMOKE_K:-public_op_runs}'" ;;
         gdn-bench|gdn-bench:*)  # gdn-bench:0,1,2 names the configs of this GPU (a --split half of the suite)
                    cfg=${p#gdn-bench}; cfg=${cfg#:}
                    phase gdn-bench "${GDN_BENCH_S:-420}" python3 benchmarks/gdn_forward.py \

@@ -4,7 +4,7 @@
         --section WarpStateStats -k regex:gdn_ python3 benchmarks/ncu_stages.py --configs 0
 
 ``benchmarks/h200.sh ncu`` runs exactly that. Each stage runs as ``gdn_forward.stage_ms`` launches it (kkt_solve, the
-context-parallel maps and scan where the plan splits, chunk_fwd, then chunk_fwd on one lane and on two), but once
+context-parallel maps and scan where the plan splits, chunk_fwd), but once
 each instead of under do_bench, so the profile holds a handful of launches. The counters say where a stage's time
 goes (issue-bound, waiting on memory, waiting at barriers); they are not timings of the op users call.
 """

@@ -26,20 +26,18 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc to compile for 
 S128 = 128 ** -0.5
 
 # (stage, builder args); builders: kkt_solve(Hk, Hv, K, dtype, l2norm), chunk_fwd(Hk, Hv, K, V, bDV, dtype, scale,
-# store_final, l2norm, save_states, lanes), segment_states(Hk, Hv, K, V, bDV, dtype, l2norm), state_scan(Hv, K, V,
+# store_final, l2norm, save_states), segment_states(Hk, Hv, K, V, bDV, dtype, l2norm), state_scan(Hv, K, V,
 # has_h0)
 CORE = [
     ("kkt_solve", (16, 32, 128, "bfloat16", False)),
-    ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, False, False, 2)),
+    ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, False, False)),
     ("segment_states", (16, 32, 128, 128, 64, "bfloat16", False)),
     ("state_scan", (32, 128, 128, True)),
     # the op under transformers (use_qk_l2norm_in_kernel=True): q and k normalised inside the stages
     ("kkt_solve", (16, 32, 128, "bfloat16", True)),
-    ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, True, False, 2)),
+    ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, True, False)),
     # the forward under grad: also the states for the backward
-    ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, True, True, 2)),
-    # one chain per slice: what 32-wide slices (K = 256) run
-    ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, True, True, 1)),
+    ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, True, True)),
 ]
 EXTRA = [
     ("kkt_solve", (2, 4, 64, "float16")),
@@ -48,8 +46,8 @@ EXTRA = [
     ("kkt_solve", (16, 16, 128, "bfloat16")),
     ("kkt_solve", (4, 16, 256, "float16")),
     ("kkt_solve", (2, 8, 64, "bfloat16")),
-    ("chunk_fwd", (16, 32, 128, 128, 64, "float16", 0.5, False, False, False, 2)),
-    ("chunk_fwd", (2, 4, 64, 64, 64, "bfloat16", 0.125, True, False, False, 2)),
+    ("chunk_fwd", (16, 32, 128, 128, 64, "float16", 0.5, False, False, False)),
+    ("chunk_fwd", (2, 4, 64, 64, 64, "bfloat16", 0.125, True, False, False)),
     ("chunk_fwd", (2, 2, 256, 256, 32, "bfloat16", 256 ** -0.5, True)),
     ("chunk_fwd", (16, 16, 128, 128, 32, "bfloat16", S128, True)),
     ("segment_states", (2, 4, 64, 64, 64, "float16")),
@@ -79,8 +77,6 @@ def _source(stage, args) -> str:
 
 def _values_warpgroup(src: str) -> str:
     # chunk_fwd's values warpgroup: from its setmaxnreg to the output warpgroup's
-    if "__launch_bounds__(640, 1)" in src:  # two lanes: state, state, values, output, producer
-        return src[src.index("threadIdx.x) < 384) {"):src.index("threadIdx.x) < 512) {")]
     return src[src.index("warpgroup_reg_dealloc<120>"):src.index("warpgroup_reg_alloc<136>")]
 
 
@@ -88,38 +84,15 @@ def _check_chunk_fwd(args, src):
     # four warpgroup roles, registers moved to the state / output groups, mbarrier hand-offs, TMA loads
     for role in ("threadIdx.x) < 128", "threadIdx.x) < 256", "threadIdx.x) < 384"):
         assert role in src, f"chunk_fwd{args}: no warpgroup branch {role!r}"
-    # setmaxnreg only moves away from the launch allocation (128 at 512 threads, 96 at two lanes' 640): .inc up,
-    # .dec down (an .inc to a lower count is an illegal instruction); the budgets fill the 64K registers
-    lanes = args[10] if len(args) > 10 else 1
+    # setmaxnreg only moves away from the launch allocation (128 at 512 threads): .inc up, .dec down (an .inc to a
+    # lower count is an illegal instruction); the budgets fill the 64K registers
     allocs = [int(n) for n in re.findall(r"warpgroup_reg_alloc<(\d+)>", src)]
     deallocs = [int(n) for n in re.findall(r"warpgroup_reg_dealloc<(\d+)>", src)]
-    if lanes == 2:
-        from flashqla_kernels.gated_delta_rule.hopper import chunk_lanes
-
-        assert "__launch_bounds__(640, 1)" in src and "threadIdx.x) < 512" in src
-        # setmaxnreg.inc draws only on registers the CTA's own .dec released: the five budgets (the state
-        # warpgroups keep the launch's 96) may not exceed 5 x 96, or an .inc waits forever
-        split = chunk_lanes.NREG_SPLIT["saving" if args[9] else "plain"]
-        assert sorted(allocs + deallocs) == sorted(n for n in split if n != 96), (allocs, deallocs, split)
-        assert all(n > 96 for n in allocs) and all(n < 96 for n in deallocs)
-        assert all(2 * chunk_lanes.NREG_STATE + sum(x) <= 5 * chunk_lanes.NREG_LAUNCH
-                   for x in chunk_lanes.NREG_SPLIT.values())
-    else:
-        assert sorted(allocs) == [136, 160] and sorted(deallocs) == [88, 120] and sum(allocs + deallocs) <= 512
+    assert sorted(allocs) == [136, 160] and sorted(deallocs) == [88, 120] and sum(allocs + deallocs) <= 512
     assert "tma_load(" in src and "expect_transaction" in src
     assert ".wait(" in src and ".arrive()" in src
-    # K S, Q K^T, Ag W, Q S, K^T Vn from shared memory; Pg Vd with Pg in registers. Two lanes: Q K^T once, K S,
-    # Ag W, Q S and Pg Vd per lane, and K^T Vn at three sites (lane 0 in the loop, lane 1 in the loop and after it)
-    if lanes == 2:
-        # TileLang's planner puts named bar.syncs inside warpgroup branches; one id shared by two warpgroups that run
-        # at once mixes their warps (in the backward that hung a kernel): every warpgroup keeps its own ids
-        bounds = [src.index(f"threadIdx.x) < {n}) {{") for n in (128, 256, 384, 512)] + [len(src)]
-        ids = [set(re.findall(r"__sync_thread_partial\((\d+), 128\)", src[a:b])) for a, b in zip(bounds, bounds[1:])]
-        assert all(not (x & y) for i, x in enumerate(ids) for y in ids[i + 1:]), f"shared bar.sync ids: {ids}"
-        # one K^T Vn site per lane's state warpgroup
-        assert src.count("tl::wgmma_ss<") == 9 and src.count("tl::wgmma_rs<") == 2
-    else:
-        assert src.count("tl::wgmma_ss<") == 5 and src.count("tl::wgmma_rs<") == 1
+    # K S, Q K^T, Ag W, Q S, K^T Vn from shared memory; Pg Vd with Pg in registers
+    assert src.count("tl::wgmma_ss<") == 5 and src.count("tl::wgmma_rs<") == 1
     # Ag arrives gated: no Ag loop, no Ag hand-off barrier
     assert "bar_ag" not in src and "ag_sh" not in src
     # Ag W and Pg Vd in fp16, the other GEMMs in the input dtype
@@ -173,8 +146,8 @@ def test_other_specialisations_compile_for_sm90a_with_their_structure(stage, arg
     _check_structure(stage, args, _source(stage, args))
 
 
-NO_SPILL = [CORE[0], CORE[1], CORE[2], CORE[4], CORE[5], CORE[6], CORE[7], ("chunk_fwd", (16, 32, 128, 128, 64, "float16", 0.5, False, False, False, 1)),
-            ("chunk_fwd", (16, 32, 128, 128, 64, "float16", 0.5, False, False, False, 2))]
+NO_SPILL = [CORE[0], CORE[1], CORE[2], CORE[4], CORE[5], CORE[6],
+            ("chunk_fwd", (16, 32, 128, 128, 64, "float16", 0.5, False, False, False))]
 
 
 @needs_nvcc
@@ -183,7 +156,7 @@ NO_SPILL = [CORE[0], CORE[1], CORE[2], CORE[4], CORE[5], CORE[6], CORE[7], ("chu
 def test_kernels_do_not_spill(stage, args, tmp_path):
     """ptxas -v on the generated CUDA: the setmaxnreg budgets (chunk_fwd) and the occupancy bound (kkt_solve) cost no
     spills on the Qwen3.5 layout (bf16, K = V = 128, with and without l2norm in the kernel, saving the states or not)
-    on one lane and two, nor on fp16 64-wide slices; the PTX carries the Hopper instructions themselves."""
+    nor on fp16 64-wide slices; the PTX carries the Hopper instructions themselves."""
     tilelang = pytest.importorskip("tilelang")
     src = tmp_path / "k.cu"
     src.write_text(_source(stage, args))
@@ -200,15 +173,7 @@ def test_kernels_do_not_spill(stage, args, tmp_path):
     text = ptx.read_text()
     if stage == "chunk_fwd":
         assert "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text and "mbarrier.try_wait" in text
-        lanes = args[10] if len(args) > 10 else 1
-        if lanes == 2:
-            from flashqla_kernels.gated_delta_rule.hopper import chunk_lanes
-
-            split = chunk_lanes.NREG_SPLIT["saving" if args[9] else "plain"]
-            assert all(f"setmaxnreg.{'inc' if n > 96 else 'dec'}.sync.aligned.u32 {n}" in text
-                       for n in split if n != 96)
-        else:
-            assert "setmaxnreg.inc.sync.aligned.u32 160" in text and "setmaxnreg.dec.sync.aligned.u32 88" in text
+        assert "setmaxnreg.inc.sync.aligned.u32 160" in text and "setmaxnreg.dec.sync.aligned.u32 88" in text
     else:
         assert "wgmma.mma_async" in text or "mma.sync" in text
 

@@ -139,7 +139,7 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
             cu_seqlens=cu, segment_chunks=segment_chunks, save_states=True)
         assert len(out) == 4 and out[2].shape[1:] == (Hv, Kp, Vp) and out[3].shape == (q.shape[0] * q.shape[1], Hv, Vp)
     saving = {(b, a) for b, a in set(asked) - recompute if b.__name__ == "build_chunk_fwd"}
-    assert saving and all(a[9] is True for _, a in saving) and saving <= want  # save_states (then lanes)
+    assert saving and all(a[9] is True for _, a in saving) and saving <= want  # save_states
     # the forward's plan picks one of the V slices listed for the states, bwd_dqkwg.KERNEL between the
     # per-value-head path (dqkwg, WY, GVA) and the grouped one: only those may go unasked
     assert {b.__name__ for b, _ in want - set(asked)} <= {

@@ -129,43 +129,6 @@ def test_public_op_runs_the_kernels_and_matches_float64_reference(name):
         _check(name, run, q, k, v, g, beta, s0, cu, l2)
 
 
-def _on_one_lane_and_two(name, monkeypatch, **kw):
-    """The launcher's outputs on case ``name`` with chunk_fwd walking each 128-wide slice as one chain and as two,
-    under NaN-poisoned outputs: {1: ..., 2: ...}."""
-    from flashqla_kernels.gated_delta_rule.hopper import chunk_fwd
-
-    (q, k, v, g, beta, s0, cu), seg, l2 = _case(name)
-    outs = {}
-    for lanes in (1, 2):
-        monkeypatch.setattr(chunk_fwd, "LANES", lanes)
-        with toolkit.poisoned_outputs():
-            outs[lanes] = forward.chunk_gated_delta_rule_fwd(
-                q, k, v, g, beta, scale=None, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=l2,
-                cu_seqlens=cu, segment_chunks=seg, block_v=128, **kw)
-    return outs
-
-
-@pytest.mark.parametrize("name", ["varlen_ragged_gva2_bf16", "long_gva4_fp16_cp3", "varlen_cp_l2norm_padded_tail",
-                                  "mild_gates_65"])
-def test_two_lanes_give_the_one_lane_walk_bit_for_bit(name, monkeypatch):
-    """chunk_fwd walking each V slice as two half-width chains (``LANES = 2``) computes every output element with the
-    same products in the same order as one chain: o and the final state are bit-identical."""
-    outs = _on_one_lane_and_two(name, monkeypatch)
-    (o1, h1), (o2, h2) = outs[1], outs[2]
-    assert not o2.isnan().any() and not h2.isnan().any(), f"{name}: two lanes left an element unwritten"
-    assert torch.equal(o1, o2), f"{name}: o differs, max |diff| {(o1.float() - o2.float()).abs().max().item():.3e}"
-    assert torch.equal(h1, h2), f"{name}: final state differs, max |diff| {(h1 - h2).abs().max().item():.3e}"
-
-
-def test_two_lanes_save_the_one_lane_states_bit_for_bit(monkeypatch):
-    """The forward under grad on two lanes: o, the final state, every chunk's entering state and v_new (what the
-    backward reads) bit-identical to one lane's, on a split, ragged, padded, l2-normalised case."""
-    outs = _on_one_lane_and_two("varlen_cp_l2norm_padded_tail", monkeypatch, save_states=True)
-    for name, a, b in zip(("o", "final state", "h", "v_new"), outs[1], outs[2]):
-        assert not b.isnan().any(), f"two lanes left an element of {name} unwritten"
-        assert torch.equal(a, b), f"{name} differs between one lane and two"
-
-
 def test_hopper_context_parallel_equals_unsplit():
     """Splitting a long sequence into segments is exact: same result as the unsplit walk up to rounding."""
     q, k, v, g, beta, s0, cu = _inputs(2, 4, 128, 128, [2048, 100], torch.bfloat16, gates="mild")

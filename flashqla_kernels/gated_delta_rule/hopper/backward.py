@@ -238,11 +238,10 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
         (state_scan.build_state_scan, (Hv, K, V, has_h0)),
     ]
     for b in sorted({min(V, 32)} if K > 128 else {min(V, 64), min(V, 128)}):
-        specs += [(chunk_fwd.build_chunk_states, (Hk, Hv, K, V, b, dtype, chunk_fwd.lanes_for(b))),
+        specs += [(chunk_fwd.build_chunk_states, (Hk, Hv, K, V, b, dtype)),
                   (segment_states.build_segment_states, (Hk, Hv, K, V, b, dtype, False))]
         # the forward under grad, saving the states for this backward (with and without the final state)
-        lanes = chunk_fwd.lanes_for(b)
-        specs += [(chunk_fwd.build_chunk_fwd, (Hk, Hv, K, V, b, dtype, scale, fin, l2norm, True, lanes))
+        specs += [(chunk_fwd.build_chunk_fwd, (Hk, Hv, K, V, b, dtype, scale, fin, l2norm, True))
                   for fin in (True, False)]
     return specs
 

@@ -22,10 +22,6 @@ beside it, and the next chunk's tiles land while this one computes. WG0 waits on
 output GEMM, before its state update; WG2 arrives at the next step's ``bar_start`` as soon as its last shared-memory
 read (the Pg Vd GEMM) is done, so its O store to global memory overlaps the next step of the other warpgroups.
 
-Two lanes (``LANES = 2``, slices of 64 columns or more; the default stays one until they are timed): the slice is walked
-as two half-width chains offset by half a step, a state warpgroup each, so one lane's state update overlaps the other's
-values work (``chunk_lanes``).
-
 W, Ag, Vd and Pg are fp16 (the Ag W and Pg Vd GEMMs) for bf16 inputs too: 8x finer rounding than bf16 (the values are
 bounded like A0), which halves the bf16 error against the float64 reference; q, k, S and Vn stay in the input dtype.
 W is formed in the K S accumulator and stored with one fragment copy (stmatrix) because an element loop over shared
@@ -50,7 +46,6 @@ import tilelang.language as T
 import torch
 
 from flashqla_kernels import toolkit
-from flashqla_kernels.gated_delta_rule.hopper import chunk_lanes
 from flashqla_kernels.gated_delta_rule.hopper.plan import CHUNK
 
 C = CHUNK
@@ -62,11 +57,6 @@ THREADS = 512
 # beside its accumulator, so 8 registers move to it from the values warpgroup (20-44 bytes of spills at 128 / 128,
 # none at 120 / 136).
 NREG_STATE, NREG_VALUES, NREG_OUTPUT, NREG_PRODUCER = 160, 120, 136, 88
-# 2: the V slice is walked as two half-width chains offset by half a step (``chunk_lanes``); 1: one chain. Two lanes
-# give the one-lane results bit for bit on the GPU (tests/flashqla_kernels/test_hopper_gpu.py) but have not been
-# timed beside one lane yet (``benchmarks/gdn_forward.py --stages`` times both), so the op keeps one.
-LANES = 1
-LANE_MIN_SLICE = 64  # two lanes need half-slices of 32 columns or more
 NREG_LAUNCH = 65536 // THREADS  # what every warp holds at launch: setmaxnreg.inc may only raise it, .dec only lower it
 
 
@@ -352,22 +342,12 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
     return chunk_step
 
 
-def lanes_for(bDV: int) -> int:
-    """Chains one CTA walks: ``LANES`` where each half of the slice is at least 32 columns wide, else 1."""
-    return LANES if bDV >= LANE_MIN_SLICE else 1
-
-
-def _builder(lanes: int):
-    return chunk_lanes.chunk_step_lanes if lanes == 2 else _chunk_step
-
-
 def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: float, store_final: bool,
-                    l2norm: bool = False, save_states: bool = False, lanes: int = 1):
+                    l2norm: bool = False, save_states: bool = False):
     """The chunk_fwd kernel for q/k/v in ``dtype`` (bfloat16 or float16); ``store_final``: write ``ht``;
     ``l2norm``: normalise q and k by ``rn`` (the module doc); ``save_states``: also write every chunk's entering
-    state and v_new for the backward (``chunk_states``' outputs); ``lanes``: 2 walks the slice as two half-width
-    chains (``lanes_for``)."""
-    step = _builder(lanes)(Hk, Hv, K, V, bDV, dtype, scale, store_final, l2norm, save_states)
+    state and v_new for the backward (``chunk_states``' outputs)."""
+    step = _chunk_step(Hk, Hv, K, V, bDV, dtype, scale, store_final, l2norm, save_states)
     num_tokens = T.dynamic("num_tokens")
     num_segs = T.dynamic("num_segs")
     num_init = T.dynamic("num_init")
@@ -416,10 +396,10 @@ def build_chunk_fwd(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scal
     return gdn_chunk_fwd
 
 
-def build_chunk_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, lanes: int = 1):
+def build_chunk_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str):
     """The backward's recompute kernel ``gdn_chunk_states`` (the module doc): keys already normalised, every
-    chunk's entering state and v_new written in ``dtype``; ``lanes`` as ``build_chunk_fwd``."""
-    step = _builder(lanes)(Hk, Hv, K, V, bDV, dtype, 1.0, False, False, True, outputs=False)
+    chunk's entering state and v_new written in ``dtype``."""
+    step = _chunk_step(Hk, Hv, K, V, bDV, dtype, 1.0, False, False, True, outputs=False)
     num_tokens = T.dynamic("num_tokens")
     num_segs = T.dynamic("num_segs")
     num_init = T.dynamic("num_init")
@@ -457,7 +437,7 @@ def chunk_states(k, v, ag, gamma, beta, h_init, segs, seg_chunk0, num_chunks: in
     """
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
-    kernel = toolkit.compile_kernel(build_chunk_states, Hk, Hv, K, V, bDV, toolkit.tl_dtype(k.dtype), lanes_for(bDV))
+    kernel = toolkit.compile_kernel(build_chunk_states, Hk, Hv, K, V, bDV, toolkit.tl_dtype(k.dtype))
     h = toolkit.empty((num_chunks, Hv, K, V), k.dtype, k.device)
     v_new = toolkit.empty((Tn, Hv, V), k.dtype, k.device)
     if segs.shape[0] > 0:
@@ -480,7 +460,7 @@ def chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale: float, bD
     Hv, V = v.shape[1], v.shape[2]
     store_final = ht is not None
     kernel = toolkit.compile_kernel(build_chunk_fwd, Hk, Hv, K, V, bDV, toolkit.tl_dtype(q.dtype), float(scale),
-                                    store_final, rn is not None, states is not None, lanes_for(bDV))
+                                    store_final, rn is not None, states is not None)
     if ht is None:
         # the kernel's ht argument, not written without store_final
         ht = toolkit.unread((1, Hv, K, V), torch.float32, q.device)
