@@ -26,7 +26,8 @@
 #                test_hopper_bwd_gpu.py), and the public op's dispatch under grad (test_dispatch_gpu.py);
 #                BWD_TESTS_K="qwen_layout or ragged" selects tests as pytest -k does
 #   ncu          Nsight Compute's counters of each forward stage launched once (benchmarks/ncu_stages.py; NCU_CONFIGS=0,6
-#                picks suite configs); needs a Firecracker machine (on gVisor ncu cannot read the counters)
+#                picks suite configs), with the shared-memory bank conflicts of each kernel (the forward's stages keep
+#                the L1 / shared-memory pipe busiest); needs a Firecracker machine (on gVisor ncu cannot read counters)
 #   gdn-bwd      benchmarks/gdn_backward.py: forward + backward of the public op beside FLA and FlashQLA (GDN_BWD_ARGS=
 #                "--rows anchors" narrows it)
 #   train        benchmarks/train_step.py: finetune's step on the 2B shape, transformers (FLA) / FlashQLA's op / ours
@@ -128,7 +129,8 @@ for p in "$@"; do
                      --budget-s $(( ${GDN_BWD_S:-420} - 60 )) ${GDN_BWD_ARGS:-}" ;;
         ncu) phase ncu "${NCU_S:-150}" bash -c "\$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1) \
                  --clock-control none --section SpeedOfLight --section Occupancy --section SchedulerStats \
-                 --section WarpStateStats --section LaunchStats -k regex:gdn_ python3 benchmarks/ncu_stages.py \
+                 --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis_Tables \
+                 -k regex:gdn_ python3 benchmarks/ncu_stages.py \
                  --configs ${NCU_CONFIGS:-0}" ;;
         train) phase train "${TRAIN_S:-300}" python3 benchmarks/train_step.py --out "$OUT" ${TRAIN_ARGS:-} ;;
         encode-tests) phase encode-tests "${ENCODE_TESTS_S:-240}" python3 -m pytest -q -rfE --timeout 200 -p no:cacheprovider \

@@ -1,12 +1,13 @@
 """Launch each forward stage once on a suite config, for Nsight Compute to read its hardware counters.
 
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section SchedulerStats \\
-        --section WarpStateStats -k regex:gdn_ python3 benchmarks/ncu_stages.py --configs 0
+        --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis_Tables \\
+        -k regex:gdn_ python3 benchmarks/ncu_stages.py --configs 0
 
 ``benchmarks/h200.sh ncu`` runs exactly that. Each stage runs as ``gdn_forward.stage_ms`` launches it (kkt_solve, the
-context-parallel maps and scan where the plan splits, chunk_fwd), but once
-each instead of under do_bench, so the profile holds a handful of launches. The counters say where a stage's time
-goes (issue-bound, waiting on memory, waiting at barriers); they are not timings of the op users call.
+context-parallel maps and scan where the plan splits, chunk_fwd), but once each instead of under do_bench, so the
+profile holds a handful of launches. The counters say where a stage's time goes (issue, memory, barriers, shared-memory
+bank conflicts); they are not timings of the op users call.
 """
 import argparse
 
