@@ -69,6 +69,13 @@ AB_ARMS = {
 }
 
 
+def ab_module(name: str):
+    """The module an ``AB_ARMS`` entry names."""
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, custom_op
+
+    return {"bwd_dqkwg": bwd_dqkwg, "custom_op": custom_op}[name]
+
+
 # --stages: the segment lengths (chunks) the sequential stages are also timed at (0: whole sequences)
 BWD_SEGMENT_SWEEP = (0, 16, 32, 64, 128, 256)
 DH_NARROW = "dh walk, bDV=32"
@@ -77,23 +84,22 @@ DH_NARROW = "dh walk, bDV=32"
 def fwd_bwd(fn, do, dht, override=None):
     """One forward + backward through ``fn`` (the op, then the backward of (o, final state)); ``override``: an
     ``AB_ARMS`` entry set for this step only (the public op's backward reads the module defaults)."""
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, custom_op
-
-    modules = {"bwd_dqkwg": bwd_dqkwg, "custom_op": custom_op}
+    if override is not None:  # looked up once, outside the timed step
+        module, attr, value = override
+        module = ab_module(module)
 
     def step():
         if override is None:
             o, ht = fn()
             torch.autograd.backward([o, ht], [do, dht])
             return
-        module, attr, value = override
-        prev = getattr(modules[module], attr)
-        setattr(modules[module], attr, value)
+        prev = getattr(module, attr)
+        setattr(module, attr, value)
         try:
             o, ht = fn()
             torch.autograd.backward([o, ht], [do, dht])
         finally:
-            setattr(modules[module], attr, prev)
+            setattr(module, attr, prev)
     return step
 
 
@@ -203,11 +209,8 @@ def run_row(cfg, stages=False, ab=False) -> dict:
     grads = {}
     runs = arms(q, k, v, g, beta, h0, cu)
     if ab:
-        from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, custom_op
-
-        current = {"bwd_dqkwg": bwd_dqkwg, "custom_op": custom_op}
         runs.update({name: runs["ours"] for name, (module, attr, value) in AB_ARMS.items()
-                     if getattr(current[module], attr) != value})
+                     if getattr(ab_module(module), attr) != value})
     for name, fn in runs.items():
         try:
             step = fwd_bwd(fn, do, dht, AB_ARMS.get(name))
