@@ -31,6 +31,7 @@
 #   gdn-bwd      benchmarks/gdn_backward.py: forward + backward of the public op beside FLA and FlashQLA (GDN_BWD_ARGS=
 #                "--rows anchors" narrows it)
 #   train        benchmarks/train_step.py: finetune's step on the 2B shape, transformers (FLA) / FlashQLA's op / ours
+#                (TRAIN_ARGS="--arms flashqla,ours --profile" narrows it and adds the per-kind profile)
 #   encode-tests the fused TopK SAE encode's GPU tests (tests/saes, marker gpu)
 #   encode       benchmarks/topk_encode.py (fused TopK SAE encode vs torch)
 #   collect      benchmarks/collect_throughput.py (bare forward / capture / SAE codes; ours vs FLA vs torch GDN;
@@ -132,7 +133,8 @@ for p in "$@"; do
                  --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis_Tables \
                  -k regex:gdn_ python3 benchmarks/ncu_stages.py \
                  --configs ${NCU_CONFIGS:-0}" ;;
-        train) phase train "${TRAIN_S:-300}" python3 benchmarks/train_step.py --out "$OUT" ${TRAIN_ARGS:-} ;;
+        train) phase train "${TRAIN_S:-300}" bash -c "python3 benchmarks/train_step.py --precompile-only --jobs 14; \
+                   python3 benchmarks/train_step.py --out '$OUT' ${TRAIN_ARGS:-}" ;;
         encode-tests) phase encode-tests "${ENCODE_TESTS_S:-240}" python3 -m pytest -q -rfE --timeout 200 -p no:cacheprovider \
                           -m gpu tests/saes ;;
         encode) phase encode "${ENCODE_S:-240}" python3 benchmarks/topk_encode.py --precompile 14 --out "$OUT" ;;

@@ -66,7 +66,25 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
         specs.append((glue + "attn_glue", "build_gate_mul_head_major", (H, D, dtype)))
     for shape, dtype in gpu_tests.SILU_CASES.values():
         specs.append((glue + "silu_mul", "build_silu_mul", (shape[-1], names[dtype])))
+    # the backward kernels under grad: the 2B model's (bf16 weights, and fp32 ones as under autocast) and the GPU
+    # tests' cases
+    conv_bwd = {(16, 16, 128, 4, bf16, False)} | {(Hk, Hv, D, Kc, names[dt], bias) for _, _, Hk, Hv, D, Kc, dt, bias
+                                                  in gpu_tests.CONV_BWD_CASES.values()}
+    for args in sorted(conv_bwd):
+        specs.append((glue + "conv_gates", "build_conv_qkv_gates_bwd", args))
+    for V, dtype in ((128, bf16), (64, "float16"), (256, bf16)):
+        specs.append((glue + "gated_norm", "build_gated_rms_norm_bwd", (V, dtype, 1e-6)))
+    for D, dtype, wdtype in ((2048, bf16, bf16), (2048, bf16, "float32"), (64, "float16", "float32")):
+        for residual in (False, True):
+            specs.append((glue + "rms_norm", "build_rms_norm_bwd", (D, dtype, 1e-6, wdtype, residual)))
+    for D, dtype in ((6144, bf16), (64, "float16")):
+        specs.append((glue + "silu_mul", "build_silu_mul_bwd", (D, dtype)))
     return list(dict.fromkeys(specs))
+
+
+# The GDN op's backward under the fused layer's training step (the l2norm in the glue, no states in or out): the 2B
+# model's layout, which the training benchmark and the decoder's training GPU test run
+TRAIN_LAYOUTS = ((16, 16, 128, 128, "bfloat16", False, False, False),)
 
 
 def _glue_modules() -> dict:
@@ -108,4 +126,12 @@ def precompile(jobs: int = 1) -> int:
           "K = V = 128, bf16; every glue specialisation of the benchmark and the GPU tests)")
     for e in errors:
         print("FAILED", e)
+    from flashqla_kernels.gated_delta_rule.hopper import backward
+
+    try:
+        print(f"precompiled {backward.precompile(TRAIN_LAYOUTS, workers=jobs)} GDN backward kernels (the layer's "
+              "training layout)")
+    except RuntimeError as err:
+        print("FAILED", err)
+        return len(errors) + 1
     return len(errors)

@@ -56,12 +56,17 @@ class MonkeyPatch:
         self._undo: list = []
 
     def setattr(self, obj, name, value):
-        self._undo.append((obj, name, getattr(obj, name)))
+        # an attribute a class inherits is deleted again on undo (as pytest's does), not pinned on the class
+        inherited = isinstance(obj, type) and name not in vars(obj)
+        self._undo.append((obj, name, None if inherited else getattr(obj, name), inherited))
         setattr(obj, name, value)
 
     def undo(self):
-        for obj, name, value in reversed(self._undo):
-            setattr(obj, name, value)
+        for obj, name, value, inherited in reversed(self._undo):
+            if inherited:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
         self._undo.clear()
 
 

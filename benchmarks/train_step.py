@@ -13,10 +13,10 @@ evaluations before and after, the first step's compiles), reported as training t
 Usage (GPU): ``python benchmarks/train_step.py --out benchmarks/results`` writes ``train_step.json`` and ``.md``
 (after every arm, so a run stopped by its time limit keeps the arms it finished); ``--profile`` adds one profiled
 training step per arm (device time by kind of kernel: GEMM, GDN op, norms, conv, copies, elementwise, attention);
-``--tiny`` runs every arm on a tiny model (CPU is fine) as a dry run. ``--precompile-only`` (no GPU) builds the
-GDN op's forward chunk kernels and its backward kernels for the 2B layer as the "ours" arm trains it (bf16 under
-autocast, l2norm in the op, no initial or final state); the fused layer's, for the held-out evaluations, come from
-``gdn_layer.py --precompile``.
+``--tiny`` runs every arm on a tiny model (CPU is fine) as a dry run. ``--precompile-only`` (no GPU, ``--jobs N``
+processes) builds the kernels of the "ours" arm: the GDN op's forward chunk kernels and backward kernels for the 2B
+layer as the fused layer trains it (bf16 under autocast, the l2norm in the glue, no initial or final state), the
+glue's forward and backward kernels, and the held-out evaluations' forward kernels (``gdn_layer.py``'s list).
 """
 from __future__ import annotations
 
@@ -85,21 +85,24 @@ def arm_context(name: str):
     return contextlib.nullcontext()  # "transformers": the op as installed (FLA's kernels when importable)
 
 
-def precompile(micro: int) -> int:
-    """Compile the GDN op's kernels the "ours" arm's training step runs (``micro`` rows a micro-batch); needs nvcc,
-    no GPU. Returns the number of kernels."""
+def precompile(micro: int, jobs: int = 1) -> int:
+    """Compile the kernels the "ours" arm's training step runs (``micro`` rows a micro-batch): the fused layer's glue
+    forward and backward kernels and the GDN op's (the l2norm in the glue), and the whole-model benchmark's list
+    (``layer_kernels``: the held-out evaluations' forward); needs nvcc, no GPU. Returns the number of failures."""
     from chunk_kernels import chunk_specs, compile_all
+    from layer_kernels import precompile as layer_precompile
 
     from flashqla_kernels.gated_delta_rule.hopper import backward
 
     cfg = ct.model_config()  # the 2B shape build_scope trains
     Hk, Hv, Kd = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim
-    fwd = chunk_specs([(Hk, Hv, Kd, "bfloat16", micro, True)], 132, final=(False,), scans=True)
-    failed = compile_all(fwd, 1)
-    n_bwd = backward.precompile([(Hk, Hv, Kd, Kd, "bfloat16", True, False, False)])
+    fwd = chunk_specs([(Hk, Hv, Kd, "bfloat16", micro, False)], 132, final=(False,), scans=True)
+    failed = compile_all(fwd, jobs)
+    n_bwd = backward.precompile([(Hk, Hv, Kd, Kd, "bfloat16", False, False, False)], workers=jobs)
     for spec, err in failed:
         print(f"  FAILED {spec}: {err}", flush=True)
-    return len(fwd) + n_bwd
+    print(f"precompiled {len(fwd) - len(failed)} forward chunk kernels and {n_bwd} backward kernels", flush=True)
+    return len(failed) + layer_precompile(jobs)
 
 
 def write_results(result: dict, out: Path) -> str:
@@ -151,13 +154,13 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens a row (default 4096; tiny 64)")
     parser.add_argument("--micro", type=int, default=None, help="rows a micro-batch (default 2; tiny 1)")
     parser.add_argument("--arms", default="transformers,flashqla,ours", type=lambda a: a.split(","))
-    parser.add_argument("--precompile-only", action="store_true", help="build the GDN op's kernels and stop (no GPU)")
+    parser.add_argument("--precompile-only", action="store_true", help="build the arm's kernels and stop (no GPU)")
+    parser.add_argument("--jobs", type=int, default=1, help="processes for --precompile-only")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one training step of each arm: device time by kind of kernel")
     args = parser.parse_args(argv)
     if args.precompile_only:
-        print(f"precompiled {precompile(args.micro or 2)} kernels", flush=True)
-        return
+        raise SystemExit(1 if precompile(args.micro or 2, args.jobs) else 0)
     steps, batch = args.steps or (2 if args.tiny else 4), args.batch or (2 if args.tiny else 8)
     seq = args.seq_len or (64 if args.tiny else 4096)
     micro = args.micro or (1 if args.tiny else 2)

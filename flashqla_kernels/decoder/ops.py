@@ -9,10 +9,13 @@ decoder's mid-layer residual add with the norm after it), ``silu_mul`` (the dens
 (``hopper``).
 
 Each stage asks ``flashqla_kernels.dispatch.decide`` with the same verifiers: ``dispatch.hopper_reason`` (CUDA tensors
-of an sm_90 GPU), ``dtype_reason`` (bfloat16 / float16), the stage's shape check, and the grad check (the kernels are
-forward-only). ``backend=None`` picks the kernel when every verifier passes, else torch; ``"torch"`` forces torch;
-``"tilelang"`` forces the kernel or raises the reason. ``glue_kernel_reason`` is the same device / dtype / grad check
-for callers choosing between a fused path and transformers' own forward.
+of an sm_90 GPU), ``dtype_reason`` (bfloat16 / float16) and the stage's shape check. ``backend=None`` picks the kernel
+when every verifier passes, else torch; ``"torch"`` forces torch; ``"tilelang"`` forces the kernel or raises the
+reason. Under grad, ``conv_qkv_gates`` (without a conv state), ``gated_norm``, ``rms_norm``, ``add_rms_norm`` and
+``silu_mul`` run their kernels through ``autograd`` (each forward kernel paired with a backward kernel); the others
+(``swiglu``, ``qk_norm_rope``, ``gate_mul``, ``gate_mul_head_major``) are forward-only and take the differentiable torch
+formulation when an input requires grad. ``glue_kernel_reason`` is the same device / dtype / grad check for callers
+choosing between a fused path and transformers' own forward.
 Importing this module touches neither CUDA nor tilelang (``hopper`` loads its stage modules on a kernel's first call).
 """
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from flashqla_kernels import dispatch
-from flashqla_kernels.decoder import hopper, torch_path
+from flashqla_kernels.decoder import autograd, hopper, torch_path
 
 __all__ = ["conv_qkv_gates", "gated_norm", "rms_norm", "add_rms_norm", "silu_mul", "swiglu", "qk_norm_rope",
            "gate_mul", "gate_mul_head_major", "glue_kernel_reason", "dtype_reason", "conv_qkv_gates_decision",
@@ -36,43 +39,59 @@ def dtype_reason(x: torch.Tensor) -> str | None:
     return None
 
 
-def glue_kernel_reason(*tensors: torch.Tensor | None) -> str | None:
+def glue_kernel_reason(*tensors: torch.Tensor | None, grad_ok: bool = False) -> str | None:
     """Why the glue kernels cannot run on these tensors, or None when they can.
 
     Args:
         tensors: the stage's activations (the first one's dtype decides; None entries are skipped).
+        grad_ok: the caller's stages have backward kernels (``rms_norm``, ``add_rms_norm``, ``silu_mul``, the GDN
+            layer's), so an input requiring grad is no obstacle.
 
     Returns:
         A sentence naming what is unsupported (device, dtype, or an input requiring grad), or None.
     """
     xs = [x for x in tensors if x is not None]
-    return dispatch.hopper_reason(*xs) or dtype_reason(xs[0]) or dispatch.grad_reason(*xs)
+    return dispatch.hopper_reason(*xs) or dtype_reason(xs[0]) or (None if grad_ok else dispatch.grad_reason(*xs))
 
 
-def _kernel(stage: str, backend: str | None, tensors: tuple, shape_reason=None) -> bool:
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records this call: grad mode on and an input (activation or weight) requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _kernel(stage: str, backend: str | None, tensors: tuple, shape_reason=None, forward_only: bool = True) -> bool:
     """Whether ``stage`` runs its kernel on ``tensors`` (the first one's dtype decides); raises for a forced kernel
-    that cannot run."""
-    return _decision(stage, backend, tensors, shape_reason).kernel
+    that cannot run. ``forward_only``: the stage has no backward kernel, so grad sends it to torch."""
+    return _decision(stage, backend, tensors, shape_reason, forward_only).kernel
 
 
-def _decision(stage: str, backend: str | None, tensors: tuple, shape_reason=None) -> dispatch.Decision:
+def _decision(stage: str, backend: str | None, tensors: tuple, shape_reason=None,
+              forward_only: bool = True) -> dispatch.Decision:
     checks = (lambda: dispatch.hopper_reason(*tensors), lambda: dtype_reason(tensors[0]))
     if shape_reason is not None:
         checks += (shape_reason,)
-    return dispatch.decide(stage, backend, *checks, grad=tensors)
+    return dispatch.decide(stage, backend, *checks, grad=tensors if forward_only else ())
 
 
 def conv_qkv_gates_decision(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, Hk: int, K: int, Hv: int,
-                            V: int, Kc: int, backend: str | None = None) -> dispatch.Decision:
-    """The dispatcher's decision for ``conv_qkv_gates`` on these activations and head shapes (conv width Kc)."""
-    return _decision("conv_qkv_gates", backend, (qkv, a, b), lambda: hopper.conv_shape_reason(Hk, K, Hv, V, Kc))
+                            V: int, Kc: int, has_prefix: bool = False, weights: tuple = (),
+                            backend: str | None = None) -> dispatch.Decision:
+    """The dispatcher's decision for ``conv_qkv_gates`` on these activations and head shapes (conv width Kc; a conv
+    state when ``has_prefix``; ``weights``: the conv weight and bias, A_log, dt_bias, which may require grad)."""
+    def shape_reason():
+        reason = hopper.conv_shape_reason(Hk, K, Hv, V, Kc)
+        if reason is None and has_prefix and _needs_grad(qkv, a, b, *weights):
+            reason = "a conv state (prefix) under grad: the conv kernel's backward takes fresh sequences only"
+        return reason
+
+    return _decision("conv_qkv_gates", backend, (qkv, a, b), shape_reason, forward_only=False)
 
 
 def gated_norm_decision(o: torch.Tensor, z: torch.Tensor, *, backend: str | None = None) -> dispatch.Decision:
     """The dispatcher's decision for ``gated_norm`` on o [..., V] and z."""
     V = o.shape[-1]
     return _decision("gated_norm", backend, (o, z), lambda: None if V in hopper.HEAD_DIMS
-                     else f"head dim V={V} unsupported (supported: {hopper.HEAD_DIMS})")
+                     else f"head dim V={V} unsupported (supported: {hopper.HEAD_DIMS})", forward_only=False)
 
 
 def _width_reason(x: torch.Tensor) -> str | None:
@@ -90,7 +109,11 @@ def conv_qkv_gates(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         ...                                   layer.in_proj_a(h), layer.in_proj_b(h), layer.A_log, layer.dt_bias,
         ...                                   Hk=16, K=128, Hv=32, V=128)
     """
-    if conv_qkv_gates_decision(qkv, a, b, Hk=Hk, K=K, Hv=Hv, V=V, Kc=weight.shape[-1], backend=backend).kernel:
+    weights = (weight, bias, A_log, dt_bias)
+    if conv_qkv_gates_decision(qkv, a, b, Hk=Hk, K=K, Hv=Hv, V=V, Kc=weight.shape[-1], has_prefix=prefix is not None,
+                               weights=weights, backend=backend).kernel:
+        if _needs_grad(qkv, a, b, *weights):
+            return autograd.conv_qkv_gates(qkv, weight, bias, a, b, A_log, dt_bias, Hk=Hk, K=K, Hv=Hv, V=V)
         return hopper.conv_qkv_gates_fwd(qkv, weight, bias, a, b, A_log, dt_bias, Hk=Hk, K=K, Hv=Hv, V=V,
                                          prefix=prefix)
     return torch_path.conv_split_l2norm_gates(qkv, weight, bias, a, b, A_log, dt_bias, Hk=Hk, K=K, Hv=Hv, V=V,
@@ -108,6 +131,8 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
         [B, T, Hv, V] in o's dtype.
     """
     if gated_norm_decision(o, z, backend=backend).kernel:
+        if _needs_grad(o, z, weight):
+            return autograd.gated_norm(o, z, weight, eps)
         return hopper.gated_rms_norm_fwd(o, z, weight, eps)
     return torch_path.gated_rms_norm(o, z, weight, eps)
 
@@ -121,7 +146,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str 
     Returns:
         x's shape and dtype.
     """
-    if _kernel("rms_norm", backend, (x,), lambda: _width_reason(x)):
+    if _kernel("rms_norm", backend, (x,), lambda: _width_reason(x), forward_only=False):
+        if _needs_grad(x, weight):
+            return autograd.rms_norm(x, weight, eps)
         return hopper.rms_norm_fwd(x, weight, eps)
     return torch_path.rms_norm_zero_centred(x, weight, eps)
 
@@ -144,7 +171,9 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
     if _kernel("add_rms_norm", backend, (a, b), lambda: None if a.shape[-1] % 64 == 0
                and b.shape == a.shape and b.dtype == a.dtype
                else f"rows {tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}: the kernel adds "
-                    "same-shape, same-dtype rows of a multiple of 64 channels"):
+                    "same-shape, same-dtype rows of a multiple of 64 channels", forward_only=False):
+        if _needs_grad(a, b, weight):
+            return autograd.add_rms_norm(a, b, weight, eps)
         return hopper.add_rms_norm_fwd(a, b, weight, eps)
     s = a + b
     return s, torch_path.rms_norm_zero_centred(s, weight, eps)
@@ -162,7 +191,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None
     Example:
         >>> out = mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
     """
-    if _kernel("silu_mul", backend, (gate, up), lambda: _width_reason(gate)):
+    if _kernel("silu_mul", backend, (gate, up), lambda: _width_reason(gate)
+               or (None if up.shape == gate.shape and up.dtype == gate.dtype
+                   else f"up {tuple(up.shape)} {up.dtype} unlike gate {tuple(gate.shape)} {gate.dtype}"),
+               forward_only=False):
+        if _needs_grad(gate, up):
+            return autograd.silu_mul(gate, up)
         return hopper.silu_mul_fwd(gate, up)
     return torch_path.silu_mul(gate, up)
 

@@ -6,7 +6,9 @@ fusions on CUDA sm_90 bf16/fp16 tensors: the mid-layer residual add with the pos
 (``ops.add_rms_norm``, when ``fuse_norm``), and, for the dense MLP classes (when ``fuse_mlp``), the end-of-layer
 residual add as ``down_proj``'s GEMM accumulating into the mid-layer sum (``addmm_`` with beta = 1; on the H200
 cuBLAS's result is bit for bit transformers' add, GPU test). A part observed by hooks, or not plain (a quantised
-``down_proj``, a projection with a bias, an MoE block), is called as a module, as transformers does.
+``down_proj``, a projection with a bias, an MoE block), is called as a module, as transformers does. Under grad
+the first fusion runs with its backward kernel; the second stays an add (the in-place GEMM would overwrite a
+tensor autograd keeps for the norm's backward).
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def add_norm_reason(norm, residual, h) -> str | None:
         return f"post_attention_layernorm is {type(norm).__name__}, not a zero-centred RMSNorm"
     if h.shape != residual.shape or h.dtype != residual.dtype:
         return f"the mixer returns {tuple(h.shape)} {h.dtype} for a {tuple(residual.shape)} {residual.dtype} residual"
-    return ops.glue_kernel_reason(residual, h) or (
+    return ops.glue_kernel_reason(residual, h, grad_ok=True) or (
         None if residual.shape[-1] % 64 == 0 else f"hidden size {residual.shape[-1]} is not a multiple of 64")
 
 

@@ -4,7 +4,8 @@ another module, left alone) with a fused SwiGLU.
 The replacement computes ``down_proj(swiglu(x, gate_proj.weight, up_proj.weight))`` on CUDA sm_90 bf16/fp16 tensors
 when ``act_fn`` is SiLU: one GEMM for both projections with ``silu(gate) * up`` in its epilogue (``FUSED_MLP_GEMM``),
 or, where the projections are not plain hook-free bias-free ``nn.Linear`` modules, the projections' own calls and the
-one-pass ``silu(gate) * up`` kernel; transformers' own forward otherwise.
+one-pass ``silu(gate) * up`` kernel (the only form under grad: the fused GEMM has no backward, the activation kernel
+has); transformers' own forward otherwise.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def kernel_reason(mlp, x) -> str | None:
         return "act_fn has hooks, which the fused activation would skip"
     if mlp.gate_proj.out_features % 64:
         return f"intermediate size {mlp.gate_proj.out_features} is not a multiple of 64"
-    return ops.glue_kernel_reason(x)
+    return ops.glue_kernel_reason(x, grad_ok=True)
 
 
 def fused_gemm_reason(mlp, x=None) -> str | None:
@@ -65,7 +66,7 @@ def activation(mlp, x, backend: str | None) -> torch.Tensor:
         return ops.swiglu(x, mlp.gate_proj.weight, mlp.up_proj.weight, backend=backend)
     gate, up = mlp.gate_proj(x), mlp.up_proj(x)
     # the projections' outputs decide too (autocast dtype, trainable weights): transformers' expression then
-    if ops.glue_kernel_reason(gate, up) is not None:
+    if ops.glue_kernel_reason(gate, up, grad_ok=True) is not None:
         return mlp.act_fn(gate) * up
     return ops.silu_mul(gate, up, backend=backend)
 

@@ -86,14 +86,15 @@ def test_gpu_test_runner_expands_every_parametrized_case(bench):
 
     cases = plain_tests.test_cases(gpu_tests)
     ids = [case_id for case_id, _, _ in cases]
-    assert len(ids) == len(set(ids)) == 6 + 6 * 4 + 3 + 4 + 3 + 1 + 6 + 1 + 1 + 2 + 1 + 4 + 1
+    # ... then the backward kernels (conv 5, rms 3, gated 3, silu 2) and the training step (2)
+    assert len(ids) == len(set(ids)) == 6 + 6 * 4 + 3 + 4 + 3 + 1 + 6 + 1 + 1 + 2 + 1 + 4 + 1 + 5 + 3 + 3 + 2 + 2
     conv = [kw for case_id, _, kw in cases if case_id.startswith("test_conv_gates")]
     assert sorted(kw["name"] for kw in conv) == sorted(gpu_tests.CONV_CASES)
     piped = [kw for case_id, _, kw in cases if case_id.startswith("test_pipelined_conv")]
     shapes = [(16, 8), (16, 3), (32, 4), (None, None)]
     assert sorted((kw["name"], shapes.index((kw["BT"], kw["tiles"]))) for kw in piped) == sorted(
         (name, i) for name in gpu_tests.CONV_CASES for i in range(len(shapes)))
-    silu = [kw for case_id, _, kw in cases if case_id.startswith("test_silu_mul")]
+    silu = [kw for case_id, _, kw in cases if case_id.startswith("test_silu_mul_kernel")]
     assert sorted(kw["name"] for kw in silu) == sorted(gpu_tests.SILU_CASES)
     assert "test_patched_mlp_runs_the_kernel_and_matches_transformers_within_bf16" in ids
     layer = [kw for case_id, _, kw in cases if case_id.startswith("test_fused_layer")]

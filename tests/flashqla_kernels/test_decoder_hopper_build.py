@@ -23,7 +23,8 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exi
 # conv: (Hk, Hv, D, Kc, dtype, has_prefix, has_bias); norm (gated): (V, dtype, eps); rms: (D, dtype, eps);
 # silu (the MLP's silu(gate) * up): (D, dtype); qkrope (attention q/k norm + partial RoPE): (H, Hkv, D, R, dtype,
 # eps); gate (attention output * sigmoid(gate)): (H, D, dtype); addrms (the decoder's residual add + RMSNorm):
-# (D, dtype, eps, weight dtype)
+# (D, dtype, eps, weight dtype). The backward kernels: conv_bwd (Hk, Hv, D, Kc, dtype, has_bias); norm_bwd (V, dtype,
+# eps); rms_bwd (D, dtype, eps, weight dtype, with the residual path's gradient); silu_bwd (D, dtype)
 CORE = [
     ("conv", (16, 16, 128, 4, "bfloat16", False, False)),
     ("norm", (128, "bfloat16", 1e-6)),
@@ -32,6 +33,10 @@ CORE = [
     ("qkrope", (8, 2, 256, 64, "bfloat16", 1e-6)),
     ("gate", (8, 256, "bfloat16")),
     ("addrms", (2048, "bfloat16", 1e-6, "bfloat16")),
+    ("conv_bwd", (16, 16, 128, 4, "bfloat16", False)),
+    ("norm_bwd", (128, "bfloat16", 1e-6)),
+    ("rms_bwd", (2048, "bfloat16", 1e-6, "float32", True)),
+    ("silu_bwd", (6144, "bfloat16")),
 ]
 EXTRA = [
     ("conv", (16, 16, 128, 4, "bfloat16", True, False)),
@@ -54,6 +59,12 @@ EXTRA = [
     ("conv", (16, 16, 128, 4, "bfloat16", False, False, 32, 256)),
     ("norm", (128, "bfloat16", 1e-6, 32, 128)),
     ("conv_pipe", (2, 4, 64, 4, "float16", True, True, 16, 128, 3)),
+    ("conv_bwd", (2, 4, 64, 4, "float16", True)),
+    ("conv_bwd", (2, 2, 256, 2, "bfloat16", False)),
+    ("norm_bwd", (64, "float16", 1e-5)),
+    ("rms_bwd", (2048, "bfloat16", 1e-6, "bfloat16", False)),
+    ("rms_bwd", (64, "float16", 1e-5, "float32", True)),
+    ("silu_bwd", (64, "float16")),
 ]
 
 
@@ -65,9 +76,12 @@ def _compile(stage, args):
                "rms": rms_norm.build_rms_norm, "silu": silu_mul.build_silu_mul,
                "qkrope": attn_glue.build_qk_norm_rope, "gate": attn_glue.build_gate_mul,
                "gate_hm": attn_glue.build_gate_mul_head_major,
-               "conv_pipe": conv_gates.build_conv_qkv_gates, "addrms": rms_norm.build_add_rms_norm}[stage]
+               "conv_pipe": conv_gates.build_conv_qkv_gates, "addrms": rms_norm.build_add_rms_norm,
+               "conv_bwd": conv_gates.build_conv_qkv_gates_bwd, "norm_bwd": gated_norm.build_gated_rms_norm_bwd,
+               "rms_bwd": rms_norm.build_rms_norm_bwd, "silu_bwd": silu_mul.build_silu_mul_bwd}[stage]
     src = toolkit.compile_kernel(builder, *args).get_kernel_source()
-    assert "__global__" in src and ("rsqrtf" in src or stage in ("silu", "gate", "gate_hm")), f"{stage}{args}: unexpected CUDA"
+    assert "__global__" in src and ("rsqrtf" in src or stage in ("silu", "gate", "gate_hm", "silu_bwd")), \
+        f"{stage}{args}: unexpected CUDA"
     if stage == "qkrope":
         # one kernel: the norm's reduction, both q and k outputs, and the rotary products with cos and sin
         assert "AllReduce" in src and "q[" in src or "(q + " in src
@@ -76,6 +90,11 @@ def _compile(stage, args):
         # one kernel writes both the sum and its norm
         assert re.search(r"\bs\[", src) or "(s + " in src, "the sum is not stored"
         assert re.search(r"\by\[", src) or "(y + " in src, "the norm is not stored"
+    if stage == "conv_bwd":
+        # dx and both partial sums leave the one kernel that recomputes the conv
+        assert "(dx + " in src and "dw_part" in src and ("db_part" in src) == args[-1]
+    if stage in ("rms_bwd", "norm_bwd"):
+        assert "dw_part" in src and "AllReduce" in src
     if stage in ("conv", "conv_pipe"):
         # the gates (softplus, exp) and the q/k/v stores are in the same kernel as the conv
         assert "log1pf" in src and "beta[" in src and "(q + " in src and "(v + " in src

@@ -45,21 +45,42 @@ def test_dispatch_uses_torch_off_hopper_and_forced_kernels_raise_the_reason():
         attn_glue.gate_mul_head_major(attn, qg[:, :4])  # the launcher checks shapes before any kernel is built
 
 
-def test_every_stage_asks_the_dispatcher_with_the_grad_check_last(monkeypatch):
-    """As on an H200 (the device verifier passing): a bf16 input that requires grad takes the differentiable torch
-    path with backend=None, and a forced kernel names the grad; the decision functions say the same."""
+def test_stages_with_backward_kernels_take_them_under_grad_and_forward_only_stages_take_torch(monkeypatch):
+    """As on an H200 (the device verifier passing): a bf16 input that requires grad sends rms_norm to its autograd
+    pairing of forward and backward kernels, while a forward-only stage (the SwiGLU GEMM) takes the differentiable
+    torch path with backend=None and a forced kernel names the grad; the decision functions say the same."""
     from flashqla_kernels import dispatch
+    from flashqla_kernels.decoder import autograd
 
     monkeypatch.setattr(dispatch, "hopper_reason", lambda *tensors: None)
+    calls = []
+    monkeypatch.setattr(autograd, "rms_norm", lambda x, w, eps: calls.append(("grad", eps)) or x)
+    monkeypatch.setattr(ops.hopper, "rms_norm_fwd", lambda x, w, eps: calls.append(("fwd", eps)) or x)
     x = torch.randn(3, 64, dtype=torch.bfloat16, requires_grad=True)
     w = torch.zeros(64)
-    y = ops.rms_norm(x, w, 1e-6)
-    assert y.requires_grad and torch.equal(y, ops.torch_path.rms_norm_zero_centred(x, w, 1e-6))
-    with pytest.raises(ValueError, match="cannot run rms_norm on these inputs: an input requires grad"):
-        ops.rms_norm(x, w, 1e-6, backend="tilelang")
+    ops.rms_norm(x, w, 1e-6)
+    ops.rms_norm(x, w, 1e-5, backend="tilelang")
+    with torch.no_grad():
+        ops.rms_norm(x, w, 1e-4)
+    ops.rms_norm(x.detach(), w, 1e-3)
+    assert calls == [("grad", 1e-6), ("grad", 1e-5), ("fwd", 1e-4), ("fwd", 1e-3)]
+    wg = torch.randn(128, 64, dtype=torch.bfloat16)
+    y = ops.swiglu(x, wg, wg)
+    assert y.requires_grad and torch.equal(y, ops.torch_path.silu_mul(x @ wg.t(), x @ wg.t()))
+    with pytest.raises(ValueError, match="cannot run swiglu_gemm on these inputs: an input requires grad"):
+        ops.swiglu(x, wg, wg, backend="tilelang")
     assert ops.glue_kernel_reason(x) == dispatch.grad_reason(x)
+    assert ops.glue_kernel_reason(x, grad_ok=True) is None
     with torch.no_grad():
         assert ops.glue_kernel_reason(x) is None
+    # a conv state under grad: the conv kernel's backward takes fresh sequences only
+    qkv = torch.randn(1, 2, 8 * 128, dtype=torch.bfloat16, requires_grad=True)
+    a = torch.randn(1, 2, 4, dtype=torch.bfloat16)
+    assert ops.conv_qkv_gates_decision(qkv, a, a, Hk=2, K=128, Hv=4, V=128, Kc=4).kernel
+    decision = ops.conv_qkv_gates_decision(qkv, a, a, Hk=2, K=128, Hv=4, V=128, Kc=4, has_prefix=True)
+    assert not decision.kernel and "conv state (prefix) under grad" in decision.reasons[0]
+    with torch.no_grad():
+        assert ops.conv_qkv_gates_decision(qkv, a, a, Hk=2, K=128, Hv=4, V=128, Kc=4, has_prefix=True).kernel
     o = torch.randn(1, 2, 4, 96, dtype=torch.bfloat16)
     decision = ops.gated_norm_decision(o, o)
     assert not decision.kernel and "head dim V=96 unsupported" in decision.reasons[0]

@@ -1,8 +1,10 @@
-"""TileLang kernels for sm_90a for the decoder's glue, one stage per file (a builder and its launcher):
+"""TileLang kernels for sm_90a for the decoder's glue, one stage per file (builders and their launchers):
 ``conv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates, token-major), ``gated_norm`` (gated RMSNorm),
 ``rms_norm`` (Qwen's zero-centred RMSNorm around the layers), ``silu_mul`` (the MLP's ``silu(gate) * up``),
 ``attn_glue`` (the gated attention layers' q/k norm + partial RoPE, and ``attn * sigmoid(gate)``) and
-``swiglu_gemm`` (the MLP's gate and up GEMMs with ``silu(gate) * up`` in their epilogue).
+``swiglu_gemm`` (the MLP's gate and up GEMMs with ``silu(gate) * up`` in their epilogue). ``conv_gates``,
+``gated_norm``, ``rms_norm`` and ``silu_mul`` also have a backward kernel (``*_bwd``), which
+``flashqla_kernels.decoder.autograd`` pairs with the forward under grad.
 
 Importing this package does not import tilelang: each launcher imports its stage module (which imports tilelang) on
 the first kernel call. Every stage compiles through ``flashqla_kernels.toolkit.compile_kernel`` (once per
@@ -14,8 +16,9 @@ from __future__ import annotations
 import torch
 
 __all__ = ["conv_qkv_gates_fwd", "gated_rms_norm_fwd", "rms_norm_fwd", "add_rms_norm_fwd", "silu_mul_fwd", "qk_norm_rope_fwd",
-           "gate_mul_fwd", "gate_mul_head_major_fwd", "swiglu_gemm_fwd", "conv_shape_reason",
-           "attention_shape_reason", "swiglu_shape_reason", "HEAD_DIMS"]
+           "gate_mul_fwd", "gate_mul_head_major_fwd", "swiglu_gemm_fwd", "conv_qkv_bwd", "gated_rms_norm_bwd",
+           "rms_norm_bwd", "silu_mul_bwd", "conv_shape_reason", "attention_shape_reason", "swiglu_shape_reason",
+           "HEAD_DIMS"]
 
 HEAD_DIMS = (64, 128, 256)
 # The SwiGLU GEMM's default tile: N (output channels) in blocks of 128, K (input channels) in steps of 64; equal to
@@ -86,6 +89,36 @@ def silu_mul_fwd(gate, up):
     from flashqla_kernels.decoder.hopper import silu_mul as stage
 
     return stage.silu_mul(gate, up)
+
+
+def conv_qkv_bwd(qkv, weight, bias, dq, dk, dv, *, Hk, K, Hv):
+    """The conv + SiLU + q/k l2norm backward on the kernel (see ``conv_gates.conv_qkv_bwd``; no conv state):
+    returns (dqkv in qkv's dtype, dweight [C, Kc] fp32, dbias [C] fp32 or None)."""
+    from flashqla_kernels.decoder.hopper import conv_gates as stage
+
+    return stage.conv_qkv_bwd(qkv, weight, bias, dq, dk, dv, Hk=Hk, Hv=Hv, D=K)
+
+
+def gated_rms_norm_bwd(o, z, weight, eps, dy):
+    """The gated RMSNorm's backward on the kernel (see ``gated_norm.gated_rms_norm_bwd``): (do, dz, dweight fp32)."""
+    from flashqla_kernels.decoder.hopper import gated_norm as stage
+
+    return stage.gated_rms_norm_bwd(o, z, weight, eps, dy)
+
+
+def rms_norm_bwd(x, weight, eps, dy, ds=None):
+    """The zero-centred RMSNorm's backward on the kernel (see ``rms_norm.rms_norm_bwd``), ``ds`` (the residual
+    path's gradient of x) added: (dx, dweight fp32)."""
+    from flashqla_kernels.decoder.hopper import rms_norm as stage
+
+    return stage.rms_norm_bwd(x, weight, eps, dy, ds)
+
+
+def silu_mul_bwd(gate, up, dout):
+    """The backward of ``silu(gate) * up`` on the kernel (see ``silu_mul.silu_mul_bwd``): (dgate, dup)."""
+    from flashqla_kernels.decoder.hopper import silu_mul as stage
+
+    return stage.silu_mul_bwd(gate, up, dout)
 
 
 def attention_shape_reason(D: int, R: int, cos_batch: int, batch: int) -> str | None:

@@ -252,3 +252,161 @@ def conv_qkv_gates(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if B * Tn > 0:
         kernel(x, w, bias_t, pre, a_, b_, A32, dt32, q, k, v, g, beta)
     return q, k, v, g, beta
+
+
+# The backward's tile: BT tokens of du are formed, the first BT - (Kc - 1) of them own their dx row and their share
+# of dw (dx of token t reads du of t .. t + Kc - 1); the last Kc - 1 rows are the next tile's, recomputed.
+
+
+def bwd_tile(D: int) -> int:
+    """Tokens a backward tile forms du for: 32, or 16 for D = 256 (its fp32 rows, 64 a thread, are twice as wide)."""
+    return 32 if D <= 128 else 16
+
+
+def build_conv_qkv_gates_bwd(Hk: int, Hv: int, D: int, Kc: int, dtype: str, has_bias: bool, BT: int = 0,
+                             threads: int = THREADS):
+    """The backward of the conv + SiLU + q/k l2norm part of ``build_conv_qkv_gates`` (no conv state: a fresh
+    sequence), from the gradients of q, k and v:
+
+        dy  = r * dout - y * r^3 * sum_d(dout * y)     q / k heads (r = rsqrt(sum_d y^2 + eps)); v heads: dy = dout
+        du  = dy * silu'(u)                            u = bias + causal conv of x, y = silu(u), recomputed from x
+        dx[t] = sum_j w[j] du[t + Kc - 1 - j]          (du past the sequence's end is 0)
+        dw[j], dbias: per-CTA partial sums over the CTA's tokens, summed by the launcher (a fixed order: the same
+                      bits every run)
+
+    Grid (ceil(T / (BT - Kc + 1)), 2*Hk + Hv, B). Each CTA recomputes u for BT tokens from its window of BT + Kc - 1
+    rows of x, forms du for all BT of them, and writes dx and the partial sums for its first BT - Kc + 1 tokens.
+    """
+    BT = BT or bwd_tile(D)
+    NB = 2 * Hk + Hv
+    C = NB * D
+    P = Kc - 1
+    span = BT - P
+    assert span > 0, f"a backward tile of {BT} tokens cannot cover a {P}-token halo"
+    batch = T.dynamic("batch")
+    seqlen = T.dynamic("seqlen")
+    tiles_t = T.dynamic("tiles_t")
+    halo, taps = _halo_and_taps(T, D, Kc, BT, dtype, False, has_bias)
+
+    @T.prim_func
+    def gdn_conv_qkv_gates_bwd(
+        x: T.Tensor((batch, seqlen, C), dtype),
+        w: T.Tensor((C, Kc), dtype),
+        bias: T.Tensor((C,), dtype),
+        dq: T.Tensor((batch, seqlen, Hk, D), dtype),
+        dk: T.Tensor((batch, seqlen, Hk, D), dtype),
+        dv: T.Tensor((batch, seqlen, Hv, D), dtype),
+        dx: T.Tensor((batch, seqlen, C), dtype),
+        dw_part: T.Tensor((batch, tiles_t, Kc, C), T.float32),
+        db_part: T.Tensor((batch, tiles_t, C), T.float32),
+    ):
+        with T.Kernel(tiles_t, NB, batch, threads=threads) as (bt, hb, bb):
+            t0 = bt * span
+            c0 = hb * D
+            x_sh = T.alloc_shared((BT + P, D), dtype)
+            w_sh = T.alloc_shared((Kc, D), "float32")
+            du_sh = T.alloc_shared((BT + P, D), "float32")
+            u = T.alloc_fragment((BT, D), "float32")
+            go = T.alloc_fragment((BT, D), "float32")
+            sq = T.alloc_fragment((BT, D), "float32")
+            ss = T.alloc_fragment((BT,), "float32")
+            dot = T.alloc_fragment((BT,), "float32")
+            acc = T.alloc_fragment((BT, D), "float32")
+            col = T.alloc_fragment((D,), "float32")
+
+            for i, d in T.Parallel(BT, D):
+                x_sh[i + P, d] = T.if_then_else(t0 + i < seqlen, x[bb, T.min(t0 + i, seqlen - 1), c0 + d],
+                                               T.cast(0, dtype))
+            halo(x_sh, t0, bb, c0, x, x)
+            for j, d in T.Parallel(Kc, D):
+                w_sh[j, d] = T.cast(w[c0 + d, j], "float32")
+            # the gradient of this head's rows (0 past the sequence's end)
+            for i, d in T.Parallel(BT, D):
+                r = T.min(t0 + i, seqlen - 1)
+                if hb < Hk:
+                    go[i, d] = T.if_then_else(t0 + i < seqlen, T.cast(dq[bb, r, hb, d], "float32"), 0.0)
+                elif hb < 2 * Hk:
+                    go[i, d] = T.if_then_else(t0 + i < seqlen, T.cast(dk[bb, r, hb - Hk, d], "float32"), 0.0)
+                else:
+                    go[i, d] = T.if_then_else(t0 + i < seqlen, T.cast(dv[bb, r, hb - 2 * Hk, d], "float32"), 0.0)
+            T.sync_threads()
+            taps(u, x_sh, w_sh, bias, c0)
+            # y = silu(u) in sq's place; the l2norm's row sums
+            for i, d in T.Parallel(BT, D):
+                sq[i, d] = u[i, d] * T.sigmoid(u[i, d])
+                acc[i, d] = sq[i, d] * sq[i, d]
+            T.reduce_sum(acc, ss, dim=1)
+            for i, d in T.Parallel(BT, D):
+                acc[i, d] = go[i, d] * sq[i, d]
+            T.reduce_sum(acc, dot, dim=1)
+            for i in T.Parallel(BT):
+                ss[i] = T.if_then_else(hb < 2 * Hk, T.rsqrt(ss[i] + L2NORM_EPS), 1.0)
+                dot[i] = T.if_then_else(hb < 2 * Hk, dot[i] * ss[i] * ss[i] * ss[i], 0.0)
+            # du = dy * silu'(u), silu'(u) = s (1 + u (1 - s)); rows past the sequence hold 0 (go is 0 there)
+            for i, d in T.Parallel(BT, D):
+                du_sh[i, d] = (go[i, d] * ss[i] - sq[i, d] * dot[i]) * T.sigmoid(u[i, d]) * (
+                    1.0 + u[i, d] * (1.0 - T.sigmoid(u[i, d])))
+            for i, d in T.Parallel(P, D):
+                du_sh[BT + i, d] = 0.0
+            T.sync_threads()
+            # dx of the tile's own tokens: dx[t0 + i] = sum_j w[j] du[i + P - j]
+            for i, d in T.Parallel(BT, D):
+                acc[i, d] = 0.0
+            for j in T.unroll(Kc):
+                for i, d in T.Parallel(BT, D):
+                    acc[i, d] += w_sh[j, d] * du_sh[i + P - j, d]
+            for i, d in T.Parallel(BT, D):
+                if i < span and t0 + i < seqlen:
+                    dx[bb, t0 + i, c0 + d] = T.cast(acc[i, d], dtype)
+            # the partial sums over the tile's own tokens: dw[j] = sum_i du[i] x[t0 + i - P + j], dbias = sum_i du[i]
+            for j in T.unroll(Kc):
+                for i, d in T.Parallel(BT, D):
+                    acc[i, d] = T.if_then_else(i < span, du_sh[i, d] * T.cast(x_sh[i + j, d], "float32"), 0.0)
+                T.reduce_sum(acc, col, dim=0)
+                for d in T.Parallel(D):
+                    dw_part[bb, bt, j, c0 + d] = col[d]
+            if has_bias:
+                for i, d in T.Parallel(BT, D):
+                    acc[i, d] = T.if_then_else(i < span, du_sh[i, d], 0.0)
+                T.reduce_sum(acc, col, dim=0)
+                for d in T.Parallel(D):
+                    db_part[bb, bt, c0 + d] = col[d]
+
+    return gdn_conv_qkv_gates_bwd
+
+
+build_conv_qkv_gates_bwd.pass_configs = build_conv_qkv_gates.pass_configs
+
+
+def conv_qkv_bwd(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dq: torch.Tensor,
+                 dk: torch.Tensor, dv: torch.Tensor, *, Hk: int, Hv: int, D: int):
+    """Run the conv + SiLU + l2norm backward (no conv state).
+
+    Args:
+        qkv: [B, T, (2*Hk + Hv) * D] bf16/fp16, the forward's input. weight: [C, Kc] (rounded to qkv's dtype, as
+            the forward reads it). bias: [C] or None. dq, dk: [B, T, Hk, D]; dv: [B, T, Hv, D] (any float dtype;
+            read in qkv's).
+
+    Returns:
+        (dqkv [B, T, C] in qkv's dtype, dweight [C, Kc] fp32, dbias [C] fp32 or None).
+    """
+    B, Tn, C = qkv.shape
+    Kc = weight.shape[-1]
+    dtype = qkv.dtype
+    kernel = compile_kernel(build_conv_qkv_gates_bwd, Hk, Hv, D, Kc, tl_dtype(dtype), bias is not None)
+    span = bwd_tile(D) - (Kc - 1)
+    tiles_t = -(-Tn // span)
+    x = qkv.contiguous()
+    w = weight.to(dtype).contiguous()
+    bias_t = bias.to(dtype).contiguous() if bias is not None else w.new_empty(C)
+    dx = empty((B, Tn, C), dtype, x.device)
+    dw_part = empty((B, tiles_t, Kc, C), torch.float32, x.device)
+    db_part = empty((B, tiles_t, C), torch.float32, x.device) if bias is not None else \
+        torch.empty((1, 1, C), dtype=torch.float32, device=x.device)
+    if B * Tn == 0:
+        return x.new_zeros(x.shape), w.new_zeros(w.shape, dtype=torch.float32), \
+            (None if bias is None else bias_t.new_zeros(C, dtype=torch.float32))
+    kernel(x, w, bias_t, dq.to(dtype).contiguous(), dk.to(dtype).contiguous(), dv.to(dtype).contiguous(), dx,
+           dw_part, db_part)
+    dw = dw_part.sum((0, 1)).t().contiguous()
+    return dx, dw, (db_part.sum((0, 1)) if bias is not None else None)

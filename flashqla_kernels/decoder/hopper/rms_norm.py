@@ -12,7 +12,7 @@ import tilelang.language as T
 import torch
 
 from flashqla_kernels.decoder.hopper._rows import load_rows_inverse_rms, load_sum_rows_inverse_rms
-from flashqla_kernels.toolkit import compile_kernel, empty_like, tl_dtype
+from flashqla_kernels.toolkit import compile_kernel, empty, empty_like, tl_dtype
 
 # BR * D = 2048 per CTA of 128 threads (one 2048-wide row, 16 values a thread): 0.073 ms a [32768, 2048] bf16 norm
 # on the H200, 88% of a device copy's bandwidth, against 0.111 ms for 8192 / 256 (benchmarks/glue_kernels.py)
@@ -122,3 +122,95 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
     if a2.shape[0] > 0:
         kernel(a2, b2, w.contiguous(), s, y)
     return s.view(a.shape), y.view(a.shape)
+
+
+# The backward's CTAs: each walks rows r0 = (step * CTAS + cta) * BR and keeps its share of the weight's gradient in
+# registers, so the launcher sums CTAS partial rows (a fixed order: the same bits every run), not one per row.
+BWD_CTAS = 792  # 6 an SM of an H100 / H200 (80 registers a thread, 128 threads)
+
+
+def build_rms_norm_bwd(D: int, dtype: str, eps: float, wdtype: str = "float32", with_residual: bool = False,
+                       tile_elems: int = TILE_ELEMS, threads: int = THREADS):
+    """The backward of the zero-centred RMSNorm ``y = x r (1 + w)``, ``r = rsqrt(mean(x^2) + eps)``:
+
+        dx = r g - x r^3 mean(g x),  g = dy (1 + w);   dw = sum over rows of dy x r (per-CTA partials)
+
+    ``with_residual``: the decoder's mid-layer sum ``s``, which the residual path also reads, so its gradient
+    ``ds`` (the residual path's) is added: dx = ds + the norm's part (the backward of ``add_rms_norm``).
+    Grid ``ctas`` (dynamic); each CTA walks its rows and writes one partial row of dw.
+    """
+    BR = rows_per_cta(D, tile_elems)
+    rows = T.dynamic("rows")
+    ctas = T.dynamic("ctas")
+    load = load_rows_inverse_rms(T, BR, D, eps)
+    inv_d = 1.0 / D
+
+    @T.prim_func
+    def qwen_rms_norm_bwd(
+        x: T.Tensor((rows, D), dtype),
+        weight: T.Tensor((D,), wdtype),
+        dy: T.Tensor((rows, D), dtype),
+        ds: T.Tensor((rows, D), dtype),
+        dx: T.Tensor((rows, D), dtype),
+        dw_part: T.Tensor((ctas, D), T.float32),
+    ):
+        with T.Kernel(ctas, threads=threads) as cta:
+            xf = T.alloc_fragment((BR, D), "float32")
+            sq = T.alloc_fragment((BR, D), "float32")
+            ss = T.alloc_fragment((BR,), "float32")
+            gf = T.alloc_fragment((BR, D), "float32")
+            dot = T.alloc_fragment((BR,), "float32")
+            wacc = T.alloc_fragment((BR, D), "float32")
+            col = T.alloc_fragment((D,), "float32")
+            T.clear(wacc)
+            for step in T.serial(T.ceildiv(rows, BR * ctas)):
+                r0 = (step * ctas + cta) * BR
+                load(x, r0, rows, xf, sq, ss)
+                for i, d in T.Parallel(BR, D):
+                    gf[i, d] = T.if_then_else(r0 + i < rows, T.cast(dy[T.min(r0 + i, rows - 1), d], "float32"), 0.0)
+                    wacc[i, d] += gf[i, d] * xf[i, d] * ss[i]
+                    gf[i, d] = gf[i, d] * (1.0 + T.cast(weight[d], "float32"))
+                    sq[i, d] = gf[i, d] * xf[i, d]
+                T.reduce_sum(sq, dot, dim=1)
+                for i in T.Parallel(BR):
+                    dot[i] = dot[i] * ss[i] * ss[i] * ss[i] * inv_d
+                for i, d in T.Parallel(BR, D):
+                    if r0 + i < rows:
+                        if with_residual:
+                            dx[r0 + i, d] = T.cast(gf[i, d] * ss[i] - xf[i, d] * dot[i]
+                                                   + T.cast(ds[r0 + i, d], "float32"), dtype)
+                        else:
+                            dx[r0 + i, d] = T.cast(gf[i, d] * ss[i] - xf[i, d] * dot[i], dtype)
+            T.reduce_sum(wacc, col, dim=0)
+            for d in T.Parallel(D):
+                dw_part[cta, d] = col[d]
+
+    return qwen_rms_norm_bwd
+
+
+def rms_norm_bwd(x: torch.Tensor, weight: torch.Tensor, eps: float, dy: torch.Tensor,
+                 ds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the zero-centred RMSNorm's backward.
+
+    Args:
+        x: [..., D] bf16/fp16, the norm's input. weight: [D] (read as ``rms_norm`` reads it). eps: float.
+        dy: the gradient of the norm's output (x's shape; read in x's dtype). ds: None, or the gradient x also
+            receives from elsewhere (the residual path of ``add_rms_norm``'s sum), added to dx.
+
+    Returns:
+        (dx in x's shape and dtype, dweight [D] fp32).
+    """
+    D = x.shape[-1]
+    w = weight if weight.dtype in (torch.float32, torch.bfloat16, torch.float16) else weight.float()
+    kernel = compile_kernel(build_rms_norm_bwd, D, tl_dtype(x.dtype), float(eps), tl_dtype(w.dtype), ds is not None)
+    x2 = x.reshape(-1, D).contiguous()
+    rows = x2.shape[0]
+    dy2 = dy.reshape(-1, D).to(x.dtype).contiguous()
+    ds2 = ds.reshape(-1, D).to(x.dtype).contiguous() if ds is not None else dy2
+    ctas = max(1, min(BWD_CTAS, -(-rows // rows_per_cta(D))))
+    dx = empty_like(x2)
+    dw_part = torch.empty((ctas, D), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return dx.view(x.shape), torch.zeros(D, dtype=torch.float32, device=x.device)
+    kernel(x2, w.contiguous(), dy2, ds2, dx, dw_part)
+    return dx.view(x.shape), dw_part.sum(0)

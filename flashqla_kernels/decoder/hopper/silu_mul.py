@@ -66,3 +66,53 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if g2.shape[0] > 0:
         kernel(g2, u2, out)
     return out.view(gate.shape)
+
+
+def build_silu_mul_bwd(D: int, dtype: str):
+    """The backward of ``out = silu(gate) * up``: ``dgate = dout up silu'(gate)`` (silu'(g) = s (1 + g (1 - s)),
+    s = sigmoid(g)) and ``dup = dout silu(gate)``, fp32 math, one read of each input and one write of each output;
+    the forward's tiling."""
+    BR, BD = tile(D)
+    rows = T.dynamic("rows")
+
+    @T.prim_func
+    def mlp_silu_mul_bwd(
+        gate: T.Tensor((rows, D), dtype),
+        up: T.Tensor((rows, D), dtype),
+        dout: T.Tensor((rows, D), dtype),
+        dgate: T.Tensor((rows, D), dtype),
+        dup: T.Tensor((rows, D), dtype),
+    ):
+        with T.Kernel(T.ceildiv(rows, BR), D // BD, threads=THREADS) as (br, bd):
+            r0 = br * BR
+            d0 = bd * BD
+            for i, d in T.Parallel(BR, BD):
+                if r0 + i < rows:
+                    g = T.cast(gate[r0 + i, d0 + d], "float32")
+                    s = T.sigmoid(g)
+                    go = T.cast(dout[r0 + i, d0 + d], "float32")
+                    dgate[r0 + i, d0 + d] = T.cast(go * T.cast(up[r0 + i, d0 + d], "float32") * s
+                                                   * (1.0 + g * (1.0 - s)), dtype)
+                    dup[r0 + i, d0 + d] = T.cast(go * g * s, dtype)
+
+    return mlp_silu_mul_bwd
+
+
+def silu_mul_bwd(gate: torch.Tensor, up: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the backward of ``silu(gate) * up``.
+
+    Args:
+        gate, up: [..., D] bf16/fp16, D a multiple of 64, the forward's inputs. dout: the output's gradient (read
+            in gate's dtype).
+
+    Returns:
+        (dgate, dup), each gate's shape and dtype.
+    """
+    D = gate.shape[-1]
+    kernel = compile_kernel(build_silu_mul_bwd, D, tl_dtype(gate.dtype))
+    g2 = gate.reshape(-1, D).contiguous()
+    u2 = up.reshape(-1, D).contiguous()
+    dgate, dup = empty_like(g2), empty_like(g2)
+    if g2.shape[0] > 0:
+        kernel(g2, u2, dout.reshape(-1, D).to(gate.dtype).contiguous(), dgate, dup)
+    return dgate.view(gate.shape), dup.view(gate.shape)
