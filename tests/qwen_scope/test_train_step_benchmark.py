@@ -32,21 +32,27 @@ def test_tiny_dry_run_trains_through_finetune_on_every_arm_it_can(tmp_path):
     assert "One training step profiled" in (tmp_path / "train_step.md").read_text()
 
 
-def test_precompile_builds_the_ops_kernels_of_the_2b_layer(monkeypatch):
+def test_precompile_builds_the_kernels_of_the_2b_layer_as_the_fused_layer_trains_it(monkeypatch):
     """``--precompile-only`` asks for the forward chunk kernels and every backward kernel of the 2B GDN layer as the
-    "ours" arm trains it (bf16, l2norm, no states), without a GPU."""
+    "ours" arm trains it (bf16, the l2norm in the glue, no states), and the whole-model benchmark's list (the glue's
+    forward and backward kernels, the held-out evaluations' forward), without a GPU; it returns the failures."""
     import chunk_kernels
+    import layer_kernels
     import train_step
 
     from flashqla_kernels import toolkit
     from flashqla_kernels.gated_delta_rule.hopper import backward
 
-    built, compiled = [], []
+    built, compiled, layer = [], [], []
     monkeypatch.setattr(chunk_kernels, "compile_all", lambda specs, workers: built.extend(specs) or [])
     monkeypatch.setattr(toolkit, "compile_kernel", lambda builder, *args: compiled.append((builder, args)))
-    n = train_step.precompile(2)
+    monkeypatch.setattr(layer_kernels, "precompile", lambda jobs: layer.append(jobs) or 0)
+    assert train_step.precompile(2) == 0
     assert {s[0] for s in built} >= {"kkt_solve", "chunk_fwd"}
     assert all(s[1][:3] == (16, 16, 128) for s in built if s[0] != "state_scan")
-    want = backward.kernel_specs(16, 16, 128, 128, "bfloat16", True, False, False)
+    assert all(s[1][-1] is False for s in built if s[0] == "kkt_solve")  # no l2norm in the op
+    want = backward.kernel_specs(16, 16, 128, 128, "bfloat16", False, False, False)
     assert set(compiled) == set(want) and len(compiled) == len(set(want))  # each once
-    assert n == len(built) + len(compiled)
+    assert layer == [1]
+    names = {args[1] for args in layer_kernels.kernel_specs()}
+    assert {"build_conv_qkv_gates_bwd", "build_gated_rms_norm_bwd", "build_rms_norm_bwd", "build_silu_mul_bwd"} <= names
