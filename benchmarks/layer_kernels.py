@@ -74,9 +74,16 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
         specs.append((glue + "conv_gates", "build_conv_qkv_gates_bwd", args))
     for V, dtype in ((128, bf16), (64, "float16"), (256, bf16)):
         specs.append((glue + "gated_norm", "build_gated_rms_norm_bwd", (V, dtype, 1e-6)))
-    for D, dtype, wdtype in ((2048, bf16, bf16), (2048, bf16, "float32"), (64, "float16", "float32")):
+    for D, dtype, wdtype in ((2048, bf16, bf16), (2048, bf16, "float32"), (64, "float16", "float32"),
+                             (2048, "float32", "float32")):
         for residual in (False, True):
             specs.append((glue + "rms_norm", "build_rms_norm_bwd", (D, dtype, 1e-6, wdtype, residual)))
+    # the fp32 residual stream of fp32 weights under bf16 autocast: its norms and its add of a bf16 mixer output
+    specs.append((glue + "rms_norm", "build_rms_norm", (2048, "float32", 1e-6)))
+    from flashqla_kernels.decoder.hopper import rms_norm
+
+    specs.append((glue + "rms_norm", "build_add_rms_norm",
+                  (2048, "float32", 1e-6, "float32", rms_norm.TILE_ELEMS, rms_norm.THREADS, bf16)))
     for D, dtype in ((6144, bf16), (64, "float16")):
         specs.append((glue + "silu_mul", "build_silu_mul_bwd", (D, dtype)))
     return list(dict.fromkeys(specs))

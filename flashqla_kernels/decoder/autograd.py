@@ -129,17 +129,17 @@ class _AddRMSNorm(torch.autograd.Function):
     def forward(ctx, a, b, weight, eps):
         s, y = hopper.add_rms_norm_fwd(a, b, weight, eps)
         ctx.save_for_backward(s, weight)
-        ctx.eps = eps
+        ctx.eps, ctx.b_dtype = eps, b.dtype
         return s, y
 
     @staticmethod
     def backward(ctx, ds, dy):
         s, weight = ctx.saved_tensors
         if dy is None:  # only the sum was used
-            return ds, ds, None, None
+            return ds, ds.to(ctx.b_dtype), None, None
         dsum, dw = hopper.rms_norm_bwd(s, weight, ctx.eps, dy, ds)
-        # the sum's gradient is each addend's (as the backward of torch's own add returns it)
-        return dsum, dsum, dw.to(weight.dtype), None
+        # the sum's gradient is each addend's (as the backward of torch's own add returns it), in the addend's dtype
+        return dsum, dsum.to(ctx.b_dtype), dw.to(weight.dtype), None
 
 
 def add_rms_norm(a, b, weight, eps: float):

@@ -30,28 +30,34 @@ __all__ = ["conv_qkv_gates", "gated_norm", "rms_norm", "add_rms_norm", "silu_mul
            "gated_norm_decision", "KERNEL_DTYPES"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+# the RMSNorm kernels also take fp32 rows: the residual stream of fp32 weights under bf16 autocast stays fp32
+ROW_DTYPES = KERNEL_DTYPES + (torch.float32,)
 
 
-def dtype_reason(x: torch.Tensor) -> str | None:
-    """Why the glue kernels cannot take activations of ``x``'s dtype, or None."""
-    if x.dtype not in KERNEL_DTYPES:
-        return f"activation dtype {x.dtype} unsupported by the glue kernels (bfloat16/float16 only)"
+def dtype_reason(x: torch.Tensor, dtypes: tuple = KERNEL_DTYPES) -> str | None:
+    """Why the glue kernels (of ``dtypes``) cannot take activations of ``x``'s dtype, or None."""
+    if x.dtype not in dtypes:
+        names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+        return f"activation dtype {x.dtype} unsupported by the glue kernels ({names} only)"
     return None
 
 
-def glue_kernel_reason(*tensors: torch.Tensor | None, grad_ok: bool = False) -> str | None:
+def glue_kernel_reason(*tensors: torch.Tensor | None, grad_ok: bool = False,
+                       dtypes: tuple = KERNEL_DTYPES) -> str | None:
     """Why the glue kernels cannot run on these tensors, or None when they can.
 
     Args:
         tensors: the stage's activations (the first one's dtype decides; None entries are skipped).
         grad_ok: the caller's stages have backward kernels (``rms_norm``, ``add_rms_norm``, ``silu_mul``, the GDN
             layer's), so an input requiring grad is no obstacle.
+        dtypes: the activation dtypes the caller's kernels take (``ROW_DTYPES`` for the RMSNorms).
 
     Returns:
         A sentence naming what is unsupported (device, dtype, or an input requiring grad), or None.
     """
     xs = [x for x in tensors if x is not None]
-    return dispatch.hopper_reason(*xs) or dtype_reason(xs[0]) or (None if grad_ok else dispatch.grad_reason(*xs))
+    return (dispatch.hopper_reason(*xs) or dtype_reason(xs[0], dtypes)
+            or (None if grad_ok else dispatch.grad_reason(*xs)))
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -59,15 +65,16 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _kernel(stage: str, backend: str | None, tensors: tuple, shape_reason=None, forward_only: bool = True) -> bool:
-    """Whether ``stage`` runs its kernel on ``tensors`` (the first one's dtype decides); raises for a forced kernel
-    that cannot run. ``forward_only``: the stage has no backward kernel, so grad sends it to torch."""
-    return _decision(stage, backend, tensors, shape_reason, forward_only).kernel
+def _kernel(stage: str, backend: str | None, tensors: tuple, shape_reason=None, forward_only: bool = True,
+            dtypes: tuple = KERNEL_DTYPES) -> bool:
+    """Whether ``stage`` runs its kernel on ``tensors`` (the first one's dtype decides, among ``dtypes``); raises for
+    a forced kernel that cannot run. ``forward_only``: the stage has no backward kernel, so grad sends it to torch."""
+    return _decision(stage, backend, tensors, shape_reason, forward_only, dtypes).kernel
 
 
 def _decision(stage: str, backend: str | None, tensors: tuple, shape_reason=None,
-              forward_only: bool = True) -> dispatch.Decision:
-    checks = (lambda: dispatch.hopper_reason(*tensors), lambda: dtype_reason(tensors[0]))
+              forward_only: bool = True, dtypes: tuple = KERNEL_DTYPES) -> dispatch.Decision:
+    checks = (lambda: dispatch.hopper_reason(*tensors), lambda: dtype_reason(tensors[0], dtypes))
     if shape_reason is not None:
         checks += (shape_reason,)
     return dispatch.decide(stage, backend, *checks, grad=tensors if forward_only else ())
@@ -141,12 +148,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str 
     """Qwen's zero-centred RMSNorm ``x * rsqrt(mean(x^2) + eps) * (1 + weight)`` with fp32 math.
 
     Args:
-        x: [..., D] (D a multiple of 64 for the kernel). weight: [D]. eps: float. backend: see module doc.
+        x: [..., D] (for the kernel: D a multiple of 64, bf16 / fp16 / fp32). weight: [D]. eps: float.
+            backend: see module doc.
 
     Returns:
         x's shape and dtype.
     """
-    if _kernel("rms_norm", backend, (x,), lambda: _width_reason(x), forward_only=False):
+    if _kernel("rms_norm", backend, (x,), lambda: _width_reason(x), forward_only=False, dtypes=ROW_DTYPES):
         if _needs_grad(x, weight):
             return autograd.rms_norm(x, weight, eps)
         return hopper.rms_norm_fwd(x, weight, eps)
@@ -159,7 +167,8 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
     zero-centred RMSNorm of s, in one pass on the kernel.
 
     Args:
-        a, b: [..., D], same shape and dtype (the residual and the token mixer's output). weight: [D]. eps: float.
+        a, b: [..., D], same shape (the residual and the token mixer's output): same dtype, or a fp32 (the residual
+            stream under autocast) and b bf16/fp16, summed in fp32 as torch's add promotes. weight: [D]. eps: float.
             backend: see module doc.
 
     Returns:
@@ -168,10 +177,8 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
     Example:
         >>> s, h = add_rms_norm(residual, attn_out, layer.post_attention_layernorm.weight, 1e-6)
     """
-    if _kernel("add_rms_norm", backend, (a, b), lambda: None if a.shape[-1] % 64 == 0
-               and b.shape == a.shape and b.dtype == a.dtype
-               else f"rows {tuple(a.shape)} {a.dtype} and {tuple(b.shape)} {b.dtype}: the kernel adds "
-                    "same-shape, same-dtype rows of a multiple of 64 channels", forward_only=False):
+    if _kernel("add_rms_norm", backend, (a, b), lambda: _width_reason(a) or hopper.add_operands_reason(a, b),
+               forward_only=False, dtypes=ROW_DTYPES):
         if _needs_grad(a, b, weight):
             return autograd.add_rms_norm(a, b, weight, eps)
         return hopper.add_rms_norm_fwd(a, b, weight, eps)

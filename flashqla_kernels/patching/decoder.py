@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 
 import flashqla_kernels.patching.mlp as mlp_patch
-from flashqla_kernels.decoder import ops
+from flashqla_kernels.decoder import hopper, ops
 from flashqla_kernels.decoder.gdn_layer import hooked, plain_linear_reason
 from flashqla_kernels.patching import registry
 from flashqla_kernels.patching.norms import is_zero_centred_norm, norm_eps
@@ -44,9 +44,9 @@ def add_norm_reason(norm, residual, h) -> str | None:
         return "post_attention_layernorm has hooks, which see the sum as its input"
     if not is_zero_centred_norm(norm):
         return f"post_attention_layernorm is {type(norm).__name__}, not a zero-centred RMSNorm"
-    if h.shape != residual.shape or h.dtype != residual.dtype:
+    if hopper.add_operands_reason(residual, h) is not None:
         return f"the mixer returns {tuple(h.shape)} {h.dtype} for a {tuple(residual.shape)} {residual.dtype} residual"
-    return ops.glue_kernel_reason(residual, h, grad_ok=True) or (
+    return ops.glue_kernel_reason(residual, h, grad_ok=True, dtypes=ops.ROW_DTYPES) or (
         None if residual.shape[-1] % 64 == 0 else f"hidden size {residual.shape[-1]} is not a multiple of 64")
 
 

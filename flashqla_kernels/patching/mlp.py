@@ -37,7 +37,8 @@ def kernel_reason(mlp, x) -> str | None:
         return "act_fn has hooks, which the fused activation would skip"
     if mlp.gate_proj.out_features % 64:
         return f"intermediate size {mlp.gate_proj.out_features} is not a multiple of 64"
-    return ops.glue_kernel_reason(x, grad_ok=True)
+    # x may be fp32 (the residual stream under autocast): the projections' outputs decide the activation's kernel
+    return ops.glue_kernel_reason(x, grad_ok=True, dtypes=ops.ROW_DTYPES)
 
 
 def fused_gemm_reason(mlp, x=None) -> str | None:

@@ -1,8 +1,8 @@
 """The families' zero-centred RMSNorms (decoder, final and q/k norms) on the one-pass kernel.
 
-The replacement runs ``ops.rms_norm``'s kernel on CUDA sm_90 bf16/fp16 tensors of a multiple of 64 channels (under
-grad with its backward kernel) and transformers' own forward otherwise (off Hopper, in fp32), so off the kernel nothing
-changes.
+The replacement runs ``ops.rms_norm``'s kernel on CUDA sm_90 bf16/fp16/fp32 tensors of a multiple of 64 channels
+(fp32: the residual stream of fp32 weights under bf16 autocast; under grad with its backward kernel) and transformers'
+own forward otherwise (off Hopper), so off the kernel nothing changes.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def is_zero_centred_norm(module) -> bool:
 def make_forward(original, backend: str | None):
     """The RMSNorm forward replacing ``original``: the kernel where it runs, else transformers'."""
     def forward(self, hidden_states):
-        if backend != "torch" and ops.glue_kernel_reason(hidden_states, grad_ok=True) is None and hidden_states.shape[-1] % 64 == 0:
+        if backend != "torch" and ops.glue_kernel_reason(hidden_states, grad_ok=True, dtypes=ops.ROW_DTYPES) is None and hidden_states.shape[-1] % 64 == 0:
             return ops.rms_norm(hidden_states, self.weight, self.eps, backend=backend)
         return original(self, hidden_states)
 

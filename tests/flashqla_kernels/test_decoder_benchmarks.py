@@ -86,8 +86,8 @@ def test_gpu_test_runner_expands_every_parametrized_case(bench):
 
     cases = plain_tests.test_cases(gpu_tests)
     ids = [case_id for case_id, _, _ in cases]
-    # ... then the backward kernels (conv 5, rms 3, gated 3, silu 2) and the training step (2)
-    assert len(ids) == len(set(ids)) == 6 + 6 * 4 + 3 + 4 + 3 + 1 + 6 + 1 + 1 + 2 + 1 + 4 + 1 + 5 + 3 + 3 + 2 + 2
+    # ... then the backward kernels (conv 5, rms 4, gated 3, silu 2), the training step (2), the fp32 norms (1)
+    assert len(ids) == len(set(ids)) == 6 + 6 * 4 + 3 + 4 + 3 + 1 + 6 + 1 + 1 + 2 + 1 + 4 + 1 + 5 + 4 + 3 + 2 + 2 + 1
     conv = [kw for case_id, _, kw in cases if case_id.startswith("test_conv_gates")]
     assert sorted(kw["name"] for kw in conv) == sorted(gpu_tests.CONV_CASES)
     piped = [kw for case_id, _, kw in cases if case_id.startswith("test_pipelined_conv")]

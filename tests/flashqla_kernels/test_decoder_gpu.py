@@ -503,7 +503,7 @@ def test_conv_backward_kernel_matches_autograd_and_repeats_bit_for_bit(name):
 
 
 @pytest.mark.parametrize("rows,D,dtype,residual", [(4099, 2048, torch.bfloat16, True), (777, 2048, torch.bfloat16, False),
-                                                   (300, 64, torch.float16, True)])
+                                                   (300, 64, torch.float16, True), (513, 2048, torch.float32, True)])
 def test_rms_norm_backward_kernel_matches_autograd(rows, D, dtype, residual):
     from flashqla_kernels.decoder import hopper
 
@@ -558,9 +558,9 @@ def test_silu_mul_backward_kernel_matches_autograd(rows, D, dtype):
 @pytest.mark.parametrize("weights", ["bf16", "fp32_autocast"])
 def test_patched_decoder_training_gradients_match_transformers_within_bf16(monkeypatch, weights):
     """A training step's gradients on Qwen3.5-2B-shaped decoder layers (GDN then attention): bf16 weights, or fp32
-    weights under bf16 autocast as ``finetune`` trains. With the patches the glue stages with a backward kernel run
-    it (under autocast the residual stream stays fp32, so the decoder's norms are transformers' there), and every
-    parameter's gradient is as close to fp32 transformers' as transformers' own step in that precision."""
+    weights under bf16 autocast as ``finetune`` trains (the residual stream then stays fp32: the norms' fp32 rows).
+    With the patches every glue stage with a backward kernel runs it, and every parameter's gradient is as close to
+    fp32 transformers' as transformers' own step in that precision."""
     from flashqla_kernels.decoder import autograd
 
     types = ("linear_attention", "full_attention")
@@ -579,7 +579,7 @@ def test_patched_decoder_training_gradients_match_transformers_within_bf16(monke
 
     truth, theirs = grads(truth_model, False), grads(model, autocast)
     calls = []
-    names = ("_ConvQKVGates", "_GatedNorm", "_SiluMul") + (() if autocast else ("_RMSNorm", "_AddRMSNorm"))
+    names = ("_ConvQKVGates", "_GatedNorm", "_SiluMul", "_RMSNorm", "_AddRMSNorm")
     for n in names:
         fn = getattr(autograd, n)
         monkeypatch.setattr(fn, "apply", (lambda n, apply: lambda *a: calls.append(n) or apply(*a))(n, fn.apply))
@@ -595,3 +595,22 @@ def test_patched_decoder_training_gradients_match_transformers_within_bf16(monke
     for _, n, e_ours, e_theirs in worst[:6]:
         print(f"{weights} grad {n}: rel-L2 vs fp32 ours {e_ours:.2e}, transformers {e_theirs:.2e}")
     assert worst[0][0] <= 0, worst[0]
+
+
+def test_rms_norm_kernels_take_the_fp32_residual_stream():
+    """fp32 weights under bf16 autocast keep the residual stream fp32: the RMSNorm kernel on fp32 rows against the
+    torch formulation, and the add + RMSNorm kernel on an fp32 residual and a bf16 mixer output against torch's
+    promoting add (the sum bit for bit) then the norm."""
+    from flashqla_kernels.decoder import hopper
+
+    g = torch.Generator(device=DEV).manual_seed(8)
+    x = 3 * torch.randn(1000, 2048, generator=g, device=DEV)
+    h = torch.randn(1000, 2048, generator=g, device=DEV).to(torch.bfloat16)
+    w = 0.1 * torch.randn(2048, generator=g, device=DEV)
+    with toolkit.poisoned_outputs():
+        y = hopper.rms_norm_fwd(x, w, 1e-6)
+        s, ys = hopper.add_rms_norm_fwd(x, h, w, 1e-6)
+    assert y.dtype == s.dtype == ys.dtype == torch.float32
+    assert _rel(y, torch_path.rms_norm_zero_centred(x, w, 1e-6)) < 1e-5
+    assert torch.equal(s, x + h)
+    assert _rel(ys, torch_path.rms_norm_zero_centred(x + h, w, 1e-6)) < 1e-5

@@ -65,6 +65,10 @@ EXTRA = [
     ("rms_bwd", (2048, "bfloat16", 1e-6, "bfloat16", False)),
     ("rms_bwd", (64, "float16", 1e-5, "float32", True)),
     ("silu_bwd", (64, "float16")),
+    # fp32 rows: the residual stream of fp32 weights under bf16 autocast
+    ("rms", (2048, "float32", 1e-6)),
+    ("addrms", (2048, "float32", 1e-6, "float32", 2048, 128, "bfloat16")),
+    ("rms_bwd", (2048, "float32", 1e-6, "float32", True)),
 ]
 
 

@@ -17,7 +17,7 @@ import torch
 
 __all__ = ["conv_qkv_gates_fwd", "gated_rms_norm_fwd", "rms_norm_fwd", "add_rms_norm_fwd", "silu_mul_fwd", "qk_norm_rope_fwd",
            "gate_mul_fwd", "gate_mul_head_major_fwd", "swiglu_gemm_fwd", "conv_qkv_bwd", "gated_rms_norm_bwd",
-           "rms_norm_bwd", "silu_mul_bwd", "conv_shape_reason", "attention_shape_reason", "swiglu_shape_reason",
+           "rms_norm_bwd", "silu_mul_bwd", "add_operands_reason", "conv_shape_reason", "attention_shape_reason", "swiglu_shape_reason",
            "HEAD_DIMS"]
 
 HEAD_DIMS = (64, 128, 256)
@@ -66,13 +66,24 @@ def rms_norm_fwd(x, weight, eps):
     return stage.rms_norm(x, weight, eps)
 
 
+def add_operands_reason(a, b) -> str | None:
+    """Why the add + RMSNorm kernel cannot add these rows, or None: same shape, and b in a's dtype, or a fp32 (the
+    residual stream of fp32 weights under autocast) and b bf16/fp16 (summed in fp32, as torch's add promotes)."""
+    if b.shape != a.shape or not (b.dtype == a.dtype or (a.dtype == torch.float32
+                                                         and b.dtype in (torch.bfloat16, torch.float16))):
+        return (f"add_rms_norm adds rows of one shape, b in a's dtype or a fp32 and b bf16/fp16; got a "
+                f"{tuple(a.shape)} {a.dtype}, b {tuple(b.shape)} {b.dtype}")
+    return None
+
+
 def add_rms_norm_fwd(a, b, weight, eps):
     """The decoder's residual add and the zero-centred RMSNorm after it in one pass (see ``rms_norm.add_rms_norm``):
-    a, b [..., D] with D a multiple of 64, same shape and dtype; returns (a + b, rms_norm(a + b))."""
+    a, b [..., D] with D a multiple of 64 (``add_operands_reason``); returns (a + b, rms_norm(a + b)) in a's dtype."""
     if a.shape[-1] % 64:
         raise ValueError(f"row width D={a.shape[-1]} unsupported by the add + RMSNorm kernel (a multiple of 64 needed)")
-    if b.shape != a.shape or b.dtype != a.dtype:
-        raise ValueError(f"add_rms_norm needs b like a; got a {tuple(a.shape)} {a.dtype}, b {tuple(b.shape)} {b.dtype}")
+    reason = add_operands_reason(a, b)
+    if reason is not None:
+        raise ValueError(reason)
     from flashqla_kernels.decoder.hopper import rms_norm as stage
 
     return stage.add_rms_norm(a, b, weight, eps)

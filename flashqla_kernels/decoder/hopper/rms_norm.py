@@ -1,4 +1,4 @@
-"""Glue around the layers on sm_90a: Qwen's zero-centred RMSNorm, bf16/fp16 in and out, fp32 math, one pass.
+"""Glue around the layers on sm_90a: Qwen's zero-centred RMSNorm, bf16/fp16/fp32 in and out, fp32 math, one pass.
 
     y = x * rsqrt(mean(x^2) + eps) * (1 + weight)          per row of D channels
 
@@ -55,7 +55,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Run the zero-centred RMSNorm.
 
     Args:
-        x: [..., D] bf16/fp16. weight: [D] (fp32/bf16/fp16 read as is, other float dtypes cast; math in fp32).
+        x: [..., D] bf16/fp16/fp32. weight: [D] (fp32/bf16/fp16 read as is, other float dtypes cast; math in fp32).
             eps: float.
 
     Returns:
@@ -75,9 +75,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def build_add_rms_norm(D: int, dtype: str, eps: float, wdtype: str = "float32", tile_elems: int = TILE_ELEMS,
-                       threads: int = THREADS):
+                       threads: int = THREADS, bdtype: str = ""):
     """The residual add + zero-centred RMSNorm kernel for rows of D channels: writes ``s = a + b`` (rounded to
-    ``dtype``) and ``y = rms_norm(s)``, y equal bit for bit to ``build_rms_norm``'s output for the rounded s."""
+    ``dtype``) and ``y = rms_norm(s)``, y equal bit for bit to ``build_rms_norm``'s output for the rounded s.
+    ``bdtype``: b's dtype where it differs from a's (an fp32 residual stream, as fp32 weights under bf16 autocast
+    keep it, plus a bf16 mixer output: the sum in fp32, as torch's promoting add computes it)."""
+    bdtype = bdtype or dtype
     BR = rows_per_cta(D, tile_elems)
     rows = T.dynamic("rows")
     load = load_sum_rows_inverse_rms(T, BR, D, eps, dtype)
@@ -85,7 +88,7 @@ def build_add_rms_norm(D: int, dtype: str, eps: float, wdtype: str = "float32", 
     @T.prim_func
     def qwen_add_rms_norm(
         a: T.Tensor((rows, D), dtype),
-        b: T.Tensor((rows, D), dtype),
+        b: T.Tensor((rows, D), bdtype),
         weight: T.Tensor((D,), wdtype),
         s: T.Tensor((rows, D), dtype),
         y: T.Tensor((rows, D), dtype),
@@ -108,15 +111,17 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
     """Run the residual add + zero-centred RMSNorm.
 
     Args:
-        a, b: [..., D] bf16/fp16, same shape and dtype (the residual and the mixer's output). weight: [D] (read as
-            ``rms_norm`` reads it). eps: float.
+        a, b: [..., D], same shape: a bf16/fp16 and b alike, or a fp32 (the residual stream under autocast) and b
+            bf16/fp16/fp32. weight: [D] (read as ``rms_norm`` reads it). eps: float.
 
     Returns:
         (s, y): ``s = a + b`` and ``y = rms_norm(s)``, both with a's shape and dtype.
     """
     D = a.shape[-1]
     w = weight if weight.dtype in (torch.float32, torch.bfloat16, torch.float16) else weight.float()
-    kernel = compile_kernel(build_add_rms_norm, D, tl_dtype(a.dtype), float(eps), tl_dtype(w.dtype))
+    # a b of a's dtype keeps the kernel's original compile-cache key
+    extra = () if b.dtype == a.dtype else (TILE_ELEMS, THREADS, tl_dtype(b.dtype))
+    kernel = compile_kernel(build_add_rms_norm, D, tl_dtype(a.dtype), float(eps), tl_dtype(w.dtype), *extra)
     a2, b2 = a.reshape(-1, D).contiguous(), b.reshape(-1, D).contiguous()
     s, y = empty_like(a2), empty_like(a2)
     if a2.shape[0] > 0:
