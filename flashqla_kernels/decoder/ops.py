@@ -12,7 +12,8 @@ Each stage asks ``flashqla_kernels.dispatch.decide`` with the same verifiers: ``
 of an sm_90 GPU), ``dtype_reason`` (bfloat16 / float16) and the stage's shape check. ``backend=None`` picks the kernel
 when every verifier passes, else torch; ``"torch"`` forces torch; ``"tilelang"`` forces the kernel or raises the
 reason. Under grad, ``conv_qkv_gates`` (without a conv state), ``gated_norm``, ``rms_norm``, ``add_rms_norm`` and
-``silu_mul`` run their kernels through ``autograd`` (each forward kernel paired with a backward kernel); the others
+``silu_mul`` run their kernels through ``autograd`` (each forward kernel paired with a backward kernel; ``GRAD_KERNELS
+= False`` sends them to torch too); the others
 (``swiglu``, ``qk_norm_rope``, ``gate_mul``, ``gate_mul_head_major``) are forward-only and take the differentiable torch
 formulation when an input requires grad. ``glue_kernel_reason`` is the same device / dtype / grad check for callers
 choosing between a fused path and transformers' own forward.
@@ -27,9 +28,12 @@ from flashqla_kernels.decoder import autograd, hopper, torch_path
 
 __all__ = ["conv_qkv_gates", "gated_norm", "rms_norm", "add_rms_norm", "silu_mul", "swiglu", "qk_norm_rope",
            "gate_mul", "gate_mul_head_major", "glue_kernel_reason", "dtype_reason", "conv_qkv_gates_decision",
-           "gated_norm_decision", "KERNEL_DTYPES"]
+           "gated_norm_decision", "KERNEL_DTYPES", "ROW_DTYPES", "GRAD_KERNELS"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+# Under grad, the stages with a backward kernel (conv + gates, the norms, silu_mul) run their autograd pairing of
+# forward and backward kernels; False sends every call that records grad to the torch formulation.
+GRAD_KERNELS = True
 # the RMSNorm kernels also take fp32 rows: the residual stream of fp32 weights under bf16 autocast stays fp32
 ROW_DTYPES = KERNEL_DTYPES + (torch.float32,)
 
@@ -49,7 +53,7 @@ def glue_kernel_reason(*tensors: torch.Tensor | None, grad_ok: bool = False,
     Args:
         tensors: the stage's activations (the first one's dtype decides; None entries are skipped).
         grad_ok: the caller's stages have backward kernels (``rms_norm``, ``add_rms_norm``, ``silu_mul``, the GDN
-            layer's), so an input requiring grad is no obstacle.
+            layer's), so an input requiring grad is no obstacle (while ``GRAD_KERNELS`` is on).
         dtypes: the activation dtypes the caller's kernels take (``ROW_DTYPES`` for the RMSNorms).
 
     Returns:
@@ -57,7 +61,7 @@ def glue_kernel_reason(*tensors: torch.Tensor | None, grad_ok: bool = False,
     """
     xs = [x for x in tensors if x is not None]
     return (dispatch.hopper_reason(*xs) or dtype_reason(xs[0], dtypes)
-            or (None if grad_ok else dispatch.grad_reason(*xs)))
+            or (None if grad_ok and GRAD_KERNELS else dispatch.grad_reason(*xs)))
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -77,7 +81,7 @@ def _decision(stage: str, backend: str | None, tensors: tuple, shape_reason=None
     checks = (lambda: dispatch.hopper_reason(*tensors), lambda: dtype_reason(tensors[0], dtypes))
     if shape_reason is not None:
         checks += (shape_reason,)
-    return dispatch.decide(stage, backend, *checks, grad=tensors if forward_only else ())
+    return dispatch.decide(stage, backend, *checks, grad=tensors if forward_only or not GRAD_KERNELS else ())
 
 
 def conv_qkv_gates_decision(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, Hk: int, K: int, Hv: int,

@@ -64,6 +64,14 @@ def test_stages_with_backward_kernels_take_them_under_grad_and_forward_only_stag
         ops.rms_norm(x, w, 1e-4)
     ops.rms_norm(x.detach(), w, 1e-3)
     assert calls == [("grad", 1e-6), ("grad", 1e-5), ("fwd", 1e-4), ("fwd", 1e-3)]
+    monkeypatch.setattr(ops, "GRAD_KERNELS", False)  # grad calls back on the torch formulation
+    y = ops.rms_norm(x, w, 1e-6)
+    assert y.requires_grad and torch.equal(y, ops.torch_path.rms_norm_zero_centred(x, w, 1e-6))
+    with pytest.raises(ValueError, match="cannot run rms_norm on these inputs: an input requires grad"):
+        ops.rms_norm(x, w, 1e-6, backend="tilelang")
+    assert ops.glue_kernel_reason(x, grad_ok=True) == dispatch.grad_reason(x)
+    assert len(calls) == 4
+    monkeypatch.setattr(ops, "GRAD_KERNELS", True)
     wg = torch.randn(128, 64, dtype=torch.bfloat16)
     y = ops.swiglu(x, wg, wg)
     assert y.requires_grad and torch.equal(y, ops.torch_path.silu_mul(x @ wg.t(), x @ wg.t()))
