@@ -1,12 +1,13 @@
 """SAE-guided fine-tuning throughput: ``qwen_scope.applications.finetune`` (LM loss + a feature penalty at one layer,
 AdamW) on the Qwen3.5-2B-shaped model, with transformers' GDN op as installed (FLA), FlashQLA's op patched in, and
-ours (``flashqla_kernels.patched_transformers``), in one run.
+ours (``flashqla_kernels.patched_transformers``), in one run; ``ours_torch_glue`` is ours with the glue's torch
+formulation under grad (``ops.GRAD_KERNELS`` off), the A/B of the glue's backward kernels.
 
 Model: the random 2B-shaped config of ``collect_throughput.py`` in fp32 weights under bf16 autocast (``precision=
 "bf16"``: the weights and AdamW's state stay fp32), one random 32K-wide TopK SAE (k = 100) at layer 12, rows of
-``--seq-len`` tokens (4096), ``--batch`` rows a step (8) in micro-batches of ``--micro`` rows (2: the 248K-wide fp32
-logits of 8 x 4096 tokens alone would be 32 GB), the bundled nano model's byte-level tokenizer over the
-nano corpus (token ids are bytes: any vocabulary takes them). Timing: ``finetune`` is called with ``--steps`` and
+``--seq-len`` tokens (4096), ``--batch`` rows a step (8) in micro-batches of ``--micro`` rows (2, or 1 on an 80 GB
+GPU: the 248K-wide fp32 logits of 8 x 4096 tokens alone would be 32 GB), the bundled nano model's byte-level
+tokenizer over the nano corpus (token ids are bytes: any vocabulary takes them). Timing: ``finetune`` is called with ``--steps`` and
 with 1 step; the difference over ``steps - 1`` is one training step without the fixed costs (the held-out
 evaluations before and after, the first step's compiles), reported as training tokens/s.
 
@@ -75,11 +76,28 @@ def qla_op_patch():
     return patched()
 
 
+@contextlib.contextmanager
+def _torch_glue_under_grad():
+    """The glue's backward kernels off (``ops.GRAD_KERNELS``): under grad the glue runs its torch formulation."""
+    from flashqla_kernels.decoder import ops
+
+    saved, ops.GRAD_KERNELS = ops.GRAD_KERNELS, False
+    try:
+        yield
+    finally:
+        ops.GRAD_KERNELS = saved
+
+
 def arm_context(name: str):
-    if name == "ours":
+    if name in ("ours", "ours_torch_glue"):
         from flashqla_kernels import patched_transformers
 
-        return patched_transformers(fused_layer=True)
+        if name == "ours":
+            return patched_transformers(fused_layer=True)
+        stack = contextlib.ExitStack()
+        stack.enter_context(patched_transformers(fused_layer=True))
+        stack.enter_context(_torch_glue_under_grad())
+        return stack
     if name == "flashqla":
         return qla_op_patch()
     return contextlib.nullcontext()  # "transformers": the op as installed (FLA's kernels when importable)
@@ -103,6 +121,14 @@ def precompile(micro: int, jobs: int = 1) -> int:
         print(f"  FAILED {spec}: {err}", flush=True)
     print(f"precompiled {len(fwd) - len(failed)} forward chunk kernels and {n_bwd} backward kernels", flush=True)
     return len(failed) + layer_precompile(jobs)
+
+
+def default_micro() -> int:
+    """Rows a micro-batch: 2 where the GPU has room for them (the H200's 141 GB), else 1 (an 80 GB H100 runs out of
+    memory at 2 rows: the fp32 logits of 2 x 4096 tokens over 248K entries alone take 7.6 GiB, twice over)."""
+    if DEVICE != "cuda":
+        return 2
+    return 2 if torch.cuda.get_device_properties(0).total_memory >= 100 * 2**30 else 1
 
 
 def write_results(result: dict, out: Path) -> str:
@@ -152,8 +178,11 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 4; tiny 2)")
     parser.add_argument("--batch", type=int, default=None, help="rows a step (default 8; tiny 2)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens a row (default 4096; tiny 64)")
-    parser.add_argument("--micro", type=int, default=None, help="rows a micro-batch (default 2; tiny 1)")
-    parser.add_argument("--arms", default="transformers,flashqla,ours", type=lambda a: a.split(","))
+    parser.add_argument("--micro", type=int, default=None,
+                        help="rows a micro-batch (default 2 on a GPU of 100 GB or more, else 1; tiny 1)")
+    parser.add_argument("--arms", default="transformers,flashqla,ours", type=lambda a: a.split(","),
+                        help="of transformers, flashqla, ours, ours_torch_glue (ours with the glue's torch "
+                             "formulation under grad: the backward kernels' share)")
     parser.add_argument("--precompile-only", action="store_true", help="build the arm's kernels and stop (no GPU)")
     parser.add_argument("--jobs", type=int, default=1, help="processes for --precompile-only")
     parser.add_argument("--profile", action="store_true",
@@ -163,7 +192,7 @@ def main(argv=None) -> None:
         raise SystemExit(1 if precompile(args.micro or 2, args.jobs) else 0)
     steps, batch = args.steps or (2 if args.tiny else 4), args.batch or (2 if args.tiny else 8)
     seq = args.seq_len or (64 if args.tiny else 4096)
-    micro = args.micro or (1 if args.tiny else 2)
+    micro = args.micro or (1 if args.tiny else default_micro())
     if batch % micro:
         raise SystemExit(f"--batch {batch} is not a multiple of --micro {micro}")
     texts = nano_corpus()

@@ -56,3 +56,18 @@ def test_precompile_builds_the_kernels_of_the_2b_layer_as_the_fused_layer_trains
     assert layer == [1]
     names = {args[1] for args in layer_kernels.kernel_specs()}
     assert {"build_conv_qkv_gates_bwd", "build_gated_rms_norm_bwd", "build_rms_norm_bwd", "build_silu_mul_bwd"} <= names
+
+
+def test_ours_torch_glue_arm_turns_the_glue_backward_kernels_off_for_its_run_only():
+    import train_step
+
+    from flashqla_kernels import is_patched
+    from flashqla_kernels.decoder import ops
+
+    assert ops.GRAD_KERNELS and not is_patched()
+    with train_step.arm_context("ours_torch_glue"):
+        assert not ops.GRAD_KERNELS and is_patched()
+    with train_step.arm_context("ours"):
+        assert ops.GRAD_KERNELS and is_patched()
+    assert ops.GRAD_KERNELS and not is_patched()
+    assert train_step.default_micro() == 2  # no GPU here: the documented default
