@@ -239,8 +239,9 @@ def categorize(name: str) -> str:
     return "other"
 
 
-def breakdown(fwd, device: str) -> dict:
-    """Self time per bucket (ms) of one forward, CUDA kernels on the GPU (CPU ops in a CPU dry run)."""
+def breakdown(fwd, device: str, top_n: int = 12) -> dict:
+    """Self time per bucket (ms) of one forward, CUDA kernels on the GPU (CPU ops in a CPU dry run); the ``top_n``
+    kernels and torch ops by device time."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -267,8 +268,8 @@ def breakdown(fwd, device: str) -> dict:
                                                                         "aten::matmul"):
             ops.append((us / 1e3, f"{evt.key} x{evt.count} {str(evt.input_shapes)[:110]}"))
     return {"ms": out, "total_ms": total, "glue_ms": glue, "glue_share": glue / total if total else 0.0,
-            "top_kernels": [f"{ms:.2f} ms {name}" for ms, name in sorted(top, reverse=True)[:12]],
-            "top_torch_ops": [f"{ms:.2f} ms {name}" for ms, name in sorted(ops, reverse=True)[:15]]}
+            "top_kernels": [f"{ms:.2f} ms {name}" for ms, name in sorted(top, reverse=True)[:top_n]],
+            "top_torch_ops": [f"{ms:.2f} ms {name}" for ms, name in sorted(ops, reverse=True)[:top_n + 3]]}
 
 
 def rel_l2(x, ref) -> float:

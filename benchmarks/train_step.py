@@ -163,6 +163,8 @@ def write_results(result: dict, out: Path) -> str:
                          + f" | {r['profile']['total_ms']:.1f} |")
         for r in profiled:
             lines += ["", f"Top kernels, {r['arm']}:", ""] + [f"- {k}" for k in r["profile"]["top_kernels"]]
+            lines += ["", f"Top torch ops by their kernels' device time, {r['arm']}:", ""] + [
+                f"- {k}" for k in r["profile"].get("top_torch_ops", [])]
     text = "\n".join(lines) + "\n"
     (out / "train_step.md").write_text(text)
     return text
@@ -233,7 +235,8 @@ def main(argv=None) -> None:
                 if args.profile:
                     import gdn_layer
 
-                    row["profile"] = gdn_layer.breakdown(lambda: train_only(1), DEVICE)
+                    # a training step's glue is spread over many small kernels: a longer list than a forward's
+                    row["profile"] = gdn_layer.breakdown(lambda: train_only(1), DEVICE, top_n=30)
             if many > one:
                 step_s = (many - one) / max(steps - 1, 1)
                 row.update(step_s=step_s, tokens_per_s=batch * seq / step_s, call_s=many)
