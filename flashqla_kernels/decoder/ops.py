@@ -12,10 +12,9 @@ Each stage asks ``flashqla_kernels.dispatch.decide`` with the same verifiers: ``
 of an sm_90 GPU), ``dtype_reason`` (bfloat16 / float16) and the stage's shape check. ``backend=None`` picks the kernel
 when every verifier passes, else torch; ``"torch"`` forces torch; ``"tilelang"`` forces the kernel or raises the
 reason. Under grad, ``conv_qkv_gates`` (without a conv state), ``gated_norm``, ``rms_norm``, ``add_rms_norm`` and
-``silu_mul`` run their kernels through ``autograd`` (each forward kernel paired with a backward kernel; ``GRAD_KERNELS
-= False`` sends them to torch too); the others
-(``swiglu``, ``qk_norm_rope``, ``gate_mul``, ``gate_mul_head_major``) are forward-only and take the differentiable torch
-formulation when an input requires grad. ``glue_kernel_reason`` is the same device / dtype / grad check for callers
+``silu_mul`` run their kernels through ``autograd``, each forward kernel paired with a backward kernel
+(``GRAD_KERNELS = False`` sends them to torch too); the others (``swiglu``, ``qk_norm_rope``, ``gate_mul``,
+``gate_mul_head_major``) are forward-only and take the differentiable torch formulation when an input requires grad. ``glue_kernel_reason`` is the same device / dtype / grad check for callers
 choosing between a fused path and transformers' own forward.
 Importing this module touches neither CUDA nor tilelang (``hopper`` loads its stage modules on a kernel's first call).
 """
