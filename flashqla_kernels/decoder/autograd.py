@@ -11,7 +11,7 @@ the fused layer instead of the torch formulation's dozens of fp32 elementwise ke
 
 Weight gradients are fp32 sums of per-CTA partial rows in a fixed order (the same bits every run), returned in the
 weight's dtype. ``flashqla_kernels.decoder.ops`` calls these when an input requires grad; call them directly only
-with inputs the kernels take (CUDA sm_90, bf16 / fp16 activations).
+with inputs the kernels take (CUDA sm_90, bf16 / fp16 activations; fp32 rows too for the RMSNorms).
 """
 from __future__ import annotations
 
