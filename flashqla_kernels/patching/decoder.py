@@ -20,7 +20,8 @@ from flashqla_kernels.decoder.gdn_layer import hooked, plain_linear_reason
 from flashqla_kernels.patching import registry
 from flashqla_kernels.patching.norms import is_zero_centred_norm, norm_eps
 
-__all__ = ["ROLE", "GROUP", "make_forward", "decoder_fallback_reason", "add_norm_reason", "down_residual_reason"]
+__all__ = ["ROLE", "GROUP", "make_forward", "checkpointable", "decoder_fallback_reason", "add_norm_reason",
+           "down_residual_reason"]
 
 ROLE = GROUP = "decoder"
 # block_type -> the token mixer's attribute: the GDN layer or the gated attention layer
@@ -66,6 +67,22 @@ def down_residual_reason(mlp, h, s) -> str | None:
     return ops.glue_kernel_reason(h, s, w)
 
 
+def checkpointable(forward):
+    """``forward`` as transformers installs a decoder layer's own: where its gradient checkpointing lives in the class's
+    ``forward`` (``GradientCheckpointingLayer.__init_subclass__`` wraps it as each layer class is created, as in 5.25),
+    the same wrapper around ``forward``, so a patched layer is still recomputed under the backward when checkpointing
+    is on; where it lives in ``__call__`` (older releases), which the patch keeps, ``forward`` itself."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # no such base: no checkpointing wrapper to keep
+        return forward
+    if "__init_subclass__" not in vars(GradientCheckpointingLayer):
+        return forward
+    # a throwaway subclass receives transformers' own wrapper; installed as the layer class's forward, the wrapper's
+    # "outermost" check (``type(self).forward is`` the wrapper) holds there
+    return type("CheckpointedForward", (GradientCheckpointingLayer,), {"forward": forward}).forward
+
+
 def make_forward(original, backend: str | None, fuse_norm: bool, fuse_mlp: bool):
     """The decoder-layer forward replacing ``original``; ``fuse_norm`` / ``fuse_mlp``: whether the residual adds
     may be fused into the post-attention norm / ``down_proj`` (the RMSNorm / MLP patches are on)."""
@@ -106,4 +123,4 @@ def make_forward(original, backend: str | None, fuse_norm: bool, fuse_mlp: bool)
 
     forward.__doc__ = (f"flashqla_kernels decoder layer (backend={backend!r}): transformers' module calls with the "
                        "residual adds fused into the post-attention norm and down_proj on sm_90.")
-    return registry.mark(forward, backend, original)
+    return registry.mark(checkpointable(forward), backend, original)

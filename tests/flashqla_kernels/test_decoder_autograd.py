@@ -177,11 +177,23 @@ def test_gated_norm_and_silu_mul_backward_match_autograd():
         assert _rel(x, r) < 1e-12
 
 
+class _GlueOnHopper:
+    """The dispatcher as ``ops`` sees it, with the device check passed (the GDN op, which asks the real one, stays on
+    its torch path)."""
+
+    def __getattr__(self, name):
+        return getattr(dispatch, name)
+
+    @staticmethod
+    def hopper_reason(*tensors):
+        return None
+
+
 @pytest.fixture
 def kernels_as_transliterations(monkeypatch):
-    """The device check passed and every glue kernel replaced by its torch formulation (forward) or its
+    """The glue's device check passed and every glue kernel replaced by its torch formulation (forward) or its
     transliteration (backward), each returning the kernel's dtypes, so ``ops`` runs its autograd Functions on CPU."""
-    monkeypatch.setattr(dispatch, "hopper_reason", lambda *tensors: None)
+    monkeypatch.setattr(ops, "dispatch", _GlueOnHopper())
 
     def conv_fwd(qkv, weight, bias, a, b, A_log, dt_bias, *, Hk, K, Hv, V, prefix=None):
         assert prefix is None
@@ -263,3 +275,68 @@ def test_add_rms_norm_backward_when_only_the_sum_is_used(kernels_as_transliterat
     s, _ = ops.add_rms_norm(r, x, torch.zeros(64), 1e-6)
     s.float().sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x)) and torch.equal(r.grad, torch.ones_like(r))
+
+
+def _tiny_trainable_qwen35():
+    """A two-layer Qwen3.5 (GDN, then gated attention) whose every glue stage fits the kernels' shapes (GDN head dim
+    64, hidden size 64, MLP 128), fp32 weights in train mode."""
+    import transformers as tf
+
+    config = tf.Qwen3_5TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+        max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = tf.Qwen3_5ForCausalLM(config).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.ndim == 1:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def test_a_patched_training_step_runs_every_glue_function_and_checkpoints(kernels_as_transliterations,
+                                                                          monkeypatch):
+    """A fine-tuning step as ``finetune`` takes it (fp32 weights, bf16 autocast, LM loss) on the patched model: every
+    glue stage with a backward kernel runs its autograd Function (the norms on the fp32 residual stream too), every
+    parameter gets a gradient as close to fp32 transformers' as transformers' own autocast step, and gradient
+    checkpointing (the forward recomputed under the backward) gives the same gradients."""
+    from flashqla_kernels.patching import patched_gdn_layers
+
+    model = _tiny_trainable_qwen35()
+    ids = torch.randint(0, 256, (2, 40), generator=_gen(12))
+
+    def grads(autocast: bool):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    truth, theirs = grads(False), grads(True)
+    calls = []
+    names = ("_ConvQKVGates", "_GatedNorm", "_RMSNorm", "_AddRMSNorm", "_SiluMul")
+    for n in names:
+        fn = getattr(autograd, n)
+        monkeypatch.setattr(fn, "apply", (lambda n, apply: lambda *a: calls.append(n) or apply(*a))(n, fn.apply))
+    # transformers 5.x names it activation checkpointing (the gradient_checkpointing_* names are deprecated)
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    with patched_gdn_layers():
+        ours = grads(True)
+        assert set(calls) == set(names), calls
+        n_plain = len(calls)
+        enable()
+        try:
+            checkpointed = grads(True)
+        finally:
+            disable()
+    # the checkpointed step ran the decoder layers' glue twice (the forward, then its replay under the backward) and
+    # the final norm, outside the layers, once
+    assert len(calls) - n_plain == 2 * n_plain - 1, (n_plain, len(calls))
+    assert set(ours) == set(truth) == set(checkpointed)
+    for n in truth:
+        e_ours, e_theirs = _rel(ours[n], truth[n]), _rel(theirs[n], truth[n])
+        assert e_ours <= max(1.5 * e_theirs, 2e-2), (n, e_ours, e_theirs)
+        assert torch.equal(checkpointed[n], ours[n]), n

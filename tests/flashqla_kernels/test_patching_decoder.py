@@ -196,6 +196,8 @@ class _Recorder(torch.nn.Module):
 
 
 class _FakeDecoder(torch.nn.Module):
+    gradient_checkpointing = False  # as every transformers decoder layer (GradientCheckpointingLayer) has it
+
     def __init__(self, block_type):
         super().__init__()
         self.block_type = block_type
