@@ -7,7 +7,8 @@ training texts are packed into rows of ``seq_len`` tokens; each step is AdamW on
     loss = LM loss + weight * sum over penalised layers of  FeaturePenalty(layer)(resid_post.layer)
 
 over ``batch_size`` rows (times ``grad_accum`` micro-batches), the penalty on every position but each row's first
-(position 0 is left out as everywhere in the toolkit: it has no context and carries outlier activations). Before and
+(position 0 is left out as everywhere in the toolkit: it has no context and carries outlier activations). The
+training LM loss is ``lm_loss.causal_lm_loss`` (transformers' value, without the fp32 copy of the logits). Before and
 after, the held-out texts (packed the same way) give the LM loss per token and, for each penalised feature, its
 mean SAE activation and firing rate (the share of tokens where the TopK code is > 0) over positions 1.. .
 
@@ -26,6 +27,7 @@ import torch
 
 from hooks import capture, resid_post
 from qwen_scope.applications.guided import FeaturePenalty
+from qwen_scope.applications.lm_loss import causal_lm_loss
 
 __all__ = ["FinetuneConfig", "FeatureReading", "HeldOutEval", "FinetuneResult", "finetune", "evaluate_held_out",
            "pack_texts"]
@@ -194,9 +196,10 @@ def _checkpointing(model, on: bool) -> None:
     (getattr(model, new, None) or getattr(model, old))()
 
 
-def _autocast(device: torch.device, precision: str):
+def _autocast(device: torch.device, precision: str, enabled: bool = True):
+    # enabled=False inside an enabled region turns autocast off without ending the region (its weight cache stays)
     if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
     return contextlib.nullcontext()
 
 
@@ -242,7 +245,10 @@ def _train(scope, rows: torch.Tensor, penalties: Sequence[FeaturePenalty], cfg: 
 
     model, device = scope.model, scope.device
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # on CUDA the fused AdamW: one kernel over every parameter instead of the multi-tensor loops' many (about 4x less
+    # of a 2B-shaped step's optimizer time); the update is the same
+    fused = all(p.is_cuda and p.is_floating_point() for p in params)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (cfg.warmup_steps + 1)))
     gen = torch.Generator().manual_seed(cfg.seed)
     order, cursor = torch.randperm(len(rows), generator=gen), 0
@@ -255,17 +261,21 @@ def _train(scope, rows: torch.Tensor, penalties: Sequence[FeaturePenalty], cfg: 
         for step in range(cfg.steps):
             opt.zero_grad(set_to_none=True)
             lm_step = pen_step = 0.0
-            for _ in range(cfg.grad_accum):
-                if cursor + cfg.batch_size > len(order):
-                    order, cursor = torch.randperm(len(rows), generator=gen), 0
-                x = rows[order[cursor:cursor + cfg.batch_size]].to(device)
-                cursor += cfg.batch_size
-                with _autocast(device, cfg.precision):
-                    lm = model(input_ids=x, labels=x, use_cache=False).loss
-                pen = sum(last(mask=mask) for last in lasts)
-                ((lm.float() + cfg.weight * pen) / cfg.grad_accum).backward()
-                lm_step += lm.detach().float() / cfg.grad_accum
-                pen_step += pen.detach() / cfg.grad_accum
+            # One autocast region a step: autocast casts each fp32 weight once and every micro-batch reuses the copy
+            # (its cache lives until the outermost region exits, before the optimizer changes the weights). The
+            # penalties and the backward run with autocast off, as they would outside it.
+            with _autocast(device, cfg.precision):
+                for _ in range(cfg.grad_accum):
+                    if cursor + cfg.batch_size > len(order):
+                        order, cursor = torch.randperm(len(rows), generator=gen), 0
+                    x = rows[order[cursor:cursor + cfg.batch_size]].to(device)
+                    cursor += cfg.batch_size
+                    lm = causal_lm_loss(scope.adapter, x)
+                    with _autocast(device, cfg.precision, enabled=False):
+                        pen = sum(last(mask=mask) for last in lasts)
+                        ((lm.float() + cfg.weight * pen) / cfg.grad_accum).backward()
+                    lm_step += lm.detach().float() / cfg.grad_accum
+                    pen_step += pen.detach() / cfg.grad_accum
             if cfg.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             opt.step()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qwen_scope import FeaturePenalty, nano_corpus, nano_scope
-from qwen_scope.applications.finetune import FinetuneConfig, finetune, pack_texts
+from qwen_scope.applications.finetune import FinetuneConfig, _penalties, _train, finetune, pack_texts
 from qwen_scope.nano import NANO_RELEASE_DIR
 
 # Layer 4's #229 fires on the indentation after a newline in Python code (mean 0.19, on 10% of held-out tokens).
@@ -126,3 +126,34 @@ def test_the_example_script_prints_the_table_on_the_nano_model(capsys):
     with pytest.raises(SystemExit):
         example.parse_args(["--model", "Qwen/Qwen3.5-2B-Base", "--release", "qwen-scope-3.5-2b-base-w32k-l50"])
     assert "--model needs --layer and --feature" in capsys.readouterr().err
+
+
+def test_under_bf16_each_weight_is_cast_once_a_step_whatever_the_micro_batches(nano, split):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    scope = nano[0]
+    shapes = {tuple(m.weight.shape) for m in scope.model.modules() if isinstance(m, torch.nn.Linear)}
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            src = args[0] if args else None
+            if (func is torch.ops.aten._to_copy.default and isinstance(src, torch.Tensor) and src.requires_grad
+                    and src.dtype == torch.float32 and kwargs.get("dtype") == torch.bfloat16
+                    and tuple(src.shape) in shapes):
+                self.n += 1
+            return func(*args, **kwargs)
+
+    counts = []
+    for accum in (1, 3):
+        cfg = FinetuneConfig(steps=1, batch_size=2, grad_accum=accum, precision="bf16", max_eval_rows=2,
+                             eval_batch_size=2)
+        rows = pack_texts(scope.tokenizer, split[0], cfg.seq_len)
+        with Casts() as casts:
+            _train(scope, rows, _penalties(scope, {LAYER: FEATURE}), cfg, False)
+        counts.append(casts.n)
+    assert counts[0] > 0 and counts[1] == counts[0], counts
