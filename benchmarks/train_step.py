@@ -6,7 +6,7 @@ formulation under grad (``ops.GRAD_KERNELS`` off), the A/B of the glue's backwar
 Model: the random 2B-shaped config of ``collect_throughput.py`` in fp32 weights under bf16 autocast (``precision=
 "bf16"``: the weights and AdamW's state stay fp32), one random 32K-wide TopK SAE (k = 100) at layer 12, rows of
 ``--seq-len`` tokens (4096), ``--batch`` rows a step (8) in micro-batches of ``--micro`` rows (2, or 1 on an 80 GB
-GPU: the 248K-wide fp32 logits of 8 x 4096 tokens alone would be 32 GB), the bundled nano model's byte-level
+GPU), the bundled nano model's byte-level
 tokenizer over the nano corpus (token ids are bytes: any vocabulary takes them). Timing: ``finetune`` is called with ``--steps`` and
 with 1 step; the difference over ``steps - 1`` is one training step without the fixed costs (the held-out
 evaluations before and after, the first step's compiles), reported as training tokens/s.
@@ -123,6 +123,19 @@ def precompile(micro: int, jobs: int = 1) -> int:
     return len(failed) + layer_precompile(jobs)
 
 
+def loss_check(scope, texts, seq: int, micro: int, precision: str) -> dict:
+    """finetune's LM loss (``causal_lm_loss``) beside transformers' ``model(labels=...).loss`` on one micro-batch,
+    as the step computes it (autocast in bf16), with stock transformers modules."""
+    from qwen_scope.applications.finetune import _autocast, pack_texts
+    from qwen_scope.applications.lm_loss import causal_lm_loss
+
+    x = pack_texts(scope.tokenizer, texts, seq)[:micro].to(scope.device)
+    with torch.no_grad(), _autocast(scope.device, precision):
+        ours = float(causal_lm_loss(scope.adapter, x))
+        theirs = float(scope.model(input_ids=x, labels=x, use_cache=False).loss)
+    return {"causal_lm_loss": ours, "transformers": theirs, "rel_diff": abs(ours - theirs) / abs(theirs)}
+
+
 def default_micro() -> int:
     """Rows a micro-batch: 2 where the GPU has room for them (the H200's 141 GB), else 1 (an 80 GB H100 runs out of
     memory at 2 rows: the fp32 logits of 2 x 4096 tokens over 248K entries alone take 7.6 GiB, twice over)."""
@@ -144,13 +157,19 @@ def write_results(result: dict, out: Path) -> str:
              f"torch {e['torch']}, transformers {e['transformers']}, tilelang {e['tilelang']}, commit {e['commit']}. "
              f"{result['model']}; {result['batch']} x {result['seq_len']} tokens a step, LM loss + a feature penalty "
              f"at layer {result['layer']}, AdamW, through `qwen_scope.applications.finetune`.", "",
-             "| arm | s a step | training tokens/s | x FlashQLA's op | note |", "|---|---|---|---|---|"]
+             "| arm | s a step | training tokens/s | x FlashQLA's op | peak GB | note |", "|---|---|---|---|---|---|"]
     for r in result["arms"]:
+        peak = f"{r['peak_gb']:.1f}" if "peak_gb" in r else "-"
         if "tokens_per_s" in r:
             lines.append(f"| {r['arm']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
-                         f"{r.get('vs_flashqla', float('nan')):.2f} | |")
+                         f"{r.get('vs_flashqla', float('nan')):.2f} | {peak} | |")
         else:
-            lines.append(f"| {r['arm']} | - | - | - | {r.get('error') or r.get('note')} |")
+            lines.append(f"| {r['arm']} | - | - | - | {peak} | {r.get('error') or r.get('note')} |")
+    check = result.get("loss_check")
+    if check:
+        lines += ["", f"The step's LM loss (`causal_lm_loss`) on one micro-batch: {check['causal_lm_loss']:.6f}, "
+                  f"transformers' `model(labels=...).loss` {check['transformers']:.6f} (relative difference "
+                  f"{check['rel_diff']:.1e})."]
     profiled = [r for r in result["arms"] if "profile" in r]
     if profiled:
         kinds = sorted({k for r in profiled for k in r["profile"]["ms"]})
@@ -226,9 +245,12 @@ def main(argv=None) -> None:
         rows = ft.pack_texts(scope.tokenizer, train, seq, what="train_texts")
         ft._train(scope, rows, ft._penalties(scope, {layer: [7]}), cfg, False)
 
+    result["loss_check"] = loss_check(scope, train, seq, micro, precision)
     for name in args.arms:
         row = {"arm": name}
         try:
+            if DEVICE == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             with arm_context(name):
                 run(1)  # warm-up: kernels compiled, the optimizer's first allocations
                 one, many = run(1), run(steps)
@@ -237,6 +259,8 @@ def main(argv=None) -> None:
 
                     # a training step's glue is spread over many small kernels: a longer list than a forward's
                     row["profile"] = gdn_layer.breakdown(lambda: train_only(1), DEVICE, top_n=30)
+            if DEVICE == "cuda":
+                row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
             if many > one:
                 step_s = (many - one) / max(steps - 1, 1)
                 row.update(step_s=step_s, tokens_per_s=batch * seq / step_s, call_s=many)
