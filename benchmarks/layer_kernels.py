@@ -82,8 +82,14 @@ def kernel_specs() -> list[tuple[str, str, tuple]]:
     specs.append((glue + "rms_norm", "build_rms_norm", (2048, "float32", 1e-6)))
     from flashqla_kernels.decoder.hopper import rms_norm
 
-    specs.append((glue + "rms_norm", "build_add_rms_norm",
-                  (2048, "float32", 1e-6, "float32", rms_norm.TILE_ELEMS, rms_norm.THREADS, bf16)))
+    cta = (rms_norm.TILE_ELEMS, rms_norm.THREADS)
+    specs.append((glue + "rms_norm", "build_add_rms_norm", (2048, "float32", 1e-6, "float32", *cta, bf16)))
+    # ... and its norms' output in autocast's bf16 (the sum stays fp32), their backward reading the bf16 gradient
+    specs.append((glue + "rms_norm", "build_rms_norm", (2048, "float32", 1e-6, "float32", *cta, bf16)))
+    specs.append((glue + "rms_norm", "build_add_rms_norm", (2048, "float32", 1e-6, "float32", *cta, bf16, bf16)))
+    for residual in (False, True):
+        specs.append((glue + "rms_norm", "build_rms_norm_bwd",
+                      (2048, "float32", 1e-6, "float32", residual, *cta, bf16)))
     for D, dtype in ((6144, bf16), (64, "float16")):
         specs.append((glue + "silu_mul", "build_silu_mul_bwd", (D, dtype)))
     return list(dict.fromkeys(specs))

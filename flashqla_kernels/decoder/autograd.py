@@ -6,12 +6,14 @@ the fused layer instead of the torch formulation's dozens of fp32 elementwise ke
 |---|---|---|
 | ``conv_qkv_gates`` (no conv state) | qkv, the conv weight and bias, a, b | ``conv_qkv_bwd``: u = conv(x) recomputed, the l2norm's and SiLU's backward, dx by the transposed conv, dw / dbias as per-CTA partial sums; the gates' backward ([B, T, Hv], a few small torch ops) |
 | ``gated_norm`` | o, z, the weight | ``gated_rms_norm_bwd`` |
-| ``rms_norm`` / ``add_rms_norm`` | the norm's input (the sum) | ``rms_norm_bwd`` (the residual path's gradient added in the same pass) |
+| ``rms_norm`` / ``add_rms_norm`` | the norm's input (the sum) | ``rms_norm_bwd`` (the residual path's gradient added in the same pass; dy read in the norm's ``out_dtype``) |
 | ``silu_mul`` | gate, up | ``silu_mul_bwd`` |
 
 Weight gradients are fp32 sums of per-CTA partial rows in a fixed order (the same bits every run), returned in the
 weight's dtype. ``flashqla_kernels.decoder.ops`` calls these when an input requires grad; call them directly only
-with inputs the kernels take (CUDA sm_90, bf16 / fp16 activations; fp32 rows too for the RMSNorms).
+with inputs the kernels take (CUDA sm_90, bf16 / fp16 activations; fp32 rows too for the RMSNorms, whose norm may be
+written in bf16 / fp16 from them: ``out_dtype``, autocast's dtype for the projections after it; the gradient then
+comes back in that dtype, and x's gradient leaves in x's).
 """
 from __future__ import annotations
 
@@ -107,27 +109,28 @@ def gated_norm(o, z, weight, eps: float):
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, out_dtype):
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
-        return hopper.rms_norm_fwd(x, weight, eps)
+        return hopper.rms_norm_fwd(x, weight, eps, out_dtype=out_dtype)
 
     @staticmethod
     def backward(ctx, dy):
+        # dy comes in y's dtype (autograd casts it so), which the backward kernel reads as is
         x, weight = ctx.saved_tensors
         dx, dw = hopper.rms_norm_bwd(x, weight, ctx.eps, dy)
-        return dx, dw.to(weight.dtype), None
+        return dx, dw.to(weight.dtype), None, None
 
 
-def rms_norm(x, weight, eps: float):
-    """``ops.rms_norm`` with its backward on the kernels."""
-    return _RMSNorm.apply(x, weight, eps)
+def rms_norm(x, weight, eps: float, *, out_dtype: torch.dtype | None = None):
+    """``ops.rms_norm`` with its backward on the kernels (y in ``out_dtype``, None: x's; dx in x's dtype)."""
+    return _RMSNorm.apply(x, weight, eps, out_dtype)
 
 
 class _AddRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, weight, eps):
-        s, y = hopper.add_rms_norm_fwd(a, b, weight, eps)
+    def forward(ctx, a, b, weight, eps, out_dtype):
+        s, y = hopper.add_rms_norm_fwd(a, b, weight, eps, out_dtype=out_dtype)
         ctx.save_for_backward(s, weight)
         ctx.eps, ctx.b_dtype = eps, b.dtype
         return s, y
@@ -136,15 +139,16 @@ class _AddRMSNorm(torch.autograd.Function):
     def backward(ctx, ds, dy):
         s, weight = ctx.saved_tensors
         if dy is None:  # only the sum was used
-            return ds, ds.to(ctx.b_dtype), None, None
+            return ds, ds.to(ctx.b_dtype), None, None, None
         dsum, dw = hopper.rms_norm_bwd(s, weight, ctx.eps, dy, ds)
         # the sum's gradient is each addend's (as the backward of torch's own add returns it), in the addend's dtype
-        return dsum, dsum.to(ctx.b_dtype), dw.to(weight.dtype), None
+        return dsum, dsum.to(ctx.b_dtype), dw.to(weight.dtype), None, None
 
 
-def add_rms_norm(a, b, weight, eps: float):
-    """``ops.add_rms_norm`` with its backward on the kernels: (s, rms_norm(s))."""
-    return _AddRMSNorm.apply(a, b, weight, eps)
+def add_rms_norm(a, b, weight, eps: float, *, out_dtype: torch.dtype | None = None):
+    """``ops.add_rms_norm`` with its backward on the kernels: (s in a's dtype, rms_norm(s) in ``out_dtype``, None:
+    a's)."""
+    return _AddRMSNorm.apply(a, b, weight, eps, out_dtype)
 
 
 class _SiluMul(torch.autograd.Function):

@@ -16,6 +16,12 @@ reason. Under grad, ``conv_qkv_gates`` (without a conv state), ``gated_norm``, `
 (``GRAD_KERNELS = False`` sends them to torch too); the others (``swiglu``, ``qk_norm_rope``, ``gate_mul``,
 ``gate_mul_head_major``) are forward-only and take the differentiable torch formulation when an input requires grad. ``glue_kernel_reason`` is the same device / dtype / grad check for callers
 choosing between a fused path and transformers' own forward.
+
+``rms_norm`` and ``add_rms_norm`` take ``out_dtype=``: the patches of the decoder and final norms pass
+``autocast_out_dtype(x)``, so under autocast the norm of the fp32 residual stream is rounded to autocast's dtype once,
+in the kernel, instead of written in fp32 for every projection it feeds to cast again (the backward kernel reads the
+gradient in that dtype).
+
 Importing this module touches neither CUDA nor tilelang (``hopper`` loads its stage modules on a kernel's first call).
 """
 from __future__ import annotations
@@ -26,8 +32,8 @@ from flashqla_kernels import dispatch
 from flashqla_kernels.decoder import autograd, hopper, torch_path
 
 __all__ = ["conv_qkv_gates", "gated_norm", "rms_norm", "add_rms_norm", "silu_mul", "swiglu", "qk_norm_rope",
-           "gate_mul", "gate_mul_head_major", "glue_kernel_reason", "dtype_reason", "conv_qkv_gates_decision",
-           "gated_norm_decision", "KERNEL_DTYPES", "ROW_DTYPES", "GRAD_KERNELS"]
+           "gate_mul", "gate_mul_head_major", "glue_kernel_reason", "dtype_reason", "autocast_out_dtype",
+           "conv_qkv_gates_decision", "gated_norm_decision", "KERNEL_DTYPES", "ROW_DTYPES", "GRAD_KERNELS"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 # Under grad, the stages with a backward kernel (conv + gates, the norms, silu_mul) run their autograd pairing of
@@ -43,6 +49,22 @@ def dtype_reason(x: torch.Tensor, dtypes: tuple = KERNEL_DTYPES) -> str | None:
         names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
         return f"activation dtype {x.dtype} unsupported by the glue kernels ({names} only)"
     return None
+
+
+def autocast_out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a norm of ``x`` should write for the projections it feeds: under autocast on x's device, autocast's
+    bf16 / fp16 for fp32 x (each projection would cast an fp32 output to it anyway); else x's dtype.
+
+    Example:
+        >>> with torch.autocast("cuda", dtype=torch.bfloat16):
+        ...     h = rms_norm(x, norm.weight, norm.eps, out_dtype=autocast_out_dtype(x))   # x fp32 -> h bf16
+    """
+    device = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if dtype in KERNEL_DTYPES:
+            return dtype
+    return x.dtype
 
 
 def glue_kernel_reason(*tensors: torch.Tensor | None, grad_ok: bool = False,
@@ -147,46 +169,53 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
     return torch_path.gated_rms_norm(o, z, weight, eps)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, backend: str | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out_dtype: torch.dtype | None = None,
+             backend: str | None = None) -> torch.Tensor:
     """Qwen's zero-centred RMSNorm ``x * rsqrt(mean(x^2) + eps) * (1 + weight)`` with fp32 math.
 
     Args:
         x: [..., D] (for the kernel: D a multiple of 64, bf16 / fp16 / fp32). weight: [D]. eps: float.
-            backend: see module doc.
+        out_dtype: the output's dtype, rounded once from the fp32 math (default None: x's; the kernel takes x's or,
+            for fp32 x, bf16 / fp16: ``autocast_out_dtype``). backend: see module doc.
 
     Returns:
-        x's shape and dtype.
+        x's shape, in ``out_dtype``.
+
+    Example:
+        >>> h = rms_norm(x, layer.input_layernorm.weight, 1e-6, out_dtype=autocast_out_dtype(x))
     """
-    if _kernel("rms_norm", backend, (x,), lambda: _width_reason(x), forward_only=False, dtypes=ROW_DTYPES):
+    if _kernel("rms_norm", backend, (x,), lambda: _width_reason(x) or hopper.norm_out_reason(x.dtype, out_dtype),
+               forward_only=False, dtypes=ROW_DTYPES):
         if _needs_grad(x, weight):
-            return autograd.rms_norm(x, weight, eps)
-        return hopper.rms_norm_fwd(x, weight, eps)
-    return torch_path.rms_norm_zero_centred(x, weight, eps)
+            return autograd.rms_norm(x, weight, eps, out_dtype=out_dtype)
+        return hopper.rms_norm_fwd(x, weight, eps, out_dtype=out_dtype)
+    return torch_path.rms_norm_zero_centred(x, weight, eps, out_dtype=out_dtype)
 
 
 def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                 backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 out_dtype: torch.dtype | None = None, backend: str | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder's mid-layer step: the residual add ``s = a + b`` (in a's dtype, as ``a + b`` rounds it) and Qwen's
     zero-centred RMSNorm of s, in one pass on the kernel.
 
     Args:
         a, b: [..., D], same shape (the residual and the token mixer's output): same dtype, or a fp32 (the residual
             stream under autocast) and b bf16/fp16, summed in fp32 as torch's add promotes. weight: [D]. eps: float.
-            backend: see module doc.
+        out_dtype: the norm's dtype, as ``rms_norm``'s (s keeps a's). backend: see module doc.
 
     Returns:
-        (s, rms_norm(s)), each a's shape and dtype; s is a new tensor.
+        (s, rms_norm(s)), each a's shape; s in a's dtype, a new tensor; the norm in ``out_dtype`` (None: a's).
 
     Example:
         >>> s, h = add_rms_norm(residual, attn_out, layer.post_attention_layernorm.weight, 1e-6)
     """
-    if _kernel("add_rms_norm", backend, (a, b), lambda: _width_reason(a) or hopper.add_operands_reason(a, b),
-               forward_only=False, dtypes=ROW_DTYPES):
+    if _kernel("add_rms_norm", backend, (a, b), lambda: _width_reason(a) or hopper.add_operands_reason(a, b)
+               or hopper.norm_out_reason(a.dtype, out_dtype), forward_only=False, dtypes=ROW_DTYPES):
         if _needs_grad(a, b, weight):
-            return autograd.add_rms_norm(a, b, weight, eps)
-        return hopper.add_rms_norm_fwd(a, b, weight, eps)
+            return autograd.add_rms_norm(a, b, weight, eps, out_dtype=out_dtype)
+        return hopper.add_rms_norm_fwd(a, b, weight, eps, out_dtype=out_dtype)
     s = a + b
-    return s, torch_path.rms_norm_zero_centred(s, weight, eps)
+    return s, torch_path.rms_norm_zero_centred(s, weight, eps, out_dtype=out_dtype)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:

@@ -118,20 +118,23 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return (of * weight.to(dt) * F.silu(z.reshape(o.shape).to(dt))).to(o.dtype)
 
 
-def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Qwen's zero-centred RMSNorm (``Qwen3_5RMSNorm``, ``Qwen3NextRMSNorm``): ``x * rsqrt(mean(x^2) + eps) * (1 + w)``
     in fp32 (fp64 for fp64), the same operations as transformers'.
 
     Args:
-        x: [..., D]. weight: [D] (init zeros). eps: float.
+        x: [..., D]. weight: [D] (init zeros). eps: float. out_dtype: the result's dtype (None: x's, as
+            transformers'); the result in x's dtype is cast to it.
 
     Returns:
-        x's shape and dtype.
+        x's shape, in ``out_dtype``.
     """
     dt = _math_dtype(x)
     xf = x.to(dt)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * (1.0 + weight.to(dt))).to(x.dtype)
+    y = (xf * (1.0 + weight.to(dt))).to(x.dtype)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

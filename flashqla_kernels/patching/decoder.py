@@ -8,7 +8,8 @@ residual add as ``down_proj``'s GEMM accumulating into the mid-layer sum (``addm
 cuBLAS's result is bit for bit transformers' add, GPU test). A part observed by hooks, or not plain (a quantised
 ``down_proj``, a projection with a bias, an MoE block), is called as a module, as transformers does. Under grad
 the first fusion runs with its backward kernel; the second stays an add (the in-place GEMM would overwrite a
-tensor autograd keeps for the norm's backward).
+tensor autograd keeps for the norm's backward). Under autocast the fused norm writes autocast's dtype
+(``ops.autocast_out_dtype``) for the MLP's projections, the sum staying in the residual stream's fp32.
 """
 from __future__ import annotations
 
@@ -62,8 +63,9 @@ def down_residual_reason(mlp, h, s) -> str | None:
     if reason is not None:
         return reason
     w = mlp.down_proj.weight
-    if w.dtype != s.dtype or not s.is_contiguous() or s.shape[:-1] != h.shape[:-1]:
-        return f"down_proj weight {w.dtype} and the sum {tuple(s.shape)} {s.dtype} do not fit an in-place GEMM"
+    if w.dtype != s.dtype or h.dtype != s.dtype or not s.is_contiguous() or s.shape[:-1] != h.shape[:-1]:
+        return (f"down_proj weight {w.dtype}, the MLP input {h.dtype} and the sum {tuple(s.shape)} {s.dtype} do not "
+                "fit an in-place GEMM")
     return ops.glue_kernel_reason(h, s, w)
 
 
@@ -107,7 +109,8 @@ def make_forward(original, backend: str | None, fuse_norm: bool, fuse_mlp: bool)
                                   position_embeddings=position_embeddings, **{mixer_cache[mixer]: cache}, **kwargs)
         norm = self.post_attention_layernorm
         if fuse_norm and backend != "torch" and add_norm_reason(norm, residual, h) is None:
-            s, h = ops.add_rms_norm(residual, h, norm.weight, norm_eps(norm), backend=backend)
+            s, h = ops.add_rms_norm(residual, h, norm.weight, norm_eps(norm),
+                                    out_dtype=ops.autocast_out_dtype(residual), backend=backend)
         else:
             s = residual + h
             h = norm(s)

@@ -5,8 +5,9 @@
 - float64 transliterations of each backward kernel, written as the kernel computes (the conv's tiles of BT tokens
   owning their first BT - (Kc - 1), the halo recomputed, per-tile partial sums of dw and dbias; the norms' row sums
   and per-CTA partial rows of dw), so the kernels' algebra and tiling are checked without a GPU;
-- the autograd Functions' plumbing (which gradient goes where, the add's two addends, absent gradients), with the
-  kernels replaced by those transliterations and the device check passed, through ``ops`` as the patches call it.
+- the autograd Functions' plumbing (which gradient goes where, the add's two addends, absent gradients, the norms'
+  fp32 rows written in autocast's dtype), with the kernels replaced by those transliterations and the device check
+  passed, through ``ops`` as the patches call it.
 
 The kernels themselves run against the same references on an sm_90 GPU (``test_decoder_gpu.py``).
 """
@@ -192,8 +193,13 @@ class _GlueOnHopper:
 @pytest.fixture
 def kernels_as_transliterations(monkeypatch):
     """The glue's device check passed and every glue kernel replaced by its torch formulation (forward) or its
-    transliteration (backward), each returning the kernel's dtypes, so ``ops`` runs its autograd Functions on CPU."""
+    transliteration (backward), each returning the kernel's dtypes, so ``ops`` runs its autograd Functions on CPU.
+
+    Returns:
+        ``{"norm_fwd": [(rows dtype, y dtype)], "norm_bwd": [(rows dtype, dy dtype)]}``, the RMSNorm kernels' calls.
+    """
     monkeypatch.setattr(ops, "dispatch", _GlueOnHopper())
+    seen = {"norm_fwd": [], "norm_bwd": []}
 
     def conv_fwd(qkv, weight, bias, a, b, A_log, dt_bias, *, Hk, K, Hv, V, prefix=None):
         assert prefix is None
@@ -204,7 +210,18 @@ def kernels_as_transliterations(monkeypatch):
         dx, dw, db = conv_bwd_tiled(qkv, weight.to(qkv.dtype), bias, dq, dk, dv, Hk=Hk, K=K, Hv=Hv)
         return dx.to(qkv.dtype), dw.float(), None if db is None else db.float()
 
+    def rms_fwd(x, weight, eps, *, out_dtype=None):
+        # the launchers' contract: y in the rows' dtype, or bf16 / fp16 from fp32 rows
+        assert hopper.norm_out_reason(x.dtype, out_dtype) is None, (x.dtype, out_dtype)
+        seen["norm_fwd"].append((x.dtype, out_dtype or x.dtype))
+        return torch_path.rms_norm_zero_centred(x, weight, eps, out_dtype=out_dtype)
+
+    def add_rms_fwd(a, b, weight, eps, *, out_dtype=None):
+        s = a + b
+        return s, rms_fwd(s, weight, eps, out_dtype=out_dtype)
+
     def rms_bwd(x, weight, eps, dy, ds=None):
+        seen["norm_bwd"].append((x.dtype, dy.dtype))
         dx, dw = rms_bwd_rows(x, weight, eps, dy, ds)
         return dx.to(x.dtype), dw.float()
 
@@ -216,11 +233,11 @@ def kernels_as_transliterations(monkeypatch):
         return tuple(t.to(gate.dtype) for t in silu_mul_bwd_elems(gate, up, dout))
 
     for name, fn in {"conv_qkv_gates_fwd": conv_fwd, "conv_qkv_bwd": conv_bwd,
-                     "rms_norm_fwd": torch_path.rms_norm_zero_centred, "rms_norm_bwd": rms_bwd,
-                     "add_rms_norm_fwd": lambda a, b, w, eps: (a + b, torch_path.rms_norm_zero_centred(a + b, w, eps)),
+                     "rms_norm_fwd": rms_fwd, "rms_norm_bwd": rms_bwd, "add_rms_norm_fwd": add_rms_fwd,
                      "gated_rms_norm_fwd": torch_path.gated_rms_norm, "gated_rms_norm_bwd": gated_bwd,
                      "silu_mul_fwd": torch_path.silu_mul, "silu_mul_bwd": silu_bwd}.items():
         monkeypatch.setattr(hopper, name, fn)
+    return seen
 
 
 def _grads(fn, inputs):
@@ -229,12 +246,13 @@ def _grads(fn, inputs):
     outs = outs if isinstance(outs, tuple) else (outs,)
     g = _gen(9)
     loss = sum((o.float() * torch.randn(o.shape, generator=g)).sum() for o in outs)
-    return torch.autograd.grad(loss, inputs)
+    return outs, torch.autograd.grad(loss, inputs)
 
 
 def test_ops_under_grad_run_the_autograd_functions_with_every_gradient_in_place(kernels_as_transliterations):
-    """Through ``ops`` with the kernels replaced: each stage's gradients (activations and weights, fp32 weights as
-    under autocast) equal autograd through the torch formulation within bf16 rounding."""
+    """Through ``ops`` with the kernels replaced: each stage's outputs (their dtypes) and gradients (activations and
+    weights, fp32 weights as under autocast; the norms' fp32 rows written in bf16, their gradient read in bf16) equal
+    autograd through the torch formulation within bf16 rounding."""
     g = _gen(5)
     bf = torch.bfloat16
 
@@ -246,6 +264,7 @@ def test_ops_under_grad_run_the_autograd_functions_with_every_gradient_in_place(
     w_conv, A_log, dt = leaf((2 * Hk + Hv) * K, 4, dtype=torch.float32, s=0.5), leaf(Hv, dtype=torch.float32), \
         leaf(Hv, dtype=torch.float32)
     x, res, wn = leaf(3, 64), leaf(3, 64), leaf(64, dtype=torch.float32, s=0.1)
+    x32, res32 = leaf(3, 64, dtype=torch.float32, s=2.0), leaf(3, 64, dtype=torch.float32)
     o, z, wg = leaf(2, 5, 2, 64), leaf(2, 5, 128), leaf(64, s=0.5)
     gate, up = leaf(4, 64), leaf(4, 64)
     cases = {
@@ -257,16 +276,38 @@ def test_ops_under_grad_run_the_autograd_functions_with_every_gradient_in_place(
                      lambda: torch_path.rms_norm_zero_centred(x, wn, 1e-6)),
         "add_rms_norm": ((x, res, wn), lambda f: f.add_rms_norm(res, x, wn, 1e-6),
                          lambda: (res + x, torch_path.rms_norm_zero_centred(res + x, wn, 1e-6))),
+        "rms_norm fp32 rows, bf16 out": ((x32, wn), lambda f: f.rms_norm(x32, wn, 1e-6, out_dtype=bf),
+                                         lambda: torch_path.rms_norm_zero_centred(x32, wn, 1e-6, out_dtype=bf)),
+        "add_rms_norm fp32 residual, bf16 out": (
+            (x, res32, wn), lambda f: f.add_rms_norm(res32, x, wn, 1e-6, out_dtype=bf),
+            lambda: (res32 + x, torch_path.rms_norm_zero_centred(res32 + x, wn, 1e-6, out_dtype=bf))),
         "gated_norm": ((o, z, wg), lambda f: f.gated_norm(o, z, wg, 1e-6),
                        lambda: torch_path.gated_rms_norm(o, z, wg, 1e-6)),
         "silu_mul": ((gate, up), lambda f: f.silu_mul(gate, up), lambda: torch_path.silu_mul(gate, up)),
     }
     for name, (inputs, run, reference) in cases.items():
-        got = _grads(lambda: run(ops), inputs)
-        ref = _grads(reference, inputs)
+        outs, got = _grads(lambda: run(ops), inputs)
+        ref_outs, ref = _grads(reference, inputs)
+        assert [o.dtype for o in outs] == [o.dtype for o in ref_outs], name
         for i, (x_, r_) in enumerate(zip(got, ref)):
             assert x_.dtype == inputs[i].dtype and x_.shape == inputs[i].shape, (name, i)
             assert _rel(x_, r_) < 2e-2, (name, i, _rel(x_, r_))
+    # the norms' kernels took fp32 rows to bf16 and, in the backward, read the bf16 gradient as is
+    f32 = torch.float32
+    assert (f32, bf) in kernels_as_transliterations["norm_fwd"]
+    assert (f32, bf) in kernels_as_transliterations["norm_bwd"]
+
+
+def test_autocast_out_dtype_is_autocasts_for_fp32_rows_only():
+    x = torch.randn(2, 64)
+    assert ops.autocast_out_dtype(x) == torch.float32
+    for dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cpu", dtype=dtype):
+            assert ops.autocast_out_dtype(x) == dtype
+            assert ops.autocast_out_dtype(x.bfloat16()) == torch.bfloat16
+            assert ops.autocast_out_dtype(x.double()) == torch.float64
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        assert ops.autocast_out_dtype(x) == torch.float32
 
 
 def test_add_rms_norm_backward_when_only_the_sum_is_used(kernels_as_transliterations):
@@ -299,9 +340,10 @@ def _tiny_trainable_qwen35():
 def test_a_patched_training_step_runs_every_glue_function_and_checkpoints(kernels_as_transliterations,
                                                                           monkeypatch):
     """A fine-tuning step as ``finetune`` takes it (fp32 weights, bf16 autocast, LM loss) on the patched model: every
-    glue stage with a backward kernel runs its autograd Function (the norms on the fp32 residual stream too), every
-    parameter gets a gradient as close to fp32 transformers' as transformers' own autocast step, and gradient
-    checkpointing (the forward recomputed under the backward) gives the same gradients."""
+    glue stage with a backward kernel runs its autograd Function (the norms on the fp32 residual stream too, writing
+    autocast's bf16 for the projections and reading their bf16 gradient), every parameter gets a gradient as close to
+    fp32 transformers' as transformers' own autocast step, and gradient checkpointing (the forward recomputed under
+    the backward) gives the same gradients."""
     from flashqla_kernels.patching import patched_gdn_layers
 
     model = _tiny_trainable_qwen35()
@@ -335,6 +377,10 @@ def test_a_patched_training_step_runs_every_glue_function_and_checkpoints(kernel
     # the checkpointed step ran the decoder layers' glue twice (the forward, then its replay under the backward) and
     # the final norm, outside the layers, once
     assert len(calls) - n_plain == 2 * n_plain - 1, (n_plain, len(calls))
+    # every decoder and final norm (input, post-attention with the residual add, final): fp32 rows in, bf16 out
+    f32, bf = torch.float32, torch.bfloat16
+    assert set(kernels_as_transliterations["norm_fwd"]) == {(f32, bf)}, kernels_as_transliterations["norm_fwd"]
+    assert set(kernels_as_transliterations["norm_bwd"]) == {(f32, bf)}, kernels_as_transliterations["norm_bwd"]
     assert set(ours) == set(truth) == set(checkpointed)
     for n in truth:
         e_ours, e_theirs = _rel(ours[n], truth[n]), _rel(theirs[n], truth[n])

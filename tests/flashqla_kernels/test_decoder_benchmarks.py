@@ -145,6 +145,31 @@ def test_precompile_covers_the_benchmark_and_gpu_test_kernels(bench):
     assert len(specs) == len(set(specs))
 
 
+def test_precompile_covers_the_norms_launched_under_autocast(monkeypatch):
+    """The keys the RMSNorm launchers compile for the 2B model's fp32 residual stream under bf16 autocast (the norm
+    written in bf16, the add's b bf16, the backward reading a bf16 dy, with and without the residual's gradient) are
+    in the precompile list."""
+    pytest.importorskip("tilelang")
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import layer_kernels
+
+    from flashqla_kernels.decoder.hopper import rms_norm
+
+    keys = []
+    monkeypatch.setattr(rms_norm, "compile_kernel",
+                        lambda builder, *args: keys.append((builder.__name__, args)) or (lambda *tensors: None))
+    bf = torch.bfloat16
+    x, h, w = torch.randn(3, 2048), torch.randn(3, 2048, dtype=bf), torch.zeros(2048)
+    rms_norm.rms_norm(x, w, 1e-6, out_dtype=bf)
+    rms_norm.add_rms_norm(x, h, w, 1e-6, out_dtype=bf)
+    rms_norm.rms_norm_bwd(x, w, 1e-6, h)
+    rms_norm.rms_norm_bwd(x, w, 1e-6, h, x)
+    assert len(keys) == 4 and all(args[-1] == "bfloat16" for _, args in keys)
+    assert set(keys) <= {(b, args) for _, b, args in layer_kernels.kernel_specs()}
+
+
 def test_glue_benchmark_variants_bind_to_their_builders_and_lead_with_the_launch_defaults():
     """benchmarks/glue_kernels.py: every variant's arguments bind to its builder, and each stage's first entry is
     the specialisation the launcher compiles (so the table's first row per stage is what the model runs)."""

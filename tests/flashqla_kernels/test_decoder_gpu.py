@@ -602,17 +602,56 @@ def test_patched_decoder_training_gradients_match_transformers_within_bf16(monke
 def test_rms_norm_kernels_take_the_fp32_residual_stream():
     """fp32 weights under bf16 autocast keep the residual stream fp32: the RMSNorm kernel on fp32 rows against the
     torch formulation, and the add + RMSNorm kernel on an fp32 residual and a bf16 mixer output against torch's
-    promoting add (the sum bit for bit) then the norm."""
-    from flashqla_kernels.decoder import hopper
+    promoting add (the sum bit for bit) then the norm. Written in autocast's bf16 (``out_dtype``), each norm is the
+    fp32 kernel's output rounded once, bit for bit, the sum still fp32; the backward kernel reads a bf16 dy as the
+    fp32 kernel reads that dy widened, bit for bit; and through the autograd Functions every output and gradient
+    matches fp32 torch autograd within bf16 rounding."""
+    from flashqla_kernels.decoder import autograd, hopper
 
+    bf = torch.bfloat16
     g = torch.Generator(device=DEV).manual_seed(8)
     x = 3 * torch.randn(1000, 2048, generator=g, device=DEV)
-    h = torch.randn(1000, 2048, generator=g, device=DEV).to(torch.bfloat16)
+    h = torch.randn(1000, 2048, generator=g, device=DEV).to(bf)
     w = 0.1 * torch.randn(2048, generator=g, device=DEV)
     with toolkit.poisoned_outputs():
         y = hopper.rms_norm_fwd(x, w, 1e-6)
         s, ys = hopper.add_rms_norm_fwd(x, h, w, 1e-6)
-    assert y.dtype == s.dtype == ys.dtype == torch.float32
+        y16 = hopper.rms_norm_fwd(x, w, 1e-6, out_dtype=bf)
+        s16, ys16 = hopper.add_rms_norm_fwd(x, h, w, 1e-6, out_dtype=bf)
+    assert y.dtype == s.dtype == ys.dtype == s16.dtype == torch.float32 and y16.dtype == ys16.dtype == bf
     assert _rel(y, torch_path.rms_norm_zero_centred(x, w, 1e-6)) < 1e-5
     assert torch.equal(s, x + h)
     assert _rel(ys, torch_path.rms_norm_zero_centred(x + h, w, 1e-6)) < 1e-5
+    assert torch.equal(y16, y.to(bf)) and torch.equal(s16, s) and torch.equal(ys16, ys.to(bf))
+
+    dy = torch.randn(1000, 2048, generator=g, device=DEV).to(bf)
+    ds = torch.randn(1000, 2048, generator=g, device=DEV)
+    for residual in (None, ds):
+        with toolkit.poisoned_outputs():
+            got = hopper.rms_norm_bwd(x, w, 1e-6, dy, residual)
+            wide = hopper.rms_norm_bwd(x, w, 1e-6, dy.float(), residual)
+        assert got[0].dtype == torch.float32 and all(torch.equal(a, b) for a, b in zip(got, wide))
+
+    def run(x_, h_, w_, ours):
+        if ours:
+            y_ = autograd.rms_norm(x_, w_, 1e-6, out_dtype=bf)
+            s_, ys_ = autograd.add_rms_norm(x_, h_, w_, 1e-6, out_dtype=bf)
+        else:
+            y_ = torch_path.rms_norm_zero_centred(x_, w_, 1e-6)
+            s_, ys_ = x_ + h_, torch_path.rms_norm_zero_centred(x_ + h_, w_, 1e-6)
+        return y_, s_, ys_
+
+    cot = [torch.randn(1000, 2048, generator=g, device=DEV) for _ in range(3)]
+    outs, grads = {}, {}
+    for ours in (True, False):
+        leaves = [x.clone().requires_grad_(True), (h if ours else h.float()).clone().requires_grad_(True),
+                  w.clone().requires_grad_(True)]
+        with toolkit.poisoned_outputs():
+            outs[ours] = run(*leaves, ours)
+            loss = sum((o.float() * c).sum() for o, c in zip(outs[ours], cot))
+            grads[ours] = torch.autograd.grad(loss, leaves)
+    assert [o.dtype for o in outs[True]] == [bf, torch.float32, bf]
+    assert [d.dtype for d in grads[True]] == [torch.float32, bf, torch.float32]
+    errs = [_rel(a, b) for a, b in zip(outs[True] + grads[True], outs[False] + grads[False])]
+    print("fp32 rows, bf16 out: rel-L2 y, s, y(s), dx, dh, dw " + ", ".join(f"{e:.1e}" for e in errs))
+    assert errs[1] == 0 and max(errs) < 1e-2

@@ -24,7 +24,9 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exi
 # silu (the MLP's silu(gate) * up): (D, dtype); qkrope (attention q/k norm + partial RoPE): (H, Hkv, D, R, dtype,
 # eps); gate (attention output * sigmoid(gate)): (H, D, dtype); addrms (the decoder's residual add + RMSNorm):
 # (D, dtype, eps, weight dtype). The backward kernels: conv_bwd (Hk, Hv, D, Kc, dtype, has_bias); norm_bwd (V, dtype,
-# eps); rms_bwd (D, dtype, eps, weight dtype, with the residual path's gradient); silu_bwd (D, dtype)
+# eps); rms_bwd (D, dtype, eps, weight dtype, with the residual path's gradient); silu_bwd (D, dtype). The RMSNorms'
+# fp32 rows under autocast (AUTOCAST_NORMS) add the CTA's (tile elements, threads), b's dtype (addrms) and y's
+# (rms, addrms) or dy's (rms_bwd) dtype
 CORE = [
     ("conv", (16, 16, 128, 4, "bfloat16", False, False)),
     ("norm", (128, "bfloat16", 1e-6)),
@@ -69,6 +71,13 @@ EXTRA = [
     ("rms", (2048, "float32", 1e-6)),
     ("addrms", (2048, "float32", 1e-6, "float32", 2048, 128, "bfloat16")),
     ("rms_bwd", (2048, "float32", 1e-6, "float32", True)),
+]
+# the 2B model's norms under bf16 autocast with fp32 weights: fp32 rows written in bf16, their gradient read in bf16
+AUTOCAST_NORMS = [
+    ("rms", (2048, "float32", 1e-6, "float32", 2048, 128, "bfloat16")),
+    ("addrms", (2048, "float32", 1e-6, "float32", 2048, 128, "bfloat16", "bfloat16")),
+    ("rms_bwd", (2048, "float32", 1e-6, "float32", False, 2048, 128, "bfloat16")),
+    ("rms_bwd", (2048, "float32", 1e-6, "float32", True, 2048, 128, "bfloat16")),
 ]
 
 
@@ -116,6 +125,22 @@ def test_glue_kernel_compiles_for_sm90a(stage, args):
 @pytest.mark.parametrize("stage,args", EXTRA, ids=[f"{s}-{a}" for s, a in EXTRA])
 def test_other_glue_specialisations_compile_for_sm90a(stage, args):
     _compile(stage, args)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("stage,args", AUTOCAST_NORMS, ids=[f"{s}-{a}" for s, a in AUTOCAST_NORMS])
+def test_rms_norm_kernels_write_and_read_autocasts_dtype_from_fp32_rows(stage, args):
+    """The new specialisations compile with y (dy) bf16 and everything else as the fp32 kernel had it; y / dy in
+    the rows' own dtype, spelled out, is the default specialisation's CUDA byte for byte (the GPU-verified kernels
+    unchanged)."""
+    src = _compile(stage, args)
+    head = src[src.index("__global__"):src.index("{", src.index("__launch_bounds__"))]
+    bf16_args = set(re.findall(r"bfloat16_t\* __restrict__ (\w+)", head))
+    assert bf16_args == {"rms": {"y"}, "addrms": {"b", "y"}, "rms_bwd": {"dy"}}[stage], head
+    assert "float* __restrict__ x" in head or "float* __restrict__ a" in head
+    assert _compile(stage, (*args[:-1], "float32")) == _compile(stage, args[:-1])
+    # the bf16 rounding of y is the round-to-nearest-even conversion, as torch's cast to bf16
+    assert stage == "rms_bwd" or "__float22bfloat162_rn" in src
 
 
 @needs_nvcc

@@ -54,8 +54,8 @@ def test_stages_with_backward_kernels_take_them_under_grad_and_forward_only_stag
 
     monkeypatch.setattr(dispatch, "hopper_reason", lambda *tensors: None)
     calls = []
-    monkeypatch.setattr(autograd, "rms_norm", lambda x, w, eps: calls.append(("grad", eps)) or x)
-    monkeypatch.setattr(ops.hopper, "rms_norm_fwd", lambda x, w, eps: calls.append(("fwd", eps)) or x)
+    monkeypatch.setattr(autograd, "rms_norm", lambda x, w, eps, out_dtype: calls.append(("grad", eps)) or x)
+    monkeypatch.setattr(ops.hopper, "rms_norm_fwd", lambda x, w, eps, out_dtype: calls.append(("fwd", eps)) or x)
     x = torch.randn(3, 64, dtype=torch.bfloat16, requires_grad=True)
     w = torch.zeros(64)
     ops.rms_norm(x, w, 1e-6)
@@ -97,3 +97,41 @@ def test_stages_with_backward_kernels_take_them_under_grad_and_forward_only_stag
     assert ops.conv_qkv_gates_decision(qkv, a, a, Hk=2, K=128, Hv=4, V=128, Kc=4).kernel
     assert "conv width 9" in ops.conv_qkv_gates_decision(qkv, a, a, Hk=2, K=128, Hv=4, V=128, Kc=9).reasons[0]
     assert "dtype torch.float32 unsupported by the glue kernels" in ops.dtype_reason(qkv.float())
+
+
+def test_norms_write_out_dtype_on_every_path_and_fall_back_where_the_kernel_lacks_it(monkeypatch):
+    """``out_dtype``: off Hopper the torch formulation rounds its result to it (fp32 rows to bf16 rounded once); as on
+    an H200, fp32 rows to bf16 / fp16 go to the kernels (under grad to their autograd Functions) with the dtype, while
+    a combination the kernels lack (bf16 rows written in fp32) takes torch with backend=None and names the reason
+    when the kernel is forced."""
+    from flashqla_kernels import dispatch
+    from flashqla_kernels.decoder import autograd, torch_path
+
+    x, w = 3 * torch.randn(3, 64), 0.1 * torch.randn(64)
+    r = torch.randn(3, 64, dtype=torch.bfloat16)
+    ref = torch_path.rms_norm_zero_centred(x, w, 1e-6)
+    y = ops.rms_norm(x, w, 1e-6, out_dtype=torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, ref.bfloat16())
+    s, y = ops.add_rms_norm(x, r, w, 1e-6, out_dtype=torch.float16)
+    assert s.dtype == torch.float32 and torch.equal(s, x + r)
+    assert torch.equal(y, torch_path.rms_norm_zero_centred(x + r, w, 1e-6).half())
+
+    monkeypatch.setattr(dispatch, "hopper_reason", lambda *tensors: None)
+    calls = []
+    monkeypatch.setattr(ops.hopper, "rms_norm_fwd", lambda x, w, eps, *, out_dtype: calls.append(out_dtype) or x)
+    monkeypatch.setattr(ops.hopper, "add_rms_norm_fwd",
+                        lambda a, b, w, eps, *, out_dtype: calls.append(out_dtype) or (a, a))
+    monkeypatch.setattr(autograd, "rms_norm", lambda x, w, eps, *, out_dtype: calls.append(("grad", out_dtype)) or x)
+    ops.rms_norm(x, w, 1e-6, out_dtype=torch.bfloat16)
+    ops.add_rms_norm(x, r, w, 1e-6, out_dtype=torch.float16)
+    ops.rms_norm(x, w.clone().requires_grad_(True), 1e-6, out_dtype=torch.bfloat16)
+    ops.rms_norm(x.bfloat16(), w, 1e-6, out_dtype=None)
+    assert calls == [torch.bfloat16, torch.float16, ("grad", torch.bfloat16), None]
+    xb = x.bfloat16()
+    y = ops.rms_norm(xb, w, 1e-6, out_dtype=torch.float32)
+    assert y.dtype == torch.float32 and len(calls) == 4  # the torch formulation ran
+    with pytest.raises(ValueError, match="cannot run rms_norm on these inputs: the RMSNorm kernels write "
+                                         "torch.bfloat16 rows in their own dtype"):
+        ops.rms_norm(xb, w, 1e-6, out_dtype=torch.float32, backend="tilelang")
+    with pytest.raises(ValueError, match="cannot run add_rms_norm on these inputs: the RMSNorm kernels"):
+        ops.add_rms_norm(xb, xb, w, 1e-6, out_dtype=torch.float16, backend="tilelang")

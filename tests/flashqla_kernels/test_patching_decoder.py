@@ -150,6 +150,23 @@ def test_hooks_on_the_fused_parts_keep_them_module_calls():
     assert "down_proj has a bias" in decoder_patch.down_residual_reason(mlp, h, h.clone())
 
 
+def test_down_residual_fusion_is_skipped_for_an_mlp_input_in_autocasts_dtype(monkeypatch):
+    """Under autocast with fp32 weights the fused norm hands the MLP bf16 rows beside the fp32 sum: the MLP's bf16
+    output cannot accumulate into the fp32 sum in place, so the end-of-layer add stays an add."""
+    from flashqla_kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "hopper_reason", lambda *tensors: None)
+    mlp = _layers(tiny_model("qwen3_5"))[0].mlp
+    s = torch.randn(1, 5, 64)
+    with torch.no_grad():  # as the held-out evaluations run
+        assert decoder_patch.down_residual_reason(mlp, s.bfloat16(), s) == (
+            "down_proj weight torch.float32, the MLP input torch.bfloat16 and the sum (1, 5, 64) torch.float32 do "
+            "not fit an in-place GEMM")
+        # a bf16 model's: one dtype throughout, fused
+        mlp = mlp.to(torch.bfloat16)
+        assert decoder_patch.down_residual_reason(mlp, s.bfloat16(), s.bfloat16()) is None
+
+
 def test_a_hooked_post_attention_norm_sees_the_sum_and_keeps_it(monkeypatch):
     """A hook on the norm keeps the sum it was given (no clone): the end-of-layer add must not write into it."""
     model = tiny_model("qwen3_5")

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["conv_qkv_gates_fwd", "gated_rms_norm_fwd", "rms_norm_fwd", "add_rms_norm_fwd", "silu_mul_fwd", "qk_norm_rope_fwd",
-           "gate_mul_fwd", "gate_mul_head_major_fwd", "swiglu_gemm_fwd", "conv_qkv_bwd", "gated_rms_norm_bwd",
-           "rms_norm_bwd", "silu_mul_bwd", "add_operands_reason", "conv_shape_reason", "attention_shape_reason", "swiglu_shape_reason",
-           "HEAD_DIMS"]
+__all__ = ["conv_qkv_gates_fwd", "gated_rms_norm_fwd", "rms_norm_fwd", "add_rms_norm_fwd", "silu_mul_fwd",
+           "qk_norm_rope_fwd", "gate_mul_fwd", "gate_mul_head_major_fwd", "swiglu_gemm_fwd", "conv_qkv_bwd",
+           "gated_rms_norm_bwd", "rms_norm_bwd", "silu_mul_bwd", "add_operands_reason", "norm_out_reason",
+           "conv_shape_reason", "attention_shape_reason", "swiglu_shape_reason", "HEAD_DIMS"]
 
 HEAD_DIMS = (64, 128, 256)
 # The SwiGLU GEMM's default tile: N (output channels) in blocks of 128, K (input channels) in steps of 64; equal to
@@ -57,13 +57,27 @@ def gated_rms_norm_fwd(o, z, weight, eps):
     return stage.gated_rms_norm(o, z, weight, eps)
 
 
-def rms_norm_fwd(x, weight, eps):
-    """Zero-centred RMSNorm on the kernel (see ``rms_norm.rms_norm``): x [..., D] with D a multiple of 64."""
+def norm_out_reason(dtype: torch.dtype, out_dtype: torch.dtype | None) -> str | None:
+    """Why the RMSNorm kernels cannot write rows of ``dtype`` normalised in ``out_dtype``, or None: None or the rows'
+    own dtype, or bf16 / fp16 from fp32 rows (the residual stream under autocast, written in autocast's dtype)."""
+    if out_dtype is None or out_dtype == dtype or (dtype == torch.float32
+                                                   and out_dtype in (torch.bfloat16, torch.float16)):
+        return None
+    return (f"the RMSNorm kernels write {dtype} rows in their own dtype, or fp32 rows in bf16/fp16; got out_dtype "
+            f"{out_dtype}")
+
+
+def rms_norm_fwd(x, weight, eps, *, out_dtype=None):
+    """Zero-centred RMSNorm on the kernel (see ``rms_norm.rms_norm``): x [..., D] with D a multiple of 64, y in
+    ``out_dtype`` (None: x's; ``norm_out_reason``)."""
     if x.shape[-1] % 64:
         raise ValueError(f"row width D={x.shape[-1]} unsupported by the RMSNorm kernel (a multiple of 64 needed)")
+    reason = norm_out_reason(x.dtype, out_dtype)
+    if reason is not None:
+        raise ValueError(reason)
     from flashqla_kernels.decoder.hopper import rms_norm as stage
 
-    return stage.rms_norm(x, weight, eps)
+    return stage.rms_norm(x, weight, eps, out_dtype=out_dtype)
 
 
 def add_operands_reason(a, b) -> str | None:
@@ -76,17 +90,18 @@ def add_operands_reason(a, b) -> str | None:
     return None
 
 
-def add_rms_norm_fwd(a, b, weight, eps):
+def add_rms_norm_fwd(a, b, weight, eps, *, out_dtype=None):
     """The decoder's residual add and the zero-centred RMSNorm after it in one pass (see ``rms_norm.add_rms_norm``):
-    a, b [..., D] with D a multiple of 64 (``add_operands_reason``); returns (a + b, rms_norm(a + b)) in a's dtype."""
+    a, b [..., D] with D a multiple of 64 (``add_operands_reason``); returns (a + b in a's dtype, rms_norm(a + b) in
+    ``out_dtype``, None: a's; ``norm_out_reason``)."""
     if a.shape[-1] % 64:
         raise ValueError(f"row width D={a.shape[-1]} unsupported by the add + RMSNorm kernel (a multiple of 64 needed)")
-    reason = add_operands_reason(a, b)
+    reason = add_operands_reason(a, b) or norm_out_reason(a.dtype, out_dtype)
     if reason is not None:
         raise ValueError(reason)
     from flashqla_kernels.decoder.hopper import rms_norm as stage
 
-    return stage.add_rms_norm(a, b, weight, eps)
+    return stage.add_rms_norm(a, b, weight, eps, out_dtype=out_dtype)
 
 
 def silu_mul_fwd(gate, up):
@@ -118,8 +133,8 @@ def gated_rms_norm_bwd(o, z, weight, eps, dy):
 
 
 def rms_norm_bwd(x, weight, eps, dy, ds=None):
-    """The zero-centred RMSNorm's backward on the kernel (see ``rms_norm.rms_norm_bwd``), ``ds`` (the residual
-    path's gradient of x) added: (dx, dweight fp32)."""
+    """The zero-centred RMSNorm's backward on the kernel (see ``rms_norm.rms_norm_bwd``; dy in x's dtype, or bf16 /
+    fp16 for fp32 x), ``ds`` (the residual path's gradient of x) added: (dx, dweight fp32)."""
     from flashqla_kernels.decoder.hopper import rms_norm as stage
 
     return stage.rms_norm_bwd(x, weight, eps, dy, ds)
