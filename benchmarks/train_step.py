@@ -160,6 +160,8 @@ def write_results(result: dict, out: Path) -> str:
              "| arm | s a step | training tokens/s | x FlashQLA's op | peak GB | note |", "|---|---|---|---|---|---|"]
     for r in result["arms"]:
         peak = f"{r['peak_gb']:.1f}" if "peak_gb" in r else "-"
+        if r.get("alloc_retries"):
+            peak += f" ({r['alloc_retries']} allocator retries)"
         if "tokens_per_s" in r:
             lines.append(f"| {r['arm']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
                          f"{r.get('vs_flashqla', float('nan')):.2f} | {peak} | |")
@@ -251,6 +253,7 @@ def main(argv=None) -> None:
         try:
             if DEVICE == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+                torch.cuda.reset_accumulated_memory_stats()
             with arm_context(name):
                 run(1)  # warm-up: kernels compiled, the optimizer's first allocations
                 one, many = run(1), run(steps)
@@ -261,6 +264,8 @@ def main(argv=None) -> None:
                     row["profile"] = gdn_layer.breakdown(lambda: train_only(1), DEVICE, top_n=30)
             if DEVICE == "cuda":
                 row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+                # the caching allocator's retries: each frees cached blocks (a device-wide sync) to fit a request
+                row["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
             if many > one:
                 step_s = (many - one) / max(steps - 1, 1)
                 row.update(step_s=step_s, tokens_per_s=batch * seq / step_s, call_s=many)

@@ -3,17 +3,18 @@
 ``model(input_ids, labels=input_ids).loss`` forms every position's logits (a [B, T, V] tensor; V = 248 320 for
 Qwen3.5), upcasts them to fp32 and takes the cross entropy: at 4 096 tokens that is 2 GB of bf16 logits, a 4 GB fp32
 copy of them, and the softmax's forward and backward passes over the copy, about 170 ms of a 2B-shaped training step
-on an H100 and 6 GB of memory held until the backward. ``causal_lm_loss`` runs the decoder to its final norm and
-the head (the ``Linear`` itself, so autocast casts its weight as it would in the causal LM), then one autograd
-Function takes the softmax in fp32 a block of rows at a time and overwrites each block of logits with the loss's
-gradient, (softmax - onehot) / n. The head's own backward multiplies that out (dh = G W, dW = G^T h): the GEMMs of
-the unfused path, the elementwise work one pass over each block, and what waits for the backward is the buffer in
-the compute dtype.
+on an H100 and 6 GB of memory held until the backward. ``causal_lm_loss`` runs the decoder to its final norm and the
+head (the ``Linear`` itself, so autocast casts its weight as it would in the causal LM), then one autograd Function
+takes the softmax in fp32 a block of rows at a time and overwrites each block of logits with the loss's gradient,
+softmax - onehot (scaled by 1 / n in the backward). The head's own backward multiplies that out (dh = G W, dW = G^T
+h): the GEMMs of the unfused path, the elementwise work a few passes over each block, and what waits for the backward
+is the buffer in the compute dtype.
 
-The numbers are the unfused path's: the logits rounded to the compute dtype, the softmax in fp32, the gradient
-rounded to the compute dtype before its GEMMs (once more when the loss's incoming gradient, such as
-1 / grad_accum, is not a power of two). Every position but the last predicts the next token and counts (the rows are
-packed text: no padding, no ignored labels); the loss is their mean, transformers' for such rows.
+The numbers are the unfused path's: the logits rounded to the compute dtype, the softmax in fp32, the gradient rounded
+to the compute dtype before its GEMMs (twice: softmax - onehot, then its product with 1 / n and the loss's incoming
+gradient, where the unfused path rounds the scaled fp32 gradient once). Every position but the last predicts the next
+token and counts (the rows are packed text: no padding, no ignored labels); the loss is their mean, transformers' for
+such rows.
 
 Models whose head is not a plain bias-free ``Linear`` over the final norm's output (a logit soft-cap, a router's
 auxiliary loss in the causal LM's loss) take transformers' own loss.
@@ -75,18 +76,18 @@ class _CrossEntropy(torch.autograd.Function):
         for start in range(0, n, block_rows):
             block = logits[start:start + block_rows]
             tgt = targets[start:start + block_rows, None]
-            f = block.float()  # fp32 logits: the block itself
-            lse = torch.logsumexp(f, dim=1, keepdim=True)
-            loss += (lse - f.gather(1, tgt)).sum()
-            # d(mean CE) / d logits = (softmax - onehot) / n, rounded once into the buffer
-            f.sub_(lse).exp_()
-            f.scatter_add_(1, tgt, torch.full(tgt.shape, -1.0, device=f.device))
-            block.copy_(f.mul_(1.0 / n))
+            p = torch.softmax(block, dim=1, dtype=torch.float32)  # one kernel: the logits read, fp32 written
+            # logsumexp = x_j - log p_j at the row's largest p_j (>= 1 / vocab: its log is exact in fp32)
+            p_max, j = p.max(dim=1, keepdim=True)
+            lse = block.gather(1, j).float() - p_max.log()
+            loss += (lse - block.gather(1, tgt).float()).sum()
+            p.scatter_add_(1, tgt, torch.full(tgt.shape, -1.0, device=p.device))
+            block.copy_(p)  # softmax - onehot, rounded into the buffer; 1 / n joins the backward's scale
         ctx.mark_dirty(logits)
         ctx.mark_non_differentiable(logits)
         ctx.save_for_backward(logits)
         ctx.set_materialize_grads(False)
-        ctx.spent = False
+        ctx.spent, ctx.n = False, n
         return loss / n, logits
 
     @staticmethod
@@ -98,4 +99,7 @@ class _CrossEntropy(torch.autograd.Function):
         (g,) = ctx.saved_tensors
         if grad is None:
             return None, None, None
-        return g.mul_(grad), None, None
+        # the scale stays a device tensor (no host sync) and is applied in fp32 by the multi-tensor kernel (a plain
+        # mul_ by a 0-dim fp32 tensor takes the slow mixed-dtype path)
+        torch._foreach_mul_([g], grad.float() / ctx.n)
+        return g, None, None
