@@ -133,7 +133,10 @@ for p in "$@"; do
                  --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis_Tables \
                  -k regex:gdn_ python3 benchmarks/ncu_stages.py \
                  --configs ${NCU_CONFIGS:-0}" ;;
+        # expandable segments for every arm: the step's 2 GB logits and 1 GB softmax blocks otherwise cost new
+        # allocator segments (same H100, ours: 1.583 s a step default, 1.453 expandable)
         train) phase train "${TRAIN_S:-300}" bash -c "python3 benchmarks/train_step.py --precompile-only --jobs 14; \
+                   PYTORCH_CUDA_ALLOC_CONF=\${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
                    python3 benchmarks/train_step.py --out '$OUT' ${TRAIN_ARGS:-}" ;;
         encode-tests) phase encode-tests "${ENCODE_TESTS_S:-240}" python3 -m pytest -q -rfE --timeout 200 -p no:cacheprovider \
                           -m gpu tests/saes ;;
