@@ -267,9 +267,14 @@ def breakdown(fwd, device: str, top_n: int = 12) -> dict:
         if evt.key.startswith("aten::") and us > 0 and evt.key not in ("aten::mm", "aten::addmm", "aten::linear",
                                                                         "aten::matmul"):
             ops.append((us / 1e3, f"{evt.key} x{evt.count} {str(evt.input_shapes)[:110]}"))
+    # where the host's time goes (a step whose GPU waits on the host is bounded by these, not by the kernels):
+    # every op and Python-level range by its own CPU time
+    host = sorted(((evt.self_cpu_time_total / 1e3, f"{evt.key[:90]} x{evt.count}") for evt in prof.key_averages()
+                   if evt.self_cpu_time_total > 0), reverse=True)
     return {"ms": out, "total_ms": total, "glue_ms": glue, "glue_share": glue / total if total else 0.0,
             "top_kernels": [f"{ms:.2f} ms {name}" for ms, name in sorted(top, reverse=True)[:top_n]],
-            "top_torch_ops": [f"{ms:.2f} ms {name}" for ms, name in sorted(ops, reverse=True)[:top_n + 3]]}
+            "top_torch_ops": [f"{ms:.2f} ms {name}" for ms, name in sorted(ops, reverse=True)[:top_n + 3]],
+            "top_host_ops": [f"{ms:.2f} ms {name}" for ms, name in host[:top_n]]}
 
 
 def rel_l2(x, ref) -> float:

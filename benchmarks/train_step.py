@@ -159,16 +159,18 @@ def write_results(result: dict, out: Path) -> str:
              f"{result['model']}; {result['batch']} x {result['seq_len']} tokens a step, LM loss + a feature penalty "
              f"at layer {result['layer']}, AdamW, through `qwen_scope.applications.finetune`; CUDA allocator: "
              f"{e.get('allocator', 'default')}.", "",
-             "| arm | s a step | training tokens/s | x FlashQLA's op | peak GB | note |", "|---|---|---|---|---|---|"]
+             "| arm | s a step | training tokens/s | x FlashQLA's op | peak GB | host issue / GPU drain, s | note |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["arms"]:
         peak = f"{r['peak_gb']:.1f}" if "peak_gb" in r else "-"
         if r.get("alloc_retries"):
             peak += f" ({r['alloc_retries']} allocator retries)"
+        host = f"{r['issue_s']:.3f} / {r['drain_s']:.3f}" if "issue_s" in r else "-"
         if "tokens_per_s" in r:
             lines.append(f"| {r['arm']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
-                         f"{r.get('vs_flashqla', float('nan')):.2f} | {peak} | |")
+                         f"{r.get('vs_flashqla', float('nan')):.2f} | {peak} | {host} | |")
         else:
-            lines.append(f"| {r['arm']} | - | - | - | {peak} | {r.get('error') or r.get('note')} |")
+            lines.append(f"| {r['arm']} | - | - | - | {peak} | {host} | {r.get('error') or r.get('note')} |")
     check = result.get("loss_check")
     if check:
         lines += ["", f"The step's LM loss (`causal_lm_loss`) on one micro-batch: {check['causal_lm_loss']:.6f}, "
@@ -188,6 +190,9 @@ def write_results(result: dict, out: Path) -> str:
             lines += ["", f"Top kernels, {r['arm']}:", ""] + [f"- {k}" for k in r["profile"]["top_kernels"]]
             lines += ["", f"Top torch ops by their kernels' device time, {r['arm']}:", ""] + [
                 f"- {k}" for k in r["profile"].get("top_torch_ops", [])]
+            if r["profile"].get("top_host_ops"):
+                lines += ["", f"Top ops by host (CPU) self time, {r['arm']}:", ""] + [
+                    f"- {k}" for k in r["profile"]["top_host_ops"]]
     text = "\n".join(lines) + "\n"
     (out / "train_step.md").write_text(text)
     return text
@@ -242,14 +247,23 @@ def main(argv=None) -> None:
         ct.sync()
         return time.perf_counter() - start
 
+    ft = sys.modules[finetune.__module__]
+    train_rows = ft.pack_texts(scope.tokenizer, train, seq, what="train_texts")
+
     def train_only(n: int) -> None:
         # the training steps alone: finetune's own loop (its module's private _train), without the held-out
         # evaluations finetune runs before and after
-        ft = sys.modules[finetune.__module__]
+        ft._train(scope, train_rows, ft._penalties(scope, {layer: [7]}), config(n), False)
 
-        cfg = config(n)
-        rows = ft.pack_texts(scope.tokenizer, train, seq, what="train_texts")
-        ft._train(scope, rows, ft._penalties(scope, {layer: [7]}), cfg, False)
+    def issue_and_drain() -> tuple[float, float]:
+        # one step: the seconds the host takes to issue it, then the seconds the GPU still needs after the host is
+        # done; a drain near zero means the GPU waited on the host (the step is host-bound)
+        ct.sync()
+        start = time.perf_counter()
+        train_only(1)
+        issued = time.perf_counter()
+        ct.sync()
+        return issued - start, time.perf_counter() - issued
 
     result["loss_check"] = loss_check(scope, train, seq, micro, precision)
     for name in args.arms:
@@ -261,6 +275,7 @@ def main(argv=None) -> None:
             with arm_context(name):
                 run(1)  # warm-up: kernels compiled, the optimizer's first allocations
                 one, many = run(1), run(steps)
+                row["issue_s"], row["drain_s"] = issue_and_drain()
                 if args.profile:
                     import gdn_layer
 
