@@ -7,10 +7,11 @@ training texts are packed into rows of ``seq_len`` tokens; each step is AdamW on
     loss = LM loss + weight * sum over penalised layers of  FeaturePenalty(layer)(resid_post.layer)
 
 over ``batch_size`` rows (times ``grad_accum`` micro-batches), the penalty on every position but each row's first
-(position 0 is left out as everywhere in the toolkit: it has no context and carries outlier activations). The
-training LM loss is ``lm_loss.causal_lm_loss`` (transformers' value, without the fp32 copy of the logits). Before and
-after, the held-out texts (packed the same way) give the LM loss per token and, for each penalised feature, its
-mean SAE activation and firing rate (the share of tokens where the TopK code is > 0) over positions 1.. .
+(position 0 is left out as everywhere in the toolkit: it has no context and carries outlier activations). The LM loss
+is ``lm_loss.causal_lm_loss`` (transformers' value, without the fp32 copy of the logits; in the held-out evaluations a
+block of rows' logits at a time, whatever ``eval_batch_size``). Before and after, the held-out texts (packed the same
+way) give the LM loss per token and, for each penalised feature, its mean SAE activation and firing rate (the share of
+tokens where the TopK code is > 0) over positions 1.. .
 
     result = finetune(scope, train_texts, held_out_texts, {4: [229]}, FinetuneConfig(steps=20, lr=3e-4))
     print(result.table())              # LM loss and each feature's mean / firing rate, before -> after
@@ -223,7 +224,7 @@ def evaluate_held_out(scope, rows: torch.Tensor, penalties: Sequence[FeaturePena
         for start in range(0, len(rows), batch_size):
             x = rows[start:start + batch_size].to(device)
             with capture(model, points) as cap, _autocast(device, precision):
-                loss = model(input_ids=x, labels=x, use_cache=False).loss
+                loss = causal_lm_loss(scope.adapter, x)
             # The LM loss predicts positions 1.. and the features are read there: the same tokens for both.
             n = x.shape[0] * (x.shape[1] - 1)
             loss_sum, n_tok = loss_sum + float(loss) * n, n_tok + n

@@ -51,6 +51,8 @@ def causal_lm_loss(adapter, input_ids: torch.Tensor, *, block_rows: int = BLOCK_
 
     Returns:
         A 0-dim fp32 tensor. Its backward runs once (the logits' buffer becomes the gradient: no retain_graph).
+        Without grad (an evaluation) the logits exist a block of rows at a time: memory does not grow with the
+        batch.
     """
     head = fused_head(adapter)
     if head is None:
@@ -61,9 +63,23 @@ def causal_lm_loss(adapter, input_ids: torch.Tensor, *, block_rows: int = BLOCK_
     hidden = adapter.text_model(input_ids=input_ids, use_cache=False).last_hidden_state
     # The head through the module itself, so autocast casts its weight as in the causal LM (and from its cache);
     # 2-D rows, so the logits are a tensor of their own, not a view, when the Function overwrites them.
-    logits = head(hidden[:, :-1].reshape(-1, hidden.shape[-1]))
-    loss, _ = _CrossEntropy.apply(logits, input_ids[:, 1:].reshape(-1), block_rows)
+    rows = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    targets = input_ids[:, 1:].reshape(-1)
+    if not (torch.is_grad_enabled() and (rows.requires_grad or head.weight.requires_grad)):
+        return _loss_by_blocks(head, rows, targets, block_rows)
+    loss, _ = _CrossEntropy.apply(head(rows), targets, block_rows)
     return loss
+
+
+def _loss_by_blocks(head: nn.Linear, rows: torch.Tensor, targets: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """The loss alone (no gradient wanted): the head and the softmax a block of rows at a time, so an evaluation of
+    many rows holds one block's logits (transformers' loss holds every row's, twice)."""
+    loss = torch.zeros((), dtype=torch.float32, device=rows.device)
+    for start in range(0, rows.shape[0], block_rows):
+        f = head(rows[start:start + block_rows]).float()
+        tgt = targets[start:start + block_rows, None]
+        loss += (torch.logsumexp(f, dim=1, keepdim=True) - f.gather(1, tgt)).sum()
+    return loss / rows.shape[0]
 
 
 class _CrossEntropy(torch.autograd.Function):

@@ -79,3 +79,20 @@ def test_a_second_backward_is_refused_with_the_fix():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice: .* compute the loss again instead of retain_graph"):
         loss.backward()
+
+
+def test_without_grad_the_head_sees_one_block_of_rows_at_a_time_and_the_value_is_the_same():
+    model = tiny_model("qwen3_5", seed=4)
+    adapter = get_adapter(model)
+    x = torch.randint(0, model.config.vocab_size, (3, 21))
+    seen = []
+    hook = adapter.unembed.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[0]))
+    try:
+        with torch.no_grad():
+            ref = _reference(model, x)
+            seen.clear()
+            got = causal_lm_loss(adapter, x, block_rows=8)
+    finally:
+        hook.remove()
+    assert seen == [8] * 7 + [4]  # 3 x 20 predictions in blocks of 8
+    assert got.item() == pytest.approx(ref.item(), rel=1e-6)
