@@ -31,7 +31,8 @@
 #   gdn-bwd      benchmarks/gdn_backward.py: forward + backward of the public op beside FLA and FlashQLA (GDN_BWD_ARGS=
 #                "--rows anchors" narrows it)
 #   train        benchmarks/train_step.py: finetune's step on the 2B shape, transformers (FLA) / FlashQLA's op / ours
-#                (TRAIN_ARGS="--arms flashqla,ours --profile" narrows it and adds the per-kind profile)
+#                (TRAIN_ARGS="--arms flashqla,ours --profile" narrows it and adds the per-kind profile; every arm
+#                runs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the caller sets it)
 #   encode-tests the fused TopK SAE encode's GPU tests (tests/saes, marker gpu)
 #   encode       benchmarks/topk_encode.py (fused TopK SAE encode vs torch)
 #   collect      benchmarks/collect_throughput.py (bare forward / capture / SAE codes; ours vs FLA vs torch GDN;
