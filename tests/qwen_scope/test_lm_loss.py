@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hooks import get_adapter
-from qwen_scope.applications.lm_loss import causal_lm_loss, fused_head
+from qwen_scope.applications.lm_loss import _CrossEntropy, causal_lm_loss, fused_head
 from tests.factories import tiny_model
 
 
@@ -96,3 +96,30 @@ def test_without_grad_the_head_sees_one_block_of_rows_at_a_time_and_the_value_is
         hook.remove()
     assert seen == [8] * 7 + [4]  # 3 x 20 predictions in blocks of 8
     assert got.item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+@pytest.mark.gpu
+def test_on_cuda_under_bf16_autocast_no_host_sync_and_transformers_values():
+    """The CUDA path (the fp32-out softmax, the multi-tensor scale in the backward) against transformers' loss; the
+    loss's own forward and backward (the head's GEMMs included) with every host synchronisation an error."""
+    model = tiny_model("qwen3_5", seed=5).cuda().train()
+    adapter = get_adapter(model)
+    x = torch.randint(0, model.config.vocab_size, (2, 65), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref_loss, ref = _grads(model, lambda: _reference(model, x))
+        loss, got = _grads(model, lambda: causal_lm_loss(adapter, x, block_rows=48))
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=2e-3)
+    assert got.keys() == ref.keys()
+    assert max(_rel(got[n], ref[n]) for n in ref) < 5e-2
+
+    rows = torch.randn(130, model.config.hidden_size, device="cuda", requires_grad=True)
+    targets = torch.randint(0, model.config.vocab_size, (130,), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            part, _ = _CrossEntropy.apply(adapter.unembed(rows), targets, 48)
+        (part / 3).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(rows.grad).all()
