@@ -14,6 +14,7 @@ evaluations before and after, the first step's compiles), reported as training t
 Usage (GPU): ``python benchmarks/train_step.py --out benchmarks/results`` writes ``train_step.json`` and ``.md``
 (after every arm, so a run stopped by its time limit keeps the arms it finished); ``--profile`` adds one profiled
 training step per arm (device time by kind of kernel: GEMM, GDN op, norms, conv, copies, elementwise, attention);
+``--sync-sites`` lists where one step's host waited for the GPU (torch's CUDA sync debugging);
 ``--tiny`` runs every arm on a tiny model (CPU is fine) as a dry run. ``--precompile-only`` (no GPU, ``--jobs N``
 processes) builds the kernels of the "ours" arm: the GDN op's forward chunk kernels and backward kernels for the 2B
 layer as the fused layer trains it (bf16 under autocast, the l2norm in the glue, no initial or final state), the
@@ -193,6 +194,12 @@ def write_results(result: dict, out: Path) -> str:
             if r["profile"].get("top_host_ops"):
                 lines += ["", f"Top ops by host (CPU) self time, {r['arm']}:", ""] + [
                     f"- {k}" for k in r["profile"]["top_host_ops"]]
+    for r in result["arms"]:
+        if "sync_sites" in r:
+            sites = r["sync_sites"]
+            lines += ["", f"Where the host waited for the GPU in one training step, {r['arm']} (torch's CUDA sync "
+                      f"debugging; {sum(e['count'] for e in sites)} waits):", ""]
+            lines += [f"- {e['count']} x {e['site']}" for e in sites] or ["- none"]
     text = "\n".join(lines) + "\n"
     (out / "train_step.md").write_text(text)
     return text
@@ -217,6 +224,9 @@ def main(argv=None) -> None:
     parser.add_argument("--jobs", type=int, default=1, help="processes for --precompile-only")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one training step of each arm: device time by kind of kernel")
+    parser.add_argument("--sync-sites", action="store_true",
+                        help="also run one training step of each arm under torch's CUDA sync debugging and list "
+                             "where the host waited for the GPU")
     args = parser.parse_args(argv)
     if args.precompile_only:
         raise SystemExit(1 if precompile(args.micro or 2, args.jobs) else 0)
@@ -281,6 +291,10 @@ def main(argv=None) -> None:
 
                     # a training step's glue is spread over many small kernels: a longer list than a forward's
                     row["profile"] = gdn_layer.breakdown(lambda: train_only(1), DEVICE, top_n=30)
+                if args.sync_sites and DEVICE == "cuda":
+                    import collect_profile
+
+                    row["sync_sites"] = collect_profile.sync_sites(lambda: train_only(1), limit=16)
             if DEVICE == "cuda":
                 row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
                 # the caching allocator's retries: each frees cached blocks (a device-wide sync) to fit a request

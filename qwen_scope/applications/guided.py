@@ -67,6 +67,8 @@ class FeaturePenalty:
         self.target = targets.expand(ids.numel()).clone()  # [F]
         self._W = sae.W_enc.detach()[ids].float()  # [F, d_model]
         self._b = sae.b_enc.detach()[ids].float()
+        self._device_copy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._device_key: tuple | None = None
 
     @classmethod
     def sasft(cls, sae, layer: int, features: Iterable[int], targets: Sequence[float] | torch.Tensor
@@ -78,12 +80,23 @@ class FeaturePenalty:
 
     def pre_acts(self, resid: torch.Tensor) -> torch.Tensor:
         """The chosen features' pre-activations ``[..., F]`` in fp32 (differentiable in ``resid``)."""
-        return F.linear(resid.float(), self._W.to(resid.device), self._b.to(resid.device))
+        W, b, _ = self._on(resid.device)
+        return F.linear(resid.float(), W, b)
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # The rows, bias and targets on the activations' device, copied once: a copy from host memory inside the
+        # training loop waits for the GPU to finish all its queued work (a host sync every micro-batch). Keyed on
+        # the target tensor and its version, so a reassigned or edited ``target`` is copied again.
+        key = (device, id(self.target), self.target._version)
+        if self._device_key != key:
+            self._device_copy = (self._W.to(device), self._b.to(device), self.target.to(device))
+            self._device_key = key
+        return self._device_copy
 
     def __call__(self, resid: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The penalty of residual activations ``resid [B, T, d_model]``; ``mask [B, T]`` (1 = penalise) selects
         tokens, the mean is over the selected ones (0 when none is)."""
-        excess = (self.pre_acts(resid) - self.target.to(resid.device)).clamp(min=0)
+        excess = (self.pre_acts(resid) - self._on(resid.device)[2]).clamp(min=0)
         per_feature = excess * excess if self.power == 2 else excess
         per_token = per_feature.sum(-1) if self.reduce == "sum" else per_feature.mean(-1)  # [B, T]
         if mask is None:

@@ -61,6 +61,13 @@ def test_penalty_is_the_formula_on_the_captured_layer_and_the_hook_is_scoped(cod
         FeaturePenalty(sae, LAYER, [1024])
     with pytest.raises(ValueError, match="mask must be"):
         pen(resid, torch.ones(2, 2))
+    # the device copies of the rows and targets follow an edited or reassigned target
+    pen.target.fill_(0.5)
+    excess = (sae.pre_acts(resid)[..., feats].float() - 0.5).clamp(min=0).pow(2).sum(-1)
+    torch.testing.assert_close(pen(resid), excess.mean())
+    pen.target = torch.tensor([0.0, 0.2, 0.3])
+    excess = (sae.pre_acts(resid)[..., feats].float() - pen.target).clamp(min=0).pow(2).sum(-1)
+    torch.testing.assert_close(pen(resid), excess.mean())
 
 
 def _finetune(scope, ids, pen, weight: float, steps: int = 8) -> float:
