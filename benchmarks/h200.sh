@@ -30,7 +30,8 @@
 #                the L1 / shared-memory pipe busiest); needs a Firecracker machine (on gVisor ncu cannot read counters)
 #   gdn-bwd      benchmarks/gdn_backward.py: forward + backward of the public op beside FLA and FlashQLA (GDN_BWD_ARGS=
 #                "--rows anchors" narrows it)
-#   train-tests  the training step's GPU tests: the LM loss against transformers' under bf16 autocast, no host sync
+#   train-tests  the training step's GPU tests: the cross-entropy kernels against float64, the LM loss against
+#                transformers' under bf16 autocast, no host sync
 #   train        benchmarks/train_step.py: finetune's step on the 2B shape, transformers (FLA) / FlashQLA's op / ours
 #                (TRAIN_ARGS="--arms flashqla,ours --profile" narrows it and adds the per-kind profile; every arm
 #                runs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the caller sets it)
@@ -138,7 +139,7 @@ for p in "$@"; do
         # expandable segments for every arm: the step's 2 GB logits and 1 GB softmax blocks otherwise cost new
         # allocator segments (same H100, ours: 1.583 s a step default, 1.453 expandable)
         train-tests) phase train-tests "${TRAIN_TESTS_S:-150}" python3 -m pytest -q -rfE --timeout 120 -p no:cacheprovider \
-                         -m gpu tests/qwen_scope/test_lm_loss.py ;;
+                         -m gpu tests/flashqla_kernels/test_decoder_hopper_cross_entropy.py tests/qwen_scope/test_lm_loss.py ;;
         train) phase train "${TRAIN_S:-300}" bash -c "python3 benchmarks/train_step.py --precompile-only --jobs 14; \
                    PYTORCH_CUDA_ALLOC_CONF=\${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
                    python3 benchmarks/train_step.py --out '$OUT' ${TRAIN_ARGS:-}" ;;

@@ -14,7 +14,8 @@ evaluations before and after, the first step's compiles), reported as training t
 Usage (GPU): ``python benchmarks/train_step.py --out benchmarks/results`` writes ``train_step.json`` and ``.md``
 (after every arm, so a run stopped by its time limit keeps the arms it finished); ``--profile`` adds one profiled
 training step per arm (device time by kind of kernel: GEMM, GDN op, norms, conv, copies, elementwise, attention);
-``--sync-sites`` lists where one step's host waited for the GPU (torch's CUDA sync debugging);
+``--sync-sites`` lists where one step's host waited for the GPU (torch's CUDA sync debugging); ``--idle`` where
+the GPU waited for the host (its gaps in one profiled step);
 ``--tiny`` runs every arm on a tiny model (CPU is fine) as a dry run. ``--precompile-only`` (no GPU, ``--jobs N``
 processes) builds the kernels of the "ours" arm: the GDN op's forward chunk kernels and backward kernels for the 2B
 layer as the fused layer trains it (bf16 under autocast, the l2norm in the glue, no initial or final state), the
@@ -116,13 +117,68 @@ def precompile(micro: int, jobs: int = 1) -> int:
 
     cfg = ct.model_config()  # the 2B shape build_scope trains
     Hk, Hv, Kd = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim
+    from flashqla_kernels import toolkit
+    from flashqla_kernels.decoder.hopper import cross_entropy
+
     fwd = chunk_specs([(Hk, Hv, Kd, "bfloat16", micro, False)], 132, final=(False,), scans=True)
     failed = compile_all(fwd, jobs)
+    # the LM loss: the head's cross entropy and the backward's scale, over bf16 logits
+    failed += [(f"{b.__name__}{a}", err) for b, a, err in toolkit.compile_many(
+        [(cross_entropy.build_cross_entropy, (cfg.vocab_size, "bfloat16")),
+         (cross_entropy.build_scale, (cfg.vocab_size, "bfloat16"))])]
     n_bwd = backward.precompile([(Hk, Hv, Kd, Kd, "bfloat16", False, False, False)], workers=jobs)
     for spec, err in failed:
         print(f"  FAILED {spec}: {err}", flush=True)
     print(f"precompiled {len(fwd) - len(failed)} forward chunk kernels and {n_bwd} backward kernels", flush=True)
     return len(failed) + layer_precompile(jobs)
+
+
+def gpu_idle(fn, top: int = 25) -> dict:
+    """One call of ``fn`` under torch.profiler: the GPU's busy time (the union of its kernels) against the span from
+    its first kernel to its last, the idle time by gap length, and the ``top`` longest gaps, each with the host op
+    that issued the kernel the GPU waited for (the innermost op around the last launch before the gap's end)."""
+    import bisect
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    ct.sync()
+    with profile(activities=acts) as prof:
+        fn()
+        ct.sync()
+    events = prof.events()
+    cuda = torch.autograd.DeviceType.CUDA
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == cuda and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {}
+    cpu = [e for e in events if e.device_type != cuda]
+    launches = sorted((e.time_range.start, e.thread) for e in cpu if e.name.startswith(("cudaLaunch", "cuLaunch")))
+    starts = [t for t, _ in launches]
+    gaps, busy, end = [], 0.0, spans[0][0]
+    for s, e in spans:
+        if s > end:
+            gaps.append((s - end, end, s))
+        busy += max(0.0, e - max(s, end))
+        end = max(end, e)
+    span = end - spans[0][0]
+    buckets = {"< 10 us": 0.0, "10-100 us": 0.0, "0.1-1 ms": 0.0, "> 1 ms": 0.0}
+    for g, _, _ in gaps:
+        key = "< 10 us" if g < 10 else "10-100 us" if g < 100 else "0.1-1 ms" if g < 1000 else "> 1 ms"
+        buckets[key] += g / 1e3
+    longest = []
+    for g, _, s in sorted(gaps, reverse=True)[:top]:
+        i = bisect.bisect_right(starts, s) - 1
+        where = "?"
+        if i >= 0:
+            t, thread = launches[i]
+            around = [e for e in cpu if e.thread == thread and e.time_range.start <= t <= e.time_range.end
+                      and not e.name.startswith(("cuda", "cu", "ProfilerStep"))]
+            if around:
+                where = min(around, key=lambda e: e.time_range.end - e.time_range.start).name[:80]
+        longest.append(f"{g / 1e3:.2f} ms before a kernel issued in {where}")
+    return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
+            "idle_ms_by_gap": buckets, "gaps": len(gaps), "longest_gaps": longest}
 
 
 def loss_check(scope, texts, seq: int, micro: int, precision: str) -> dict:
@@ -195,6 +251,14 @@ def write_results(result: dict, out: Path) -> str:
                 lines += ["", f"Top ops by host (CPU) self time, {r['arm']}:", ""] + [
                     f"- {k}" for k in r["profile"]["top_host_ops"]]
     for r in result["arms"]:
+        idle = r.get("gpu_idle")
+        if idle:
+            lines += ["", f"The GPU in one profiled training step, {r['arm']}: {idle['busy_ms']:.0f} ms busy of "
+                      f"{idle['span_ms']:.0f} ms from its first kernel to its last; idle {idle['idle_ms']:.0f} ms in "
+                      f"{idle['gaps']} gaps (" + ", ".join(f"{k}: {v:.0f} ms" for k, v in
+                                                           idle["idle_ms_by_gap"].items()) + "). Longest:", ""]
+            lines += [f"- {g}" for g in idle["longest_gaps"][:12]]
+    for r in result["arms"]:
         if "sync_sites" in r:
             sites = r["sync_sites"]
             lines += ["", f"Where the host waited for the GPU in one training step, {r['arm']} (torch's CUDA sync "
@@ -224,6 +288,9 @@ def main(argv=None) -> None:
     parser.add_argument("--jobs", type=int, default=1, help="processes for --precompile-only")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one training step of each arm: device time by kind of kernel")
+    parser.add_argument("--idle", action="store_true",
+                        help="also profile one training step of each arm for the GPU's idle gaps: how long, and "
+                             "which host op issued the kernel each long one waited for")
     parser.add_argument("--sync-sites", action="store_true",
                         help="also run one training step of each arm under torch's CUDA sync debugging and list "
                              "where the host waited for the GPU")
@@ -291,6 +358,8 @@ def main(argv=None) -> None:
 
                     # a training step's glue is spread over many small kernels: a longer list than a forward's
                     row["profile"] = gdn_layer.breakdown(lambda: train_only(1), DEVICE, top_n=30)
+                if args.idle and DEVICE == "cuda":
+                    row["gpu_idle"] = gpu_idle(lambda: train_only(1))
                 if args.sync_sites and DEVICE == "cuda":
                     import collect_profile
 

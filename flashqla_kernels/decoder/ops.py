@@ -6,7 +6,8 @@ decoder's mid-layer residual add with the norm after it), ``silu_mul`` (the dens
 ``swiglu`` the same with the gate and up projections in one fused GEMM), and the gated full-attention layers'
 ``qk_norm_rope`` (q/k norms + partial rotary embedding, into the attention kernels' layout) and ``gate_mul``
 (``attn * sigmoid(gate)``) have one signature each across the torch formulation (``torch_path``) and the kernels
-(``hopper``).
+(``hopper``). ``cross_entropy_`` (the LM head's loss per row, its gradient written over the logits) and ``scale_``
+(that gradient scaled in place) are the LM loss's two halves: no autograd of their own (the caller's Function is).
 
 Each stage asks ``flashqla_kernels.dispatch.decide`` with the same verifiers: ``dispatch.hopper_reason`` (CUDA tensors
 of an sm_90 GPU), ``dtype_reason`` (bfloat16 / float16) and the stage's shape check. ``backend=None`` picks the kernel
@@ -32,7 +33,7 @@ from flashqla_kernels import dispatch
 from flashqla_kernels.decoder import autograd, hopper, torch_path
 
 __all__ = ["conv_qkv_gates", "gated_norm", "rms_norm", "add_rms_norm", "silu_mul", "swiglu", "qk_norm_rope",
-           "gate_mul", "gate_mul_head_major", "glue_kernel_reason", "dtype_reason", "autocast_out_dtype",
+           "gate_mul", "gate_mul_head_major", "cross_entropy_", "scale_", "glue_kernel_reason", "dtype_reason", "autocast_out_dtype",
            "conv_qkv_gates_decision", "gated_norm_decision", "KERNEL_DTYPES", "ROW_DTYPES", "GRAD_KERNELS"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -320,3 +321,44 @@ def gate_mul_head_major(attn: torch.Tensor, qg: torch.Tensor, *, backend: str | 
                lambda: hopper.attention_shape_reason(attn.shape[-1], 0, 1, 1)):
         return hopper.gate_mul_head_major_fwd(attn, qg)
     return torch_path.gate_mul_head_major(attn, qg)
+
+
+_LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def cross_entropy_(logits: torch.Tensor, targets: torch.Tensor, *, block_rows: int = 1024,
+                   backend: str | None = None) -> torch.Tensor:
+    """Each row's cross entropy ``logsumexp(x_i) - x_i[t_i]`` in fp32, with ``logits`` overwritten in place by the
+    gradient of their sum, ``softmax(x_i) - onehot(t_i)``, rounded to the logits' dtype. Not differentiable itself:
+    the caller's autograd Function holds the buffer as the gradient (``qwen_scope.applications.lm_loss``).
+
+    Args:
+        logits: [N, V] contiguous bf16 / fp16 / fp32 (V a multiple of 8 for the kernel). targets: [N] int64, every
+            entry in [0, V) (not checked: the check would wait for the GPU). block_rows: rows the torch formulation
+            softmaxes at once (its fp32 memory); the kernel walks every row in one launch. backend: see module doc.
+
+    Returns:
+        [N] fp32.
+
+    Example:
+        >>> loss = cross_entropy_(head(h), targets).mean()     # head(h) now holds softmax - onehot
+    """
+    if dispatch.decide("cross_entropy", backend, lambda: dispatch.hopper_reason(logits, targets),
+                       lambda: dtype_reason(logits, _LOGIT_DTYPES),
+                       lambda: hopper.logits_shape_reason(logits)).kernel:
+        return hopper.cross_entropy_fwd(logits, targets)
+    return torch_path.cross_entropy_(logits, targets, block_rows)
+
+
+def scale_(x: torch.Tensor, s: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """``x *= s`` in place in fp32, rounded once to x's dtype, with ``s`` a 1-element tensor on x's device (no host
+    sync). Returns x.
+
+    Args:
+        x: [N, V] contiguous bf16 / fp16 / fp32 (V a multiple of 8 for the kernel). s: the factor. backend: see
+            module doc.
+    """
+    if dispatch.decide("scale", backend, lambda: dispatch.hopper_reason(x, s),
+                       lambda: dtype_reason(x, _LOGIT_DTYPES), lambda: hopper.logits_shape_reason(x)).kernel:
+        return hopper.scale_fwd(x, s.float())
+    return torch_path.scale_(x, s)

@@ -9,6 +9,7 @@ channels-first and no whole tensor makes an fp32 round trip through memory beyon
     gates:  g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)               (fp32, [B, T, Hv])
     norm:   out = o * rsqrt(mean(o^2) + eps) * weight * silu(z)                      (fp32 math, o's dtype out)
     mlp:    out = silu(gate) * up                  (the MLP's gated activation; fp32 math, gate's dtype out)
+    head:   loss_i = logsumexp(x_i) - x_i[t_i], x_i <- softmax(x_i) - onehot(t_i)   (the LM loss; fp32 math, in place)
     attn:   q, k = rope(rms_norm(q_proj(x)[..., :D])), rope(rms_norm(k_proj(x)))  -> [B, H, T, D] (the gated
             full-attention layers: transformers' own operations); out = attn * sigmoid(q_proj(x)[..., D:])
 
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 __all__ = ["causal_conv1d_silu", "conv_split_l2norm_gates", "gdn_gates", "gated_rms_norm", "l2norm_fp32",
            "rms_norm_zero_centred", "silu_mul", "qk_norm_rope", "gate_mul",
-           "gate_mul_head_major"]
+           "gate_mul_head_major", "cross_entropy_", "scale_"]
 
 
 def _math_dtype(x: torch.Tensor) -> torch.dtype:
@@ -202,3 +203,34 @@ def gate_mul_head_major(attn: torch.Tensor, qg: torch.Tensor) -> torch.Tensor:
     """
     B, H, L, D = attn.shape
     return gate_mul(attn.transpose(1, 2).contiguous().reshape(B, L, H * D), qg)
+
+
+def cross_entropy_(logits: torch.Tensor, targets: torch.Tensor, block_rows: int = 1024) -> torch.Tensor:
+    """Each row's cross entropy ``logsumexp(x_i) - x_i[t_i]`` (fp32; fp64 for fp64 logits), with ``logits``
+    overwritten by ``softmax - onehot`` rounded to its dtype, ``block_rows`` rows at a time (the fp32 softmax of one
+    block is the memory it takes: ``block_rows * V * 4`` bytes).
+
+    Args:
+        logits: [N, V]. targets: [N] int64 in [0, V).
+
+    Returns:
+        [N] in the math dtype.
+    """
+    dt = _math_dtype(logits)
+    loss = torch.empty(logits.shape[0], dtype=dt, device=logits.device)
+    for start in range(0, logits.shape[0], block_rows):
+        block = logits[start:start + block_rows]
+        tgt = targets[start:start + block_rows, None]
+        p = torch.softmax(block, dim=1, dtype=dt)  # one kernel: the logits read, the math dtype written
+        # logsumexp = x_j - log p_j at the row's largest p_j (>= 1 / V: its log is exact in the math dtype)
+        p_max, j = p.max(dim=1, keepdim=True)
+        lse = block.gather(1, j).to(dt) - p_max.log()
+        loss[start:start + block.shape[0]] = (lse - block.gather(1, tgt).to(dt)).squeeze(1)
+        p.scatter_add_(1, tgt, torch.full(tgt.shape, -1.0, dtype=dt, device=p.device))
+        block.copy_(p)
+    return loss
+
+
+def scale_(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``x *= s`` in place (``s`` a 1-element tensor on x's device); returns x."""
+    return x.mul_(s.reshape(()))

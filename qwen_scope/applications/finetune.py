@@ -250,7 +250,7 @@ def evaluate_held_out(scope, rows: torch.Tensor, penalties: Sequence[FeaturePena
 
 
 def _train(scope, rows: torch.Tensor, penalties: Sequence[FeaturePenalty], cfg: FinetuneConfig, progress: bool
-           ) -> tuple[list[float], list[float]]:
+           ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     from qwen_scope.sources import progress_bar
 
     model, device = scope.model, scope.device
@@ -296,7 +296,8 @@ def _train(scope, rows: torch.Tensor, penalties: Sequence[FeaturePenalty], cfg: 
             if progress and (step % 10 == 0 or step == cfg.steps - 1):
                 bar.set_postfix(lm=f"{float(lm_step):.4f}", penalty=f"{float(pen_step):.4f}")
     bar.close()
-    return [float(v) for v in lm_log], [float(v) for v in pen_log]
+    # device tensors: the caller reads them (one wait for the GPU) once the steps are issued
+    return lm_log, pen_log
 
 
 def finetune(scope, train_texts: Sequence[str], held_out_texts: Sequence[str],
@@ -351,4 +352,5 @@ def finetune(scope, train_texts: Sequence[str], held_out_texts: Sequence[str],
             if switch:
                 _checkpointing(model, False)
         after = evaluate_held_out(scope, held, penalties, batch_size=cfg.eval_batch_size, precision=cfg.precision)
-    return FinetuneResult(before, after, tuple(lm_log), tuple(pen_log), train.numel(), cfg)
+    return FinetuneResult(before, after, tuple(float(v) for v in lm_log), tuple(float(v) for v in pen_log),
+                          train.numel(), cfg)

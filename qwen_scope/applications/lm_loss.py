@@ -5,10 +5,11 @@ Qwen3.5), upcasts them to fp32 and takes the cross entropy: at 4 096 tokens that
 copy of them, and the softmax's forward and backward passes over the copy, about 170 ms of a 2B-shaped training step
 on an H100 and 6 GB of memory held until the backward. ``causal_lm_loss`` runs the decoder to its final norm and the
 head (the ``Linear`` itself, so autocast casts its weight as it would in the causal LM), then one autograd Function
-takes the softmax in fp32 a block of rows at a time and overwrites each block of logits with the loss's gradient,
-softmax - onehot (scaled by 1 / n in the backward). The head's own backward multiplies that out (dh = G W, dW = G^T
-h): the GEMMs of the unfused path, the elementwise work a few passes over each block, and what waits for the backward
-is the buffer in the compute dtype.
+overwrites the logits with the loss's gradient, softmax - onehot, computed in fp32
+(``flashqla_kernels.decoder.ops.cross_entropy_``: on Hopper one kernel that reads each row twice and writes it
+once; elsewhere torch's fp32 softmax a block of rows at a time). The backward scales that buffer in place by 1 / n
+and the incoming gradient (``ops.scale_``) and hands it to the head's backward (dh = G W, dW = G^T h): the GEMMs of
+the unfused path, and what waits for the backward is the buffer in the compute dtype.
 
 The numbers are the unfused path's: the logits rounded to the compute dtype, the softmax in fp32, the gradient rounded
 to the compute dtype before its GEMMs (twice: softmax - onehot, then its product with 1 / n and the loss's incoming
@@ -21,8 +22,13 @@ auxiliary loss in the causal LM's loss) take transformers' own loss.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
+
+from flashqla_kernels.decoder import ops
 
 __all__ = ["causal_lm_loss", "fused_head"]
 
@@ -60,7 +66,8 @@ def causal_lm_loss(adapter, input_ids: torch.Tensor, *, block_rows: int = BLOCK_
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [batch, tokens] with at least 2 tokens a row, got shape "
                          f"{tuple(input_ids.shape)}")
-    hidden = adapter.text_model(input_ids=input_ids, use_cache=False).last_hidden_state
+    with _rows_unpacked():
+        hidden = adapter.text_model(input_ids=input_ids, use_cache=False).last_hidden_state
     # The head through the module itself, so autocast casts its weight as in the causal LM (and from its cache);
     # 2-D rows, so the logits are a tensor of their own, not a view, when the Function overwrites them.
     rows = hidden[:, :-1].reshape(-1, hidden.shape[-1])
@@ -71,14 +78,40 @@ def causal_lm_loss(adapter, input_ids: torch.Tensor, *, block_rows: int = BLOCK_
     return loss
 
 
+@contextlib.contextmanager
+def _rows_unpacked() -> Iterator[None]:
+    # transformers' mask builder looks for several sequences packed into a row whenever no attention mask is given:
+    # it reads its verdict back to the host, so every forward waits for the GPU to finish the work queued before it
+    # (in a training step, the previous micro-batch's backward), and the host's lead is lost. Here the model forms
+    # its own position ids, 0.. in every row, for which the check always answers "not packed" (None).
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    check = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if check is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = _not_packed
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = check
+
+
+def _not_packed(position_ids: torch.Tensor) -> None:
+    return None
+
+
 def _loss_by_blocks(head: nn.Linear, rows: torch.Tensor, targets: torch.Tensor, block_rows: int) -> torch.Tensor:
     """The loss alone (no gradient wanted): the head and the softmax a block of rows at a time, so an evaluation of
     many rows holds one block's logits (transformers' loss holds every row's, twice)."""
     loss = torch.zeros((), dtype=torch.float32, device=rows.device)
     for start in range(0, rows.shape[0], block_rows):
-        f = head(rows[start:start + block_rows]).float()
-        tgt = targets[start:start + block_rows, None]
-        loss += (torch.logsumexp(f, dim=1, keepdim=True) - f.gather(1, tgt)).sum()
+        # the block's logits are scratch: the gradient the op writes over them is dropped
+        loss += ops.cross_entropy_(head(rows[start:start + block_rows]), targets[start:start + block_rows],
+                                   block_rows=block_rows).sum()
     return loss / rows.shape[0]
 
 
@@ -88,17 +121,8 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, block_rows):
         n = logits.shape[0]
-        loss = torch.zeros((), dtype=torch.float32, device=logits.device)
-        for start in range(0, n, block_rows):
-            block = logits[start:start + block_rows]
-            tgt = targets[start:start + block_rows, None]
-            p = torch.softmax(block, dim=1, dtype=torch.float32)  # one kernel: the logits read, fp32 written
-            # logsumexp = x_j - log p_j at the row's largest p_j (>= 1 / vocab: its log is exact in fp32)
-            p_max, j = p.max(dim=1, keepdim=True)
-            lse = block.gather(1, j).float() - p_max.log()
-            loss += (lse - block.gather(1, tgt).float()).sum()
-            p.scatter_add_(1, tgt, torch.full(tgt.shape, -1.0, device=p.device))
-            block.copy_(p)  # softmax - onehot, rounded into the buffer; 1 / n joins the backward's scale
+        # softmax - onehot over the buffer; 1 / n joins the backward's scale
+        loss = ops.cross_entropy_(logits, targets, block_rows=block_rows).sum()
         ctx.mark_dirty(logits)
         ctx.mark_non_differentiable(logits)
         ctx.save_for_backward(logits)
@@ -115,7 +139,5 @@ class _CrossEntropy(torch.autograd.Function):
         (g,) = ctx.saved_tensors
         if grad is None:
             return None, None, None
-        # The scale stays a device tensor (no host sync) and multiplies in fp32. torch runs a bf16 tensor times a 0-dim
-        # fp32 tensor on its non-vectorised mixed-dtype kernel (~4 ms a 4 096-token micro-batch on an H100, where
-        # the bytes need ~1.3); a fused kernel for the loss would fold it into its own pass.
-        return g.mul_(grad.float() / ctx.n), None, None
+        # the scale stays a device tensor (no host sync), multiplied in fp32 and rounded once
+        return ops.scale_(g, grad.float() / ctx.n), None, None

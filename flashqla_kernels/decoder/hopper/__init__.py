@@ -1,8 +1,9 @@
 """TileLang kernels for sm_90a for the decoder's glue, one stage per file (builders and their launchers):
 ``conv_gates`` (causal conv1d + SiLU + split + q/k l2norm + gates, token-major), ``gated_norm`` (gated RMSNorm),
 ``rms_norm`` (Qwen's zero-centred RMSNorm around the layers), ``silu_mul`` (the MLP's ``silu(gate) * up``),
-``attn_glue`` (the gated attention layers' q/k norm + partial RoPE, and ``attn * sigmoid(gate)``) and
-``swiglu_gemm`` (the MLP's gate and up GEMMs with ``silu(gate) * up`` in their epilogue). ``conv_gates``,
+``attn_glue`` (the gated attention layers' q/k norm + partial RoPE, and ``attn * sigmoid(gate)``),
+``swiglu_gemm`` (the MLP's gate and up GEMMs with ``silu(gate) * up`` in their epilogue) and ``cross_entropy`` (the
+LM head's loss per row with its gradient written over the logits, and the in-place scale of that gradient). ``conv_gates``,
 ``gated_norm``, ``rms_norm`` and ``silu_mul`` also have a backward kernel (``*_bwd``), which
 ``flashqla_kernels.decoder.autograd`` pairs with the forward under grad.
 
@@ -18,7 +19,8 @@ import torch
 __all__ = ["conv_qkv_gates_fwd", "gated_rms_norm_fwd", "rms_norm_fwd", "add_rms_norm_fwd", "silu_mul_fwd",
            "qk_norm_rope_fwd", "gate_mul_fwd", "gate_mul_head_major_fwd", "swiglu_gemm_fwd", "conv_qkv_bwd",
            "gated_rms_norm_bwd", "rms_norm_bwd", "silu_mul_bwd", "add_operands_reason", "norm_out_reason",
-           "conv_shape_reason", "attention_shape_reason", "swiglu_shape_reason", "HEAD_DIMS"]
+           "conv_shape_reason", "attention_shape_reason", "swiglu_shape_reason", "cross_entropy_fwd", "scale_fwd",
+           "logits_shape_reason", "HEAD_DIMS"]
 
 HEAD_DIMS = (64, 128, 256)
 # The SwiGLU GEMM's default tile: N (output channels) in blocks of 128, K (input channels) in steps of 64; equal to
@@ -216,3 +218,41 @@ def swiglu_gemm_fwd(x, w_gate, w_up):
     from flashqla_kernels.decoder.hopper import swiglu_gemm as stage
 
     return stage.swiglu_gemm(x, w_gate, w_up)
+
+
+def logits_shape_reason(x: torch.Tensor) -> str | None:
+    """Why the cross-entropy kernels cannot take rows of logits ``x``, or None."""
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"logits dtype {x.dtype} unsupported by the cross-entropy kernels (bfloat16, float16 or float32)"
+    if x.dim() != 2 or not x.is_contiguous():
+        return f"logits must be contiguous [rows, vocab], got shape {tuple(x.shape)} strides {x.stride()}"
+    if x.shape[1] % 8:
+        return f"vocab of {x.shape[1]} entries: the cross-entropy kernels read rows in 8-entry vectors"
+    return None
+
+
+def cross_entropy_fwd(logits, targets):
+    """Each row's cross entropy on the kernel, ``logits`` [N, V] overwritten by ``softmax - onehot`` (see
+    ``cross_entropy.cross_entropy_``); targets [N] int64 in [0, V). Returns [N] fp32."""
+    reason = logits_shape_reason(logits)
+    if reason is None and (targets.shape != logits.shape[:1] or targets.dtype != torch.int64):
+        reason = (f"targets must be int64 [{logits.shape[0]}] for logits {tuple(logits.shape)}, got "
+                  f"{targets.dtype} {tuple(targets.shape)}")
+    if reason is not None:
+        raise ValueError(reason)
+    from flashqla_kernels.decoder.hopper import cross_entropy as stage
+
+    return stage.cross_entropy_(logits, targets.contiguous())
+
+
+def scale_fwd(x, s):
+    """``x *= s`` in place on the kernel (see ``cross_entropy.scale_``): x [N, V] contiguous, s a 1-element fp32
+    tensor on x's device. Returns x."""
+    reason = logits_shape_reason(x)
+    if reason is None and (s.numel() != 1 or s.dtype != torch.float32 or s.device != x.device):
+        reason = f"the scale must be one fp32 value on {x.device}, got {s.dtype} {tuple(s.shape)} on {s.device}"
+    if reason is not None:
+        raise ValueError(reason)
+    from flashqla_kernels.decoder.hopper import cross_entropy as stage
+
+    return stage.scale_(x, s)
