@@ -126,7 +126,11 @@ def test_kernel_loss_and_gradient_against_float64(name):
     s = torch.tensor([0.37], device="cuda")
     expect = (buf.float() * 0.37).to(buf.dtype)
     ops.scale_(buf, s, backend="tilelang")
-    assert torch.equal(buf, expect)
+    # bit for bit where the product is a normal number; the kernels flush fp32 subnormals to zero (fast math), so
+    # a product below 2^-126 may come out 0
+    normal = expect.float().abs() >= 2.0**-126
+    assert torch.equal(buf[normal], expect[normal])
+    assert (buf[~normal].float().abs() < 2.0**-126).all()
 
 
 @pytest.mark.gpu
