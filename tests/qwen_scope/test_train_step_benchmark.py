@@ -34,7 +34,8 @@ def test_tiny_dry_run_trains_through_finetune_on_every_arm_it_can(tmp_path):
 
 def test_precompile_builds_the_kernels_of_the_2b_layer_as_the_fused_layer_trains_it(monkeypatch):
     """``--precompile-only`` asks for the forward chunk kernels and every backward kernel of the 2B GDN layer as the
-    "ours" arm trains it (bf16, the l2norm in the glue, no states), and the whole-model benchmark's list (the glue's
+    "ours" arm trains it (bf16, the l2norm in the glue, no states), the LM loss's kernels, and the whole-model
+    benchmark's list (the glue's
     forward and backward kernels, the held-out evaluations' forward), without a GPU; it returns the failures."""
     import chunk_kernels
     import layer_kernels
@@ -51,7 +52,11 @@ def test_precompile_builds_the_kernels_of_the_2b_layer_as_the_fused_layer_trains
     assert {s[0] for s in built} >= {"kkt_solve", "chunk_fwd"}
     assert all(s[1][:3] == (16, 16, 128) for s in built if s[0] != "state_scan")
     assert all(s[1][-1] is False for s in built if s[0] == "kkt_solve")  # no l2norm in the op
-    want = backward.kernel_specs(16, 16, 128, 128, "bfloat16", False, False, False)
+    from flashqla_kernels.decoder.hopper import cross_entropy
+
+    # every backward kernel, and the LM loss's cross entropy and scale over the 2B vocabulary's bf16 logits
+    want = backward.kernel_specs(16, 16, 128, 128, "bfloat16", False, False, False) + [
+        (cross_entropy.build_cross_entropy, (248320, "bfloat16")), (cross_entropy.build_scale, (248320, "bfloat16"))]
     assert set(compiled) == set(want) and len(compiled) == len(set(want))  # each once
     assert layer == [1]
     names = {args[1] for args in layer_kernels.kernel_specs()}
