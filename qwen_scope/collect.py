@@ -16,12 +16,15 @@ Packing (recorded in the manifest as ``bos_policy``):
 Resume: the row stream is a pure function of (corpus, rank, world size, packing), and every shard records the
 packing cursor after it. Rerunning the same call continues after the last recorded shard; a SIGKILL at any moment
 loses only the shard in flight. Under ``torchrun`` document ``i`` goes to rank ``i % world_size``; each rank writes
-``rank{r:03d}/`` and rank 0 merges ``manifest.json``.
+``rank{r:03d}/`` and rank 0 merges ``manifest.json``. The ranks meet three times (the store lock, the end of
+collection, the merge) on a gloo group of their own; a rank that does not arrive within ``QWEN_SCOPE_DIST_TIMEOUT_S``
+seconds is named in a ``RankTimeoutError`` on every rank.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import hashlib
 import os
 import re
@@ -40,7 +43,7 @@ from qwen_scope.collect_loop import collect_rank, repair_shards
 from qwen_scope.store_files import MANIFEST, StoreBusyError, StoreLock, sweep_temp
 from qwen_scope.store_writer import ShardWriter, code_bytes, index_layout, merge_manifest
 
-__all__ = ["collect", "load_corpus", "pack_rows", "Row", "CollectSummary", "gdn_context"]
+__all__ = ["collect", "load_corpus", "pack_rows", "Row", "CollectSummary", "RankTimeoutError", "gdn_context"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "float32": torch.float32, "fp32": torch.float32}
@@ -54,6 +57,30 @@ def _model_fingerprint(model: nn.Module) -> str:
     return hashlib.sha256((config + repr(sample.tolist())).encode()).hexdigest()[:16]
 
 
+# Seconds a rank waits for the others at one of collect's meeting points before it stops with the ranks that did
+# not arrive; ranks hold equal shares of the corpus, so they reach the end within about a shard's time of each other.
+DIST_TIMEOUT_ENV = "QWEN_SCOPE_DIST_TIMEOUT_S"
+DIST_TIMEOUT_S = 1800.0
+
+
+class RankTimeoutError(RuntimeError):
+    """A torchrun rank did not reach one of collect's meeting points in time (stuck or dead); names the rank."""
+
+
+def _dist_timeout() -> datetime.timedelta:
+    raw = os.environ.get(DIST_TIMEOUT_ENV)
+    if raw is None:
+        return datetime.timedelta(seconds=DIST_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise ValueError(f"{DIST_TIMEOUT_ENV}={raw!r}: expected the seconds a rank waits for the others, a number "
+                         f"> 0 (default {DIST_TIMEOUT_S:.0f})")
+    return datetime.timedelta(seconds=seconds)
+
+
 def _dist_info() -> tuple[int, int, bool]:
     """``(rank, world_size, created)``: joins the torchrun group (gloo on CPU, NCCL on GPU) when there is one."""
     import torch.distributed as dist
@@ -61,9 +88,64 @@ def _dist_info() -> tuple[int, int, bool]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), False
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", timeout=_dist_timeout())
         return dist.get_rank(), dist.get_world_size(), True
     return 0, 1, False
+
+
+class _Ranks:
+    """collect's meeting points across torchrun ranks, on a gloo group of its own (the model's NCCL group is not
+    used): ``wait(what)`` is gloo's monitored barrier, which tells rank 0 which ranks did not arrive within the
+    timeout, and every rank raises ``RankTimeoutError`` naming them (NCCL's own timeout would abort the process
+    with the collective's sequence number and no rank). One rank alone: nothing to wait for."""
+
+    def __init__(self, rank: int, world: int):
+        import torch.distributed as dist
+
+        self.rank, self.world, self.timeout, self.group = rank, world, _dist_timeout(), None
+        if world > 1 and dist.is_available() and dist.is_initialized():
+            self.group = dist.new_group(backend="gloo", timeout=self.timeout)
+
+    def wait(self, what: str) -> None:
+        import torch.distributed as dist
+
+        if self.group is None:
+            return
+        try:
+            dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
+        except RuntimeError as err:
+            raise RankTimeoutError(self._message(str(err), what)) from None
+
+    def broadcast(self, obj):
+        """rank 0's ``obj`` on every rank (after a ``wait``, so a rank that never comes is named)."""
+        import torch.distributed as dist
+
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = None
+
+    def _message(self, err: str, what: str) -> str:
+        seconds = f"{self.timeout.total_seconds():.0f} s"
+        fix = (f"see that rank's log; rerun the same command to resume (every recorded shard is kept), and raise "
+               f"{DIST_TIMEOUT_ENV} if a rank is only slow")
+        missing = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", err)
+        if self.rank == 0 and missing:
+            ranks = ", ".join(r.strip() for r in missing.group(1).split(",") if r.strip())
+            return f"rank(s) {ranks} of {self.world} did not reach {what} within {seconds}; {fix}"
+        if "Timed out" in err or "timed out" in err:
+            return (f"rank 0 of {self.world} did not reach {what} within {seconds} (seen from rank "
+                    f"{self.rank}); {fix}")
+        return (f"rank {self.rank} of {self.world} stopped at {what}: rank 0 found a rank missing or ended "
+                f"(its log names the rank); rerun the same command to resume")
 
 
 def _resolve_model(model, tokenizer, dtype, device, rank):
@@ -224,8 +306,9 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
     _check_settings(token_budget=token_budget, context_len=context_len, batch_size=batch_size,
                     shard_tokens=shard_tokens, out_dir=out_dir)
     rank, world, created = _dist_info()
-    store_lock = writer = None
+    store_lock = writer = ranks = None
     try:
+        ranks = _Ranks(rank, world)
         model, tokenizer, device, dtype, name = _resolve_model(model, tokenizer, dtype, device, rank)
         adapter = get_adapter(model)
         dense = list(dict.fromkeys(parse_hook_name(p, adapter.n_layers).name for p in (points or [])))
@@ -254,7 +337,7 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
             "corpus": corpus_id or _corpus_id(corpus), "text_column": text_column, "world_size": world,
             "rows_per_shard": batch_size * max(1, shard_tokens // (batch_size * context_len)),
             "use_cache": False}
-        store_lock = _lock_store(Path(out_dir), rank, world, device)
+        store_lock = _lock_store(Path(out_dir), rank, ranks)
         writer = ShardWriter(out_dir, config, rank=rank, world_size=world, overwrite=overwrite, repair=repair)
         if (overwrite or writer.damaged) and rank == 0:
             # a repair changes recorded shards: readers see the rank progress files until the new manifest
@@ -269,8 +352,7 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
                                      dense, sae_map, config, pad_id, _DTYPES[config["store_dtype"]])
             run = _collect_rank(writer, adapter, corpus, tokenizer, device, dense, sae_map, config, pad_id,
                                 progress and rank == 0, on_step)
-        summary = dataclasses.replace(_finish(writer, {**run, "tokens_repaired": repaired}, world, created),
-                                      gdn=gdn)
+        summary = dataclasses.replace(_finish(writer, {**run, "tokens_repaired": repaired}, ranks), gdn=gdn)
         if progress and rank == 0:
             print(summary)
         return summary
@@ -279,6 +361,8 @@ def collect(model: nn.Module | str, corpus, *, points: Sequence[str] | None = No
             writer.close()
         if store_lock is not None:
             store_lock.release()
+        if ranks is not None:
+            ranks.close()
         if created:
             import torch.distributed as dist
             dist.destroy_process_group()
@@ -298,10 +382,8 @@ def _check_settings(*, token_budget, context_len, batch_size, shard_tokens, out_
         raise ValueError(f"out_dir (--out) {out} is a file; expected a directory: a new one, or a store to resume")
 
 
-def _lock_store(root: Path, rank: int, world: int, device: torch.device) -> StoreLock | None:
+def _lock_store(root: Path, rank: int, ranks: _Ranks) -> StoreLock | None:
     """Rank 0 takes the store's writer lock and sweeps its temp folder; every rank learns whether it got it."""
-    import torch.distributed as dist
-
     lock, error = None, None
     if rank == 0:
         try:
@@ -309,11 +391,8 @@ def _lock_store(root: Path, rank: int, world: int, device: torch.device) -> Stor
             sweep_temp(root)
         except StoreBusyError as err:
             error = str(err)
-    if world > 1 and dist.is_available() and dist.is_initialized():
-        box = [error]
-        # NCCL moves the object through this rank's own GPU (the default would be GPU 0 on every rank)
-        dist.broadcast_object_list(box, src=0, device=device if dist.get_backend() == "nccl" else None)
-        error = box[0]
+    ranks.wait("the start (the store lock)")
+    error = ranks.broadcast(error)
     if error is not None:
         raise StoreBusyError(error)
     return lock
@@ -373,22 +452,17 @@ def _collect_rank(writer: ShardWriter, adapter, corpus, tokenizer, device, dense
                         _DTYPES[config["store_dtype"]], progress, on_step)
 
 
-def _finish(writer: ShardWriter, run: dict, world: int, created: bool) -> CollectSummary:
-    import torch.distributed as dist
-
+def _finish(writer: ShardWriter, run: dict, ranks: _Ranks) -> CollectSummary:
     writer.finish(run)
-    distributed = world > 1 and dist.is_available() and dist.is_initialized()
-    if distributed:
-        dist.barrier()
+    ranks.wait("the end of collection (every rank's last shard recorded)")
     manifest = merge_manifest(writer.root, write=writer.rank == 0)
-    if distributed:
-        dist.barrier()
+    ranks.wait("the manifest merge")
     stats = manifest["rank_stats"]
     seconds = max(s.get("seconds", 0.0) for s in stats) if stats else run["seconds"]
     this_run = sum(s.get("tokens_this_run", 0) for s in stats)
     summary = CollectSummary(str(writer.root), manifest["n_tokens"], this_run, len(manifest["shards"]),
                              manifest["padding_fraction"], seconds, this_run / max(seconds, 1e-9),
-                             sum(s["bytes"] for s in manifest["shards"]), world, manifest["complete"],
+                             sum(s["bytes"] for s in manifest["shards"]), ranks.world, manifest["complete"],
                              n_tokens_repaired=sum(s.get("tokens_repaired", 0) for s in stats))
     if writer.rank == 0 and run.get("corpus_exhausted"):
         print(f"note: the corpus ran out before token_budget on rank 0 ({run['tokens']:,} tokens)")

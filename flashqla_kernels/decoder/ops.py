@@ -33,8 +33,9 @@ from flashqla_kernels import dispatch
 from flashqla_kernels.decoder import autograd, hopper, torch_path
 
 __all__ = ["conv_qkv_gates", "gated_norm", "rms_norm", "add_rms_norm", "silu_mul", "swiglu", "qk_norm_rope",
-           "gate_mul", "gate_mul_head_major", "cross_entropy_", "scale_", "glue_kernel_reason", "dtype_reason", "autocast_out_dtype",
-           "conv_qkv_gates_decision", "gated_norm_decision", "KERNEL_DTYPES", "ROW_DTYPES", "GRAD_KERNELS"]
+           "gate_mul", "gate_mul_head_major", "cross_entropy_", "scale_", "glue_kernel_reason", "dtype_reason",
+           "autocast_out_dtype", "conv_qkv_gates_decision", "gated_norm_decision", "KERNEL_DTYPES", "ROW_DTYPES",
+           "GRAD_KERNELS"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 # Under grad, the stages with a backward kernel (conv + gates, the norms, silu_mul) run their autograd pairing of

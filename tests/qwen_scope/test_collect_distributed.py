@@ -1,5 +1,6 @@
-"""collect() under ``torchrun --nproc-per-node 2`` on CPU (gloo): documents split by rank, one merged manifest, and a
-rank killed mid-run whose rerun completes the store with nothing lost or duplicated."""
+"""collect() under ``torchrun --nproc-per-node 2`` on CPU (gloo): documents split by rank, one merged manifest, a
+rank killed mid-run or rank 0 killed inside the manifest merge whose rerun completes the store with nothing lost or
+duplicated, and a rank that never arrives named in one line once the others have waited their timeout."""
 from __future__ import annotations
 
 import os
@@ -27,12 +28,33 @@ import torch.distributed as dist
 from qwen_scope.collect import collect, load_corpus
 from tests.factories import tiny_model, tiny_tokenizer
 kill_after = int(os.environ.get("KILL_RANK1_AFTER", "0"))
+stall_after = int(os.environ.get("STALL_RANK1_AFTER", "0"))
 
 
 def on_step(stored):
     # a hard crash of one rank mid-run (no cleanup, no exception handling): what a lost GPU or an OOM kill does
     if kill_after and int(os.environ["RANK"]) == 1 and stored >= kill_after:
         os.kill(os.getpid(), {sigkill})
+    # a rank that stops making progress without dying (a hung device or filesystem)
+    if stall_after and int(os.environ["RANK"]) == 1 and stored >= stall_after:
+        import time
+        time.sleep(120)
+
+
+if os.environ.get("KILL_RANK0_IN_MERGE") and int(os.environ["RANK"]) == 0:
+    # rank 0 dies while it writes the merged manifest: its temp file half written, nothing renamed
+    import qwen_scope.store_writer as store_writer
+
+    def dying_write(path, obj, **kw):
+        if str(path).endswith("manifest.json"):
+            tmp = os.path.join(os.path.dirname(path), ".tmp", "store-manifest.json.partial")
+            os.makedirs(os.path.dirname(tmp), exist_ok=True)
+            with open(tmp, "w") as f:
+                f.write('{{"format": ')
+            os.kill(os.getpid(), {sigkill})
+        return real_write(path, obj, **kw)
+
+    real_write, store_writer.atomic_write_json = store_writer.atomic_write_json, dying_write
 
 
 summary = collect(tiny_model("qwen3_5"), load_corpus({corpus!r}), points=["resid_post.2"], token_budget=301,
@@ -53,10 +75,17 @@ def _torchrun(tmp_path: Path, corpus_path: Path, out: Path, **env_extra) -> subp
                            str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """One clean two-rank run: (corpus path, store dir, the finished process); the fault tests' reference store."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    corpus_path, out = write_corpus(tmp / "corpus.jsonl"), tmp / "acts"
+    return corpus_path, out, _torchrun(tmp, corpus_path, out)
+
+
 @pytest.mark.slow
-def test_two_process_torchrun_splits_documents_by_rank_and_rank0_merges_the_manifest(tmp_path):
-    corpus_path, out = write_corpus(tmp_path / "corpus.jsonl"), tmp_path / "acts"
-    proc = _torchrun(tmp_path, corpus_path, out)
+def test_two_process_torchrun_splits_documents_by_rank_and_rank0_merges_the_manifest(uninterrupted):
+    corpus_path, out, proc = uninterrupted
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("SUMMARY 2 301 True") == 2
 
@@ -86,10 +115,10 @@ def test_two_process_torchrun_splits_documents_by_rank_and_rank0_merges_the_mani
 
 
 @pytest.mark.slow
-def test_a_rank_killed_mid_run_then_the_same_command_completes_the_store_exactly(tmp_path):
-    corpus_path = write_corpus(tmp_path / "corpus.jsonl")
-    want_dir, got_dir = tmp_path / "uninterrupted", tmp_path / "killed"
-    assert _torchrun(tmp_path, corpus_path, want_dir).returncode == 0
+def test_a_rank_killed_mid_run_then_the_same_command_completes_the_store_exactly(tmp_path, uninterrupted):
+    corpus_path, want_dir, proc = uninterrupted
+    assert proc.returncode == 0
+    got_dir = tmp_path / "killed"
     # rank 1 dies after its second step (of three): usually with its first shard recorded and the second written
     # but not yet recorded, while torchrun stops rank 0 wherever it is
     killed = _torchrun(tmp_path, corpus_path, got_dir, KILL_RANK1_AFTER="128")
@@ -101,10 +130,64 @@ def test_a_rank_killed_mid_run_then_the_same_command_completes_the_store_exactly
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stdout.count("SUMMARY 2 301 True") == 2
 
+    _same_store(got_dir, want_dir)
+
+
+def _same_store(got_dir: Path, want_dir: Path) -> None:
+    """Nothing lost or duplicated: the same token rows in the same order and shards, with the same activations."""
     want, got = ActivationStore(want_dir, verify=True), ActivationStore(got_dir, verify=True)
     assert got.n_tokens == want.n_tokens == 301 and got.manifest["complete"]
-    # nothing lost or duplicated: the same token rows in the same order, with the same activations
     assert torch.equal(got.token_ids(), want.token_ids()) and torch.equal(got.doc_index(), want.doc_index())
     assert torch.equal(got.positions(), want.positions())
     assert torch.equal(got.dense("resid_post.2", 0, 301), want.dense("resid_post.2", 0, 301))
     assert [s["n_tokens"] for s in got.shards] == [s["n_tokens"] for s in want.shards]
+
+
+@pytest.mark.slow
+def test_rank0_killed_inside_the_manifest_merge_then_the_same_command_completes_the_store(tmp_path, uninterrupted):
+    corpus_path, want_dir, proc = uninterrupted
+    assert proc.returncode == 0
+    got_dir = tmp_path / "killed"
+    killed = _torchrun(tmp_path, corpus_path, got_dir, KILL_RANK0_IN_MERGE="1")
+    assert killed.returncode != 0 and "rank      : 0" in killed.stderr, killed.stderr[-2000:]
+    assert not (got_dir / "manifest.json").exists()  # every shard recorded, no manifest
+    assert list((got_dir / ".tmp").glob("*.partial"))
+    resumed = _torchrun(tmp_path, corpus_path, got_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stdout.count("SUMMARY 2 301 True") == 2
+    assert not list((got_dir / ".tmp").glob("*"))  # the next writer swept the half-written manifest
+    _same_store(got_dir, want_dir)
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_arriving_is_named_by_rank0_then_a_rerun_completes_the_store(tmp_path, uninterrupted):
+    """Rank 1 hangs mid-run without dying: rank 0 finishes its share, waits QWEN_SCOPE_DIST_TIMEOUT_S at the end of
+    collection, and stops with one line naming rank 1 and where it did not arrive; the same command then completes
+    the store."""
+    corpus_path, want_dir, proc = uninterrupted
+    assert proc.returncode == 0
+    got_dir = tmp_path / "stalled"
+    stalled = _torchrun(tmp_path, corpus_path, got_dir, STALL_RANK1_AFTER="128", QWEN_SCOPE_DIST_TIMEOUT_S="8")
+    assert stalled.returncode != 0
+    lines = [ln for ln in stalled.stderr.splitlines() if "RankTimeoutError:" in ln]
+    assert lines and all("RankTimeoutError: rank(s) 1 of 2 did not reach the end of collection (every rank's last "
+                         "shard recorded) within 8 s" in ln and "QWEN_SCOPE_DIST_TIMEOUT_S" in ln for ln in lines), \
+        stalled.stderr[-3000:]
+    resumed = _torchrun(tmp_path, corpus_path, got_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stdout.count("SUMMARY 2 301 True") == 2
+    _same_store(got_dir, want_dir)
+
+
+def test_the_timeout_setting_is_checked_with_a_message_that_says_what_it_wants(monkeypatch):
+    from qwen_scope.collect import _dist_timeout, _Ranks
+
+    monkeypatch.setenv("QWEN_SCOPE_DIST_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="QWEN_SCOPE_DIST_TIMEOUT_S='soon': expected the seconds a rank waits"):
+        _dist_timeout()
+    monkeypatch.setenv("QWEN_SCOPE_DIST_TIMEOUT_S", "90")
+    assert _dist_timeout().total_seconds() == 90
+    # one rank: no group, nothing to wait for
+    ranks = _Ranks(0, 1)
+    ranks.wait("anything")
+    assert ranks.broadcast("x") == "x"

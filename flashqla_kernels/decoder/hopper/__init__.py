@@ -3,8 +3,8 @@
 ``rms_norm`` (Qwen's zero-centred RMSNorm around the layers), ``silu_mul`` (the MLP's ``silu(gate) * up``),
 ``attn_glue`` (the gated attention layers' q/k norm + partial RoPE, and ``attn * sigmoid(gate)``),
 ``swiglu_gemm`` (the MLP's gate and up GEMMs with ``silu(gate) * up`` in their epilogue) and ``cross_entropy`` (the
-LM head's loss per row with its gradient written over the logits, and the in-place scale of that gradient). ``conv_gates``,
-``gated_norm``, ``rms_norm`` and ``silu_mul`` also have a backward kernel (``*_bwd``), which
+LM head's loss per row with its gradient written over the logits, and the in-place scale of that gradient).
+``conv_gates``, ``gated_norm``, ``rms_norm`` and ``silu_mul`` also have a backward kernel (``*_bwd``), which
 ``flashqla_kernels.decoder.autograd`` pairs with the forward under grad.
 
 Importing this package does not import tilelang: each launcher imports its stage module (which imports tilelang) on
