@@ -126,15 +126,15 @@ def test_a_rank_killed_mid_run_then_the_same_command_completes_the_store_exactly
     assert "SIGKILL" in killed.stderr and "rank      : 1" in killed.stderr
     assert not (got_dir / "manifest.json").exists() or not ActivationStore(got_dir, verify=False).manifest.get(
         "complete"), "a killed run must not leave a store marked complete"
+    _rerun_gives_the_uninterrupted_store(tmp_path, corpus_path, got_dir, want_dir)
+
+
+def _rerun_gives_the_uninterrupted_store(tmp_path: Path, corpus_path: Path, got_dir: Path, want_dir: Path) -> None:
+    """The same command run again completes the store: nothing lost or duplicated (the same token rows in the same
+    order and shards, with the same activations as the uninterrupted run's)."""
     resumed = _torchrun(tmp_path, corpus_path, got_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stdout.count("SUMMARY 2 301 True") == 2
-
-    _same_store(got_dir, want_dir)
-
-
-def _same_store(got_dir: Path, want_dir: Path) -> None:
-    """Nothing lost or duplicated: the same token rows in the same order and shards, with the same activations."""
     want, got = ActivationStore(want_dir, verify=True), ActivationStore(got_dir, verify=True)
     assert got.n_tokens == want.n_tokens == 301 and got.manifest["complete"]
     assert torch.equal(got.token_ids(), want.token_ids()) and torch.equal(got.doc_index(), want.doc_index())
@@ -152,11 +152,8 @@ def test_rank0_killed_inside_the_manifest_merge_then_the_same_command_completes_
     assert killed.returncode != 0 and "rank      : 0" in killed.stderr, killed.stderr[-2000:]
     assert not (got_dir / "manifest.json").exists()  # every shard recorded, no manifest
     assert list((got_dir / ".tmp").glob("*.partial"))
-    resumed = _torchrun(tmp_path, corpus_path, got_dir)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert resumed.stdout.count("SUMMARY 2 301 True") == 2
+    _rerun_gives_the_uninterrupted_store(tmp_path, corpus_path, got_dir, want_dir)
     assert not list((got_dir / ".tmp").glob("*"))  # the next writer swept the half-written manifest
-    _same_store(got_dir, want_dir)
 
 
 @pytest.mark.slow
@@ -173,10 +170,7 @@ def test_a_rank_that_stops_arriving_is_named_by_rank0_then_a_rerun_completes_the
     assert lines and all("RankTimeoutError: rank(s) 1 of 2 did not reach the end of collection (every rank's last "
                          "shard recorded) within 8 s" in ln and "QWEN_SCOPE_DIST_TIMEOUT_S" in ln for ln in lines), \
         stalled.stderr[-3000:]
-    resumed = _torchrun(tmp_path, corpus_path, got_dir)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert resumed.stdout.count("SUMMARY 2 301 True") == 2
-    _same_store(got_dir, want_dir)
+    _rerun_gives_the_uninterrupted_store(tmp_path, corpus_path, got_dir, want_dir)
 
 
 def test_the_timeout_setting_is_checked_with_a_message_that_says_what_it_wants(monkeypatch):
