@@ -22,6 +22,9 @@ __all__ = ["QwenAdapter", "Qwen3Adapter", "Qwen3MoeAdapter", "Qwen3NextAdapter",
 
 # text model forward -> whether it takes a {layer type: mask} mapping as attention_mask (read once from its source)
 _TAKES_MASK_MAPPING: dict = {}
+# attention implementations whose mask for an unpadded causal batch is None in transformers (the kernel's own causal
+# flag does the masking); every other one gets a real mask from transformers' mask builder
+_CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
 def _resolve(root: nn.Module, path: str) -> nn.Module | None:
@@ -123,14 +126,19 @@ class QwenAdapter:
         transformers works out itself, but without the GPU sync of its packed-sequence check (one per forward,
         which drains the device queue). Right padding needs no mask either: causal tokens never see later pads.
 
-        Returns None (pass no mask) where the text model's forward takes no such mapping (Qwen3-MoE) or a layer
-        type needs a real mask (sliding-window attention).
+        Returns None (pass no mask) where the text model's forward takes no such mapping (Qwen3-MoE), a layer
+        type needs a real mask (sliding-window attention), or the attention implementation builds one even for an
+        unpadded causal batch (``eager``'s additive 4-D mask, ``flex_attention``'s block mask: a None there would
+        let every token see the future).
 
         Example:
             >>> adapter.text_model(input_ids=ids, attention_mask=adapter.unpadded_masks(), use_cache=False)
         """
         types = set(getattr(self.config, "layer_types", None) or ())
         if not types or not types <= {"full_attention", "linear_attention"}:
+            return None
+        attention = getattr(self.config, "_attn_implementation", None)
+        if "full_attention" in types and attention not in _CAUSAL_WITHOUT_MASK:
             return None
         forward = type(self.text_model).forward
         if forward not in _TAKES_MASK_MAPPING:

@@ -22,9 +22,6 @@ auxiliary loss in the causal LM's loss) take transformers' own loss.
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
@@ -66,8 +63,11 @@ def causal_lm_loss(adapter, input_ids: torch.Tensor, *, block_rows: int = BLOCK_
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [batch, tokens] with at least 2 tokens a row, got shape "
                          f"{tuple(input_ids.shape)}")
-    with _rows_unpacked():
-        hidden = adapter.text_model(input_ids=input_ids, use_cache=False).last_hidden_state
+    # the masks of unpadded rows as transformers would build them, without its packed-rows check (which reads its
+    # answer back to the host: every forward would wait for the GPU, in a training step for the previous
+    # micro-batch's backward, and the host's lead would be lost)
+    hidden = adapter.text_model(input_ids=input_ids, attention_mask=adapter.unpadded_masks(),
+                                use_cache=False).last_hidden_state
     # The head through the module itself, so autocast casts its weight as in the causal LM (and from its cache);
     # 2-D rows, so the logits are a tensor of their own, not a view, when the Function overwrites them.
     rows = hidden[:, :-1].reshape(-1, hidden.shape[-1])
@@ -76,32 +76,6 @@ def causal_lm_loss(adapter, input_ids: torch.Tensor, *, block_rows: int = BLOCK_
         return _loss_by_blocks(head, rows, targets, block_rows)
     loss, _ = _CrossEntropy.apply(head(rows), targets, block_rows)
     return loss
-
-
-@contextlib.contextmanager
-def _rows_unpacked() -> Iterator[None]:
-    # transformers' mask builder looks for several sequences packed into a row whenever no attention mask is given:
-    # it reads its verdict back to the host, so every forward waits for the GPU to finish the work queued before it
-    # (in a training step, the previous micro-batch's backward), and the host's lead is lost. Here the model forms
-    # its own position ids, 0.. in every row, for which the check always answers "not packed" (None).
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        yield
-        return
-    check = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if check is None:
-        yield
-        return
-    masking_utils.find_packed_sequence_indices = _not_packed
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = check
-
-
-def _not_packed(position_ids: torch.Tensor) -> None:
-    return None
 
 
 def _loss_by_blocks(head: nn.Linear, rows: torch.Tensor, targets: torch.Tensor, block_rows: int) -> torch.Tensor:

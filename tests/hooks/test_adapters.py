@@ -88,3 +88,19 @@ def test_unpadded_masks_give_the_text_model_exactly_its_own_masking(family):
         tail = adapter.text_model(input_ids=padded, attention_mask=masks, use_cache=False).last_hidden_state
     assert torch.equal(got, ref)
     torch.testing.assert_close(tail[:, :11], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_unpadded_masks_are_none_where_the_attention_needs_a_real_mask(impl):
+    """eager attention takes transformers' additive causal mask even for an unpadded batch: no mapping of Nones for it
+    (its tokens would see the future), and the forward with whatever ``unpadded_masks`` gives is the model's own."""
+    model = tiny_model("qwen3_5")
+    model.config._attn_implementation = impl
+    adapter = get_adapter(model)
+    masks = adapter.unpadded_masks()
+    assert (masks is None) == (impl == "eager")
+    ids = torch.randint(0, 100, (2, 11))
+    with torch.no_grad():
+        ref = adapter.text_model(input_ids=ids, use_cache=False).last_hidden_state
+        got = adapter.text_model(input_ids=ids, attention_mask=masks, use_cache=False).last_hidden_state
+    assert torch.equal(got, ref)

@@ -98,26 +98,30 @@ def test_without_grad_the_head_sees_one_block_of_rows_at_a_time_and_the_value_is
     assert got.item() == pytest.approx(ref.item(), rel=1e-6)
 
 
-def test_the_mask_builder_is_not_asked_about_packed_rows_and_is_restored(monkeypatch):
-    """The text model forms its own position ids (0.. a row): transformers' packed-rows check, which reads its
-    answer back to the host, is answered without running it, and only inside the call."""
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_the_mask_builder_is_not_asked_about_packed_rows_where_the_masks_are_known(impl, monkeypatch):
+    """The loss passes the adapter's unpadded masks: transformers' packed-rows check, which reads its answer back to
+    the host, does not run (sdpa); eager attention, which needs transformers' own causal mask, still gets it. The
+    value and every gradient are transformers' either way."""
     from transformers import masking_utils
 
     calls = []
+    check = masking_utils.find_packed_sequence_indices
 
     def spy(position_ids):
         calls.append(position_ids.shape)
-        return None
+        return check(position_ids)
 
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", spy)
     model = tiny_model("qwen3", seed=6).train()
+    model.config._attn_implementation = impl
     adapter = get_adapter(model)
     x = torch.randint(0, model.config.vocab_size, (2, 17))
     ref_loss, ref = _grads(model, lambda: _reference(model, x))
-    assert calls, "transformers' own loss path no longer asks: the patch has nothing to skip"
+    assert calls, "transformers' own loss path no longer asks: nothing for the masks to spare"
     calls.clear()
     loss, got = _grads(model, lambda: causal_lm_loss(adapter, x))
-    assert calls == [] and masking_utils.find_packed_sequence_indices is spy
+    assert (calls == []) == (impl == "sdpa")
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
     assert max(_rel(got[n], ref[n]) for n in ref) < 5e-5
 
