@@ -43,6 +43,9 @@
 #                silu_mul,mlp runs only the cases whose ids contain one of those)
 #   layer        benchmarks/gdn_layer.py, every arm (ours, ours_op, qla_op, fla, torch, compile, ours+compile);
 #                LAYER_PROFILE=N also profiles N forwards of each arm
+#   scaling      benchmarks/collect_scaling.py on a host of several GPUs: collect at world sizes 1, 2 and the GPU
+#                count under torchrun, tokens/s per GPU, scaling efficiency, each store against the world-size-1 one
+#                (SCALING_ARGS="--layers all" for the 24-layer run)
 #   collect-profile  benchmarks/collect_profile.py: torch.profiler of (a) and a steady (c1) step: GPU idle, blocking calls
 #   glue         benchmarks/glue_kernels.py: each glue kernel alone against the copy floor
 #   steer        benchmarks/steer_generate.py (generate as installed, with our patches, the decode engine; STEER_ARGS=
@@ -150,6 +153,7 @@ for p in "$@"; do
                      --budget-s "$(( ${COLLECT_S:-420} - 60 ))" ${COLLECT_ARGS:-} ;;
         layer-tests) phase layer-tests "${LAYER_TESTS_S:-200}" python3 benchmarks/gdn_layer.py --gpu-tests --out "$OUT" \
                          --only "${LAYER_TESTS_ONLY:-}" ;;
+        scaling) phase scaling "${SCALING_S:-540}" python3 benchmarks/collect_scaling.py --out "$OUT" ${SCALING_ARGS:-} ;;
         collect-profile) phase collect-profile "${PROFILE_S:-150}" python3 benchmarks/collect_profile.py --out "$OUT" \
                              --steps "${PROFILE_STEPS:-5}" ;;
         glue) phase glue "${GLUE_S:-120}" python3 benchmarks/glue_kernels.py --out "$OUT" ;;
