@@ -10,8 +10,8 @@ every token and the stores can be compared as sets (keyed by document and positi
 
 Timing: each world size's collect call as a user runs it, from ``torchrun`` starting the ranks to every rank returning
 (the summary's tokens/s: this run's tokens over the slowest rank's seconds); one warm-up call first at each W
-(kernels compiled, caches warm; not in the dry run), then the timed one into a fresh directory. Efficiency(W) = tokens/s(W) / (W x
-tokens/s(1)). The bar: >= 90% at 2 GPUs and >= 85% at 8, one SAE layer.
+(kernels compiled, caches warm; not in the dry run), then the timed one into a fresh directory. Efficiency(W) =
+tokens/s(W) / (W x tokens/s(1)). The bar: >= 90% at 2 GPUs and >= 85% at 8, one SAE layer.
 
 Comparison with W = 1: the token ids of every (document, position) exactly; per point, the fraction of (token,
 feature) code indices both stores hold, and the largest relative difference of their values (rows batched with

@@ -116,17 +116,23 @@ def test_two_process_torchrun_splits_documents_by_rank_and_rank0_merges_the_mani
 
 @pytest.mark.slow
 def test_a_rank_killed_mid_run_then_the_same_command_completes_the_store_exactly(tmp_path, uninterrupted):
-    corpus_path, want_dir, proc = uninterrupted
-    assert proc.returncode == 0
-    got_dir = tmp_path / "killed"
     # rank 1 dies after its second step (of three): usually with its first shard recorded and the second written
     # but not yet recorded, while torchrun stops rank 0 wherever it is
-    killed = _torchrun(tmp_path, corpus_path, got_dir, KILL_RANK1_AFTER="128")
+    corpus_path, want_dir, got_dir, killed = _faulty_run(tmp_path, uninterrupted, KILL_RANK1_AFTER="128")
     assert killed.returncode != 0, "rank 1 should have died"
     assert "SIGKILL" in killed.stderr and "rank      : 1" in killed.stderr
     assert not (got_dir / "manifest.json").exists() or not ActivationStore(got_dir, verify=False).manifest.get(
         "complete"), "a killed run must not leave a store marked complete"
     _rerun_gives_the_uninterrupted_store(tmp_path, corpus_path, got_dir, want_dir)
+
+
+def _faulty_run(tmp_path: Path, uninterrupted, **fault) -> tuple[Path, Path, Path, subprocess.CompletedProcess]:
+    """The clean run's corpus into a fresh store with ``fault`` in the ranks' environment: (corpus path, the clean
+    store, the faulty run's store, its process)."""
+    corpus_path, want_dir, proc = uninterrupted
+    assert proc.returncode == 0
+    got_dir = tmp_path / "faulty"
+    return corpus_path, want_dir, got_dir, _torchrun(tmp_path, corpus_path, got_dir, **fault)
 
 
 def _rerun_gives_the_uninterrupted_store(tmp_path: Path, corpus_path: Path, got_dir: Path, want_dir: Path) -> None:
@@ -145,10 +151,7 @@ def _rerun_gives_the_uninterrupted_store(tmp_path: Path, corpus_path: Path, got_
 
 @pytest.mark.slow
 def test_rank0_killed_inside_the_manifest_merge_then_the_same_command_completes_the_store(tmp_path, uninterrupted):
-    corpus_path, want_dir, proc = uninterrupted
-    assert proc.returncode == 0
-    got_dir = tmp_path / "killed"
-    killed = _torchrun(tmp_path, corpus_path, got_dir, KILL_RANK0_IN_MERGE="1")
+    corpus_path, want_dir, got_dir, killed = _faulty_run(tmp_path, uninterrupted, KILL_RANK0_IN_MERGE="1")
     assert killed.returncode != 0 and "rank      : 0" in killed.stderr, killed.stderr[-2000:]
     assert not (got_dir / "manifest.json").exists()  # every shard recorded, no manifest
     assert list((got_dir / ".tmp").glob("*.partial"))
@@ -161,10 +164,8 @@ def test_a_rank_that_stops_arriving_is_named_by_rank0_then_a_rerun_completes_the
     """Rank 1 hangs mid-run without dying: rank 0 finishes its share, waits QWEN_SCOPE_DIST_TIMEOUT_S at the end of
     collection, and stops with one line naming rank 1 and where it did not arrive; the same command then completes
     the store."""
-    corpus_path, want_dir, proc = uninterrupted
-    assert proc.returncode == 0
-    got_dir = tmp_path / "stalled"
-    stalled = _torchrun(tmp_path, corpus_path, got_dir, STALL_RANK1_AFTER="128", QWEN_SCOPE_DIST_TIMEOUT_S="8")
+    corpus_path, want_dir, got_dir, stalled = _faulty_run(tmp_path, uninterrupted, STALL_RANK1_AFTER="128",
+                                                          QWEN_SCOPE_DIST_TIMEOUT_S="8")
     assert stalled.returncode != 0
     lines = [ln for ln in stalled.stderr.splitlines() if "RankTimeoutError:" in ln]
     assert lines and all("RankTimeoutError: rank(s) 1 of 2 did not reach the end of collection (every rank's last "
