@@ -248,8 +248,8 @@ def stage_ms(q, k, v, g, beta, h0, cu, bench=None):
     out = {"kkt_solve": bench(lambda: kkt_solve.kkt_solve(k3, g3, b3, pl.chunks, Hv)), "cp": 0.0}
 
     def cp():
-        hs, ms = segment_states.segment_states(k3, v3, ag, gamma, b3, pl.maps, bDV=bdv)
-        return state_scan.state_scan(h0, hs, ms, pl.seqs, pl.segs.shape[0])
+        maps = segment_states.segment_states(k3, v3, ag, gamma, b3, pl.maps, bDV=bdv)
+        return state_scan.state_scan(h0, *maps, pl.seqs, pl.segs.shape[0])
 
     h_init = h0
     if pl.segment_chunks:

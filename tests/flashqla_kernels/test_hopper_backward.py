@@ -75,14 +75,15 @@ def _dh(q, k, do, ag, gamma, dht, walks, num_chunks, *, scale, store_dh0, store_
     return (dh, dv, dh0 if store_dh0 else None) if store_grads else (None, None, dh0)
 
 
-def _bwd_scan(dht, cs, ms, rscan, num_segs):
+def _bwd_scan(dht, cs, ms, mstart, rscan, num_segs):
     Hv, K, V = ms.shape[1], ms.shape[2], cs.shape[3]
     d_end = torch.full((num_segs, Hv, K, V), float("nan"), dtype=ms.dtype)
     for n, (first, count, first_c) in enumerate(rscan.tolist()):
         dS = dht[n].to(ms.dtype) if dht is not None else torch.zeros(Hv, K, V, dtype=ms.dtype)
         for j in range(count - 1, 0, -1):
             d_end[first + j] = dS
-            dS = ms[first + j].transpose(-1, -2) @ dS + cs[first_c + j - 1]
+            needed = (mstart[first + j] < 0).to(ms.dtype)[:, None, None]
+            dS = needed * (ms[first + j].transpose(-1, -2) @ dS) + cs[first_c + j - 1]
         d_end[first] = dS
     return d_end
 

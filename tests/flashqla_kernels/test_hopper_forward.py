@@ -10,7 +10,7 @@ import torch
 
 from flashqla_kernels import toolkit
 from flashqla_kernels.gated_delta_rule.hopper import plan
-from tests.flashqla_kernels.test_hopper_plan import _table_starts
+from tests.flashqla_kernels.test_hopper_plan import _kernel_starts, _table_starts
 
 
 def _mirror_forward(q, k, v, g, beta, h0, cu, L):
@@ -221,31 +221,43 @@ def _torch_chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale, bD
 
 
 def _torch_segment_states(k, v, ag, gamma, beta, maps, *, bDV, rn=None):
-    """segment_states' contract in float64 torch: each map from zero / identity starts, by the torch chunk stage on
-    the map's token range."""
+    """segment_states' contract in float64 torch, its decay shortcut included: per map and head the start table
+    (the rule of ``_kernel_starts``), H walked from that start (the map's start where it is -1), M from the identity
+    where the start is -1 and zero elsewhere, by the torch chunk stage on the map's token range."""
     R, Hv, K, V = maps.shape[0], v.shape[1], k.shape[2], v.shape[2]
     hs, ms = torch.zeros(R, Hv, K, V, dtype=torch.float64), torch.zeros(R, Hv, K, K, dtype=torch.float64)
+    start = _kernel_starts(gamma.float(), maps.tolist(), 256)
     for r, (s0, s1) in enumerate(maps.tolist()):
-        seg = torch.tensor([[s0, s1, 0, 0]])
-        zero = torch.zeros(1, Hv, K, V, dtype=torch.float64)
-        _torch_chunk_fwd(k, k, v, ag, gamma, beta, zero, seg, torch.empty_like(v), hs[r:r + 1], scale=1.0, bDV=bDV,
-                         rn=rn)
-        eye = torch.eye(K, dtype=torch.float64).expand(1, Hv, K, K).contiguous()
-        _torch_chunk_fwd(k, k, torch.zeros(v.shape[0], Hv, K, dtype=torch.float64), ag, gamma, beta, eye, seg,
-                         torch.empty(v.shape[0], Hv, K, dtype=torch.float64), ms[r:r + 1], scale=1.0, bDV=bDV,
-                         rn=rn)
-    return hs, ms
+        for first in set(start[r].tolist()):
+            heads = (start[r] == first).nonzero().flatten()
+            seg = torch.tensor([[first if first >= 0 else s0, s1, 0, 0]])
+            zero = torch.zeros(1, Hv, K, V, dtype=torch.float64)
+            h_end = torch.zeros(1, Hv, K, V, dtype=torch.float64)
+            _torch_chunk_fwd(k, k, v, ag, gamma, beta, zero, seg, torch.empty_like(v), h_end, scale=1.0, bDV=bDV,
+                             rn=rn)
+            hs[r, heads] = h_end[0, heads]
+        needed = (start[r] < 0).nonzero().flatten()
+        if needed.numel():
+            seg = torch.tensor([[s0, s1, 0, 0]])
+            eye = torch.eye(K, dtype=torch.float64).expand(1, Hv, K, K).contiguous()
+            m_end = torch.zeros(1, Hv, K, K, dtype=torch.float64)
+            _torch_chunk_fwd(k, k, torch.zeros(v.shape[0], Hv, K, dtype=torch.float64), ag, gamma, beta, eye, seg,
+                             torch.empty(v.shape[0], Hv, K, dtype=torch.float64), m_end, scale=1.0, bDV=bDV, rn=rn)
+            ms[r, needed] = m_end[0, needed]
+    return hs, ms, start
 
 
-def _torch_state_scan(h0, hs, ms, seqs, num_segs):
-    """state_scan's contract in float64 torch: S_0 = h0 (or 0), S_{i+1} = M_i S_i + H_i over each sequence's maps."""
+def _torch_state_scan(h0, hs, ms, mstart, seqs, num_segs):
+    """state_scan's contract in float64 torch: S_0 = h0 (or 0), S_{i+1} = M_i S_i + H_i over each sequence's maps,
+    M_i skipped where the start table says it is zero."""
     h_init = torch.zeros((num_segs,) + hs.shape[1:], dtype=torch.float64)
     for n, (first, count, first_map) in enumerate(seqs.tolist()):
         S = h0[n].double() if h0 is not None else torch.zeros_like(h_init[0])
         for i in range(count):
             h_init[first + i] = S
             if i < count - 1:
-                S = ms[first_map + i].double() @ S + hs[first_map + i].double()
+                needed = (mstart[first_map + i] < 0).to(torch.float64)[:, None, None]
+                S = needed * (ms[first_map + i].double() @ S) + hs[first_map + i].double()
     return h_init
 
 

@@ -176,10 +176,10 @@ def sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, b
         return h, v_new, dh, du, dh0
     K, V = kn.shape[2], v3.shape[2]
     # the maps M of the segments carry the state gradient back across them
-    _, ms = segment_states.segment_states(kn, v3, ag, gamma, b3, pl.maps, bDV=bwd_dh.block_v(K, V))
+    _, ms, mstart = segment_states.segment_states(kn, v3, ag, gamma, b3, pl.maps, bDV=bwd_dh.block_v(K, V))
     _, _, c = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, None, pl.rest, NC, scale=scale, store_dh0=True,
                             store_grads=False)
-    d_end = state_scan.state_scan_bwd(dht, c, ms, pl.rscan, S)
+    d_end = state_scan.state_scan_bwd(dht, c, ms, mstart, pl.rscan, S)
     dh, du, d_start = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, d_end, pl.walks, NC, scale=scale,
                                     store_dh0=h0 is not None)
     return h, v_new, dh, du, (None if h0 is None else d_start.index_select(0, pl.first))
@@ -193,8 +193,8 @@ def recompute_states(kn, v3, ag, gamma, b3, h0, num_chunks, fpl, bdv):
 
     Hv, K, V = v3.shape[1], kn.shape[2], v3.shape[2]
     if fpl.segment_chunks:
-        hs, ms = segment_states.segment_states(kn, v3, ag, gamma, b3, fpl.maps, bDV=bdv)
-        h_init = state_scan.state_scan(h0, hs, ms, fpl.seqs, fpl.segs.shape[0])
+        h_init = state_scan.state_scan(h0, *segment_states.segment_states(kn, v3, ag, gamma, b3, fpl.maps, bDV=bdv),
+                                       fpl.seqs, fpl.segs.shape[0])
     else:
         h_init = h0 if h0 is not None else torch.zeros((1, Hv, K, V), dtype=torch.float32, device=kn.device)
     return chunk_fwd.chunk_states(kn, v3, ag, gamma, b3, h_init, fpl.segs, fpl.seg_chunk0, num_chunks, bDV=bdv)

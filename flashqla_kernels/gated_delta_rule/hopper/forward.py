@@ -154,8 +154,9 @@ def _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l
     # l2norm inside the stages: kkt_solve writes the inverse norms, the others fold them into their row scalings
     gamma, ag, rn = kkt_solve.kkt_solve(k3, g3, b3, pl.chunks, Hv, q3 if use_qk_l2norm_in_kernel else None)
     if pl.segment_chunks:
-        hs, ms = segment_states.segment_states(k3, v3, ag, gamma, b3, pl.maps, bDV=bDV, rn=rn)
-        h_init = state_scan.state_scan(h0, hs, ms, pl.seqs, pl.segs.shape[0])
+        h_init = state_scan.state_scan(h0, *segment_states.segment_states(k3, v3, ag, gamma, b3, pl.maps, bDV=bDV,
+                                                                          rn=rn),
+                                       pl.seqs, pl.segs.shape[0])
     else:
         h_init = h0 if h0 is not None else torch.zeros((1, Hv, K, V), dtype=torch.float32, device=q.device)
     o = toolkit.empty((B * Tn, Hv, V), q.dtype, q.device)

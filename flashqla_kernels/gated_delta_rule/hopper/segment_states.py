@@ -23,7 +23,9 @@ With ``l2norm`` the keys are read as given and normalised by ``kkt_solve``'s ``r
 (``K_n S = diag(rk) K S``, ``K_n^T Vn = K^T diag(rk) Vn``), as in ``chunk_fwd``.
 
 Grid (V / bDV + K / bDV, Hv, maps), 256 threads. ``segs[r] = (start, end)`` of map r.
-Outputs H [R, Hv, K, V], M [R, Hv, K, K] fp32.
+Outputs H [R, Hv, K, V], M [R, Hv, K, K] fp32 and ``start`` [R, Hv] int32: H's first token, or -1 where the walk
+covers the whole map and M is needed. Where ``start >= 0`` M is written as zeros and ``state_scan`` skips it (no M
+read, no product: the next segment starts from H).
 """
 import tilelang.language as T
 import torch
@@ -125,6 +127,8 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str,
                 found_sh[0] = found[0]
             T.sync_threads()
             skip = T.if_then_else(found_sh[0] < 0, -1, m0 + found_sh[0] * C)
+            if bv == 0 and tx == 0:
+                start[bs, bh] = skip
             # the planner lays the tiles below over these two buffers: everyone has read found_sh first
             T.sync_threads()
             # M negligible: zero columns, no walk. H: start where earlier tokens stop mattering.
@@ -240,7 +244,8 @@ def segment_states(k, v, ag, gamma, beta, maps, *, bDV: int, rn=None):
         (``kkt_solve``'s, with l2norm) or None.
 
     Returns:
-        H [R, Hv, K, V] fp32 and M [R, Hv, K, K] fp32.
+        H [R, Hv, K, V] fp32, M [R, Hv, K, K] fp32, and start [R, Hv] int32: per map and head the token H's walk
+        starts at, or -1 where M is needed (M is zero wherever start >= 0).
     """
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
@@ -248,11 +253,9 @@ def segment_states(k, v, ag, gamma, beta, maps, *, bDV: int, rn=None):
     R = maps.shape[0]
     hs = toolkit.empty((R, Hv, K, V), torch.float32, k.device)
     ms = toolkit.empty((R, Hv, K, K), torch.float32, k.device)
+    start = toolkit.empty((R, Hv), torch.int32, k.device)
     if R > 0:
-        # the kernel's ``start`` argument [R, Hv]: a per-map table of H's first token that it does not read (it finds
-        # the starts itself)
-        start = torch.empty((R, Hv), dtype=torch.int32, device=k.device)
         if rn is None:
             rn = toolkit.unread((1, Hk, 2), torch.float32, k.device)  # not read without l2norm
         kernel(k, v, ag, gamma, beta, maps, start, hs, ms, rn)
-    return hs, ms
+    return hs, ms, start
