@@ -85,7 +85,9 @@ def build_kkt_solve(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool = False):
             g_sh = T.alloc_shared((G, C), "float32")
             b_sh = T.alloc_shared((G, C), "float32")
             gm_sh = T.alloc_shared((G, C), "float32")  # gamma of every row, for the gate of each element
-            sd_sh = T.alloc_shared((C, PANEL + 1), "float32")  # row i: S[i, 16 * (i // 16) + m], the diagonal blocks
+            # row i: S[i, 16 * (i // 16) + m], the diagonal blocks; rows of 20 floats: 16-byte aligned for the
+            # substitution's 4-wide loads, and the scatter's 8 rows a store fall at most two to a bank
+            sd_sh = T.alloc_shared((C, PANEL + 4), "float32")
             # product operands (fp16): S's blocks (shared by the heads), then per head X's diagonal halves,
             # blockdiag(D0, D2) / blockdiag(D1, D3), and a scratch tile for T1 / T2
             sbd = T.alloc_shared((HALF, HALF), "float16")  # blockdiag(S10, S32)
@@ -103,6 +105,7 @@ def build_kkt_solve(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool = False):
             f = T.alloc_fragment((HALF, HALF), "float32")
             x = T.alloc_local((PANEL,), "float32")
             acc = T.alloc_local((4,), "float32")
+            quad = T.alloc_local((4,), "float32")
 
             if n == C:
                 T.copy(k[s0:s0 + C, hk, :], k_sh)
@@ -147,10 +150,14 @@ def build_kkt_solve(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool = False):
                 out_sh[h, HALF + i, HALF + PANEL + j] = T.cast(0, "float16")
 
             # gamma: chunk-local inclusive cumsum of head hl, row col
+            # (four columns a 16-byte load: the head's g row is the same for the whole warp, one broadcast each)
             for a in T.unroll(4):
                 acc[a] = 0.0
-            for j in T.unroll(C):
-                acc[j % 4] += T.if_then_else(j <= col, g_sh[hl, j], 0.0)
+            for j4 in T.unroll(C // 4):
+                for a in T.vectorized(4):
+                    quad[a] = g_sh[hl, j4 * 4 + a]
+                for a in T.unroll(4):
+                    acc[a] += T.if_then_else(j4 * 4 + a <= col, quad[a], 0.0)
             gam = T.alloc_var("float32")
             gam = acc[0] + acc[1] + acc[2] + acc[3]
             if col < n:
@@ -165,11 +172,16 @@ def build_kkt_solve(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool = False):
             c = col % PANEL
             for r in T.unroll(PANEL):
                 x[r] = 0.0
+            # row r's entries come four at a time (16-byte loads; half a warp shares the address)
             for r in T.unroll(PANEL):
                 for a in T.unroll(4):
                     acc[a] = 0.0
-                for m in T.unroll(r):
-                    acc[m % 4] += sd_sh[db * PANEL + r, m] * x[m]
+                for m4 in T.unroll((r + 3) // 4):
+                    for a in T.vectorized(4):
+                        quad[a] = sd_sh[db * PANEL + r, m4 * 4 + a]
+                    for a in T.unroll(4):
+                        if m4 * 4 + a < r:
+                            acc[a] += quad[a] * x[m4 * 4 + a]
                 x[r] = T.if_then_else(r == c, 1.0, -b_sh[hl, db * PANEL + r] * (acc[0] + acc[1] + acc[2] + acc[3]))
             # rows/columns of the block inside its half (warp-uniform: a warp's 32 columns are one half)
             ro = (db % 2) * PANEL
