@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-STAGES = ("kkt_solve", "chunk_fwd", "segment_states", "state_scan")
+STAGES = ("kkt_solve", "chunk_fwd", "segment_states", "state_scan", "layout")
 
 
 def chunk_specs(layouts, sms, *, scale=None, final=(True,), scans=True, widths=()):
@@ -30,6 +30,8 @@ def chunk_specs(layouts, sms, *, scale=None, final=(True,), scans=True, widths=(
             slices.add(128)
         sc = float(Kd ** -0.5) if scale is None else float(scale)
         specs.add(("kkt_solve", (Hk, Hv, Kd, dt, l2)))
+        # q, k, v made token-major in one pass when they arrive as transformers' channels-first slices
+        specs.add(("layout", (Hk * Kd, Hv * Kd, dt)))
         for bdv in slices:
             specs.add(("segment_states", (Hk, Hv, Kd, Kd, bdv, dt, l2)))
             # no states saved for a backward (no grad)
@@ -41,10 +43,11 @@ def chunk_specs(layouts, sms, *, scale=None, final=(True,), scans=True, widths=(
 
 def builder(stage: str):
     """The builder function of a stage named in :data:`STAGES`."""
-    from flashqla_kernels.gated_delta_rule.hopper import chunk_fwd, kkt_solve, segment_states, state_scan
+    from flashqla_kernels.gated_delta_rule.hopper import chunk_fwd, kkt_solve, layout, segment_states, state_scan
 
     return {"kkt_solve": kkt_solve.build_kkt_solve, "chunk_fwd": chunk_fwd.build_chunk_fwd,
-            "segment_states": segment_states.build_segment_states, "state_scan": state_scan.build_state_scan}[stage]
+            "segment_states": segment_states.build_segment_states, "state_scan": state_scan.build_state_scan,
+            "layout": layout.build_channels_first_to_tokens}[stage]
 
 
 def build_one(spec):

@@ -38,6 +38,8 @@ CORE = [
     ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, True, False)),
     # the forward under grad: also the states for the backward
     ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, True, True)),
+    # transformers' channels-first q, k, v made token-major (the 2B layer: 16 heads of 128 each)
+    ("layout", (2048, 2048, "bfloat16")),
 ]
 EXTRA = [
     ("kkt_solve", (2, 4, 64, "float16")),
@@ -62,10 +64,11 @@ EXTRA = [
 
 
 def _builder(stage):
-    from flashqla_kernels.gated_delta_rule.hopper import chunk_fwd, kkt_solve, segment_states, state_scan
+    from flashqla_kernels.gated_delta_rule.hopper import chunk_fwd, kkt_solve, layout, segment_states, state_scan
 
     return {"kkt_solve": kkt_solve.build_kkt_solve, "chunk_fwd": chunk_fwd.build_chunk_fwd,
-            "segment_states": segment_states.build_segment_states, "state_scan": state_scan.build_state_scan}[stage]
+            "segment_states": segment_states.build_segment_states, "state_scan": state_scan.build_state_scan,
+            "layout": layout.build_channels_first_to_tokens}[stage]
 
 
 def _source(stage, args) -> str:
@@ -125,7 +128,17 @@ def _check_structure(stage, args, src):
         assert "wgmma_ss<tl::DataType::kFloat16" in src and "ag_sh" not in src
     elif stage == "state_scan":
         assert "wgmma" in src, "state_scan: its M S GEMM should run on warpgroup MMA"
+        # a map found negligible (start >= 0) costs neither its M load nor the product
+        body = src[src.index("__global__"):]
+        assert "mstart[" in body and body.index("mstart[") < body.index("tl::wgmma")
+    elif stage == "layout":
+        # a warp's 32 consecutive tokens of one channel go down a column of the [token, channel] tile, whose rows
+        # of 66 elements (33 words) put them in 32 distinct banks; the rows leave in whole-row stores
+        assert re.search(r"tt\[\(+\(\(int\)threadIdx\.x\) & 63\) \* 66\)", src), "the transposed write is not a column"
+        assert "__syncthreads();" in src and "tl::wgmma" not in src
     else:
+        # the substitution reads its rows of S four floats at a time
+        assert "*(float4*)(((float*)sd_sh)" in src
         # K K^T and the four block-merge products: fp16 mma.sync with fp32 accumulators
         assert src.count("tl::mma_sync<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32") >= 4
         assert "ldmatrix" in src

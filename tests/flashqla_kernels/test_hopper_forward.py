@@ -261,11 +261,21 @@ def _torch_state_scan(h0, hs, ms, mstart, seqs, num_segs):
     return h_init
 
 
+def _torch_tokens_major(buffer, Hk, K, Hv, V):
+    """layout.tokens_major's contract in torch: the [B, C, T] buffer's channel slices as token-major q, k, v."""
+    B, C, Tn = buffer.shape
+    rows = buffer.transpose(1, 2).reshape(B * Tn, C)
+    return (rows[:, :Hk * K].reshape(B * Tn, Hk, K).contiguous(),
+            rows[:, Hk * K:2 * Hk * K].reshape(B * Tn, Hk, K).contiguous(),
+            rows[:, 2 * Hk * K:].reshape(B * Tn, Hv, V).contiguous())
+
+
 @pytest.fixture
 def torch_stages(monkeypatch):
     """The launcher with every kernel swapped for its float64 torch twin (CPU); returns the recorded stage calls."""
     pytest.importorskip("tilelang")
-    from flashqla_kernels.gated_delta_rule.hopper import chunk_fwd, forward, kkt_solve, segment_states, state_scan
+    from flashqla_kernels.gated_delta_rule.hopper import (chunk_fwd, forward, kkt_solve, layout, segment_states,
+                                                          state_scan)
 
     calls = []
 
@@ -281,6 +291,7 @@ def torch_stages(monkeypatch):
     monkeypatch.setattr(chunk_fwd, "chunk_fwd", record("chunk_fwd", _torch_chunk_fwd))
     monkeypatch.setattr(segment_states, "segment_states", record("segment_states", _torch_segment_states))
     monkeypatch.setattr(state_scan, "state_scan", record("state_scan", _torch_state_scan))
+    monkeypatch.setattr(layout, "tokens_major", record("layout", _torch_tokens_major))
     return calls
 
 
@@ -307,6 +318,31 @@ def test_launcher_wiring_equals_reference_on_a_dense_batch(torch_stages):
     assert [name for name, _ in torch_stages] == ["kkt_solve", "chunk_fwd"]
     # g, beta and h0 travel as fp32 (the kernels' contract): agreement to fp32 rounding, not 1e-10
     assert _rel(o, ro) < 1e-6 and _rel(ht, rht) < 1e-6
+
+
+def test_launcher_makes_transformers_channels_first_inputs_token_major_in_one_pass(torch_stages):
+    """q, k, v as transformers' layer passes them (channel slices of its convolution's [B, C, T] buffer) go through
+    one layout pass, not three strided copies, and give the reference result; the same values laid out token-major
+    skip it."""
+    from flashqla_kernels.gated_delta_rule.hopper import forward
+    from flashqla_kernels.gated_delta_rule.reference import chunk_gated_delta_rule_ref
+
+    gen = torch.Generator().manual_seed(8)
+    B, Tn, Hk, Hv, K, V = 2, 70, 1, 2, 64, 64
+    buffer = torch.randn(B, 2 * Hk * K + Hv * V, Tn, generator=gen, dtype=torch.float64)
+    q, k, v = torch.split(buffer.transpose(1, 2), [Hk * K, Hk * K, Hv * V], dim=-1)
+    q, k, v = q.reshape(B, Tn, Hk, K), k.reshape(B, Tn, Hk, K), v.reshape(B, Tn, Hv, V)
+    g = -torch.rand(B, Tn, Hv, generator=gen, dtype=torch.float64)
+    beta = torch.rand(B, Tn, Hv, generator=gen, dtype=torch.float64)
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, segment_chunks=0)
+    o, ht = forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
+    assert [name for name, _ in torch_stages] == ["layout", "kkt_solve", "chunk_fwd"]
+    ro, rht = chunk_gated_delta_rule_ref(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert _rel(o, ro) < 1e-6 and _rel(ht, rht) < 1e-6
+    torch_stages.clear()
+    o2, ht2 = forward.chunk_gated_delta_rule_fwd(q.contiguous(), k.contiguous(), v.contiguous(), g, beta, **kw)
+    assert [name for name, _ in torch_stages] == ["kkt_solve", "chunk_fwd"]
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
 
 
 @pytest.mark.parametrize("l2norm", [False, True])

@@ -167,3 +167,35 @@ def test_public_op_makes_no_host_sync_once_cu_seqlens_is_known():
     with torch.no_grad():
         o_again, _ = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
     assert torch.equal(o_again, o_first)
+
+
+@pytest.mark.parametrize("B,T,Hk,Hv,D,dtype", [(2, 130, 2, 4, 128, torch.bfloat16),
+                                               (1, 4096, 16, 16, 128, torch.bfloat16),
+                                               (3, 65, 1, 2, 64, torch.float16)])
+def test_channels_first_inputs_run_token_major_in_one_pass(B, T, Hk, Hv, D, dtype):
+    """q, k, v as transformers' layer passes them (channel slices of its convolution's [B, C, T] buffer): the layout
+    kernel gives exactly the token-major copies (tail tiles too, nothing written past a sequence), and the public op
+    gives bit for bit what it gives on contiguous copies, without a host sync."""
+    from flashqla_kernels.gated_delta_rule.hopper import layout
+
+    buffer = torch.randn(B, (2 * Hk + Hv) * D, T, device="cuda").to(dtype)
+    q, k, v = torch.split(buffer.transpose(1, 2), [Hk * D, Hk * D, Hv * D], dim=-1)
+    q, k, v = q.reshape(B, T, Hk, D), k.reshape(B, T, Hk, D), v.reshape(B, T, Hv, D)
+    assert layout.channels_first_buffer(q, k, v) is not None
+    with toolkit.poisoned_outputs():
+        q3, k3, v3 = layout.tokens_major(buffer, Hk, D, Hv, D)
+    for got, want in ((q3, q), (k3, k), (v3, v)):
+        assert torch.equal(got, want.reshape(B * T, *want.shape[2:]))
+    g = -torch.nn.functional.softplus(torch.randn(B, T, Hv, device="cuda"))
+    beta = torch.sigmoid(torch.randn(B, T, Hv, device="cuda")).to(dtype)
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with torch.no_grad():
+        want_o, want_h = chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g, beta, **kw)
+        chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            o, ht = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(o, want_o) and torch.equal(ht, want_h)
