@@ -38,6 +38,8 @@ CORE = [
     ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, True, False)),
     # the forward under grad: also the states for the backward
     ("chunk_fwd", (16, 32, 128, 128, 128, "bfloat16", S128, True, True, True)),
+    # the backward's maps: M and the start table alone
+    ("segment_states", (16, 32, 128, 128, 64, "bfloat16", False, True)),
     # transformers' channels-first q, k, v made token-major (the 2B layer: 16 heads of 128 each)
     ("layout", (2048, 2048, "bfloat16")),
 ]
@@ -126,6 +128,9 @@ def _check_structure(stage, args, src):
     elif stage == "segment_states":
         # Ag W multiplies the loaded fp16 tile (an fp16 wgmma); no Ag tile is formed
         assert "wgmma_ss<tl::DataType::kFloat16" in src and "ag_sh" not in src
+        # every map writes its start table; the maps-only build never writes H
+        assert re.search(r"\bstart\[", src)
+        assert ("(hs + " not in src) == (len(args) > 7 and args[7])
     elif stage == "state_scan":
         assert "wgmma" in src, "state_scan: its M S GEMM should run on warpgroup MMA"
         # a map found negligible (start >= 0) costs neither its M load nor the product

@@ -220,7 +220,7 @@ def _torch_chunk_fwd(q, k, v, ag, gamma, beta, h_init, segs, o, ht, *, scale, bD
                 ht[fin, h] = S
 
 
-def _torch_segment_states(k, v, ag, gamma, beta, maps, *, bDV, rn=None):
+def _torch_segment_states(k, v, ag, gamma, beta, maps, *, bDV, rn=None, maps_only=False):
     """segment_states' contract in float64 torch, its decay shortcut included: per map and head the start table
     (the rule of ``_kernel_starts``), H walked from that start (the map's start where it is -1), M from the identity
     where the start is -1 and zero elsewhere, by the torch chunk stage on the map's token range."""
@@ -244,7 +244,7 @@ def _torch_segment_states(k, v, ag, gamma, beta, maps, *, bDV, rn=None):
             _torch_chunk_fwd(k, k, torch.zeros(v.shape[0], Hv, K, dtype=torch.float64), ag, gamma, beta, eye, seg,
                              torch.empty(v.shape[0], Hv, K, dtype=torch.float64), m_end, scale=1.0, bDV=bDV, rn=rn)
             ms[r, needed] = m_end[0, needed]
-    return hs, ms, start
+    return (None if maps_only else hs), ms, start
 
 
 def _torch_state_scan(h0, hs, ms, mstart, seqs, num_segs):

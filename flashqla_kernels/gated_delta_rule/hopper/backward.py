@@ -176,7 +176,8 @@ def sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, b
         return h, v_new, dh, du, dh0
     K, V = kn.shape[2], v3.shape[2]
     # the maps M of the segments carry the state gradient back across them
-    _, ms, mstart = segment_states.segment_states(kn, v3, ag, gamma, b3, pl.maps, bDV=bwd_dh.block_v(K, V))
+    _, ms, mstart = segment_states.segment_states(kn, v3, ag, gamma, b3, pl.maps, bDV=bwd_dh.block_v(K, V),
+                                                  maps_only=True)
     _, _, c = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, None, pl.rest, NC, scale=scale, store_dh0=True,
                             store_grads=False)
     d_end = state_scan.state_scan_bwd(dht, c, ms, mstart, pl.rscan, S)
@@ -230,7 +231,7 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
         ]
     specs += [
         # context parallelism of the dh walk: the maps, the reverse scan, the two passes
-        (segment_states.build_segment_states, (Hk, Hv, K, V, bDV, dtype, False)),
+        (segment_states.build_segment_states, (Hk, Hv, K, V, bDV, dtype, False, True)),
         (build_dh, (Hk, Hv, K, V, bDV, dtype, scale, False, True, False)),
         (state_scan.build_state_scan, (Hv, K, V, has_dht, True)),
         (build_dh, (Hk, Hv, K, V, bDV, dtype, scale, True, has_h0, True)),

@@ -69,13 +69,16 @@ def _loaders(l2norm: bool):
     return load_tile, fetch_gates, store_gates
 
 
-def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, l2norm: bool = False):
+def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, l2norm: bool = False,
+                         maps_only: bool = False):
     """The segment_states kernel: grid (V / bDV + K / bDV, Hv, maps), 256 threads; ``l2norm``: keys normalised by
-    ``rn``."""
+    ``rn``; ``maps_only``: only the M blocks (grid (K / bDV, Hv, maps); H is neither walked nor written), for the
+    backward, which carries gradients across segments by M alone."""
     group = Hv // Hk
     nV = V // bDV
     num_tokens = T.dynamic("num_tokens")
     num_segs = T.dynamic("num_segs")
+    num_hs = T.dynamic("num_hs")  # 1 (a placeholder) with maps_only
     num_rn = T.dynamic("num_rn")
     load_tile, fetch_gates, store_gates = _loaders(l2norm)
 
@@ -88,12 +91,13 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str,
         beta: T.Tensor((num_tokens, Hv), "float32"),
         segs: T.Tensor((num_segs, 2), "int32"),
         start: T.Tensor((num_segs, Hv), "int32"),
-        hs: T.Tensor((num_segs, Hv, K, V), "float32"),
+        hs: T.Tensor((num_hs, Hv, K, V), "float32"),
         ms: T.Tensor((num_segs, Hv, K, K), "float32"),
         rn: T.Tensor((num_rn, Hk, 2), "float32"),
     ):
-        with T.Kernel(nV + K // bDV, Hv, num_segs, threads=THREADS) as (bv, bh, bs):
+        with T.Kernel((0 if maps_only else nV) + K // bDV, Hv, num_segs, threads=THREADS) as (bx, bh, bs):
             hk = bh // group
+            bv = bx + nV if maps_only else bx
             is_m = bv >= nV
             # column offset into V (state blocks) or into the identity's K columns (map blocks)
             v0 = (bv - T.if_then_else(is_m, nV, 0)) * bDV
@@ -127,7 +131,7 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str,
                 found_sh[0] = found[0]
             T.sync_threads()
             skip = T.if_then_else(found_sh[0] < 0, -1, m0 + found_sh[0] * C)
-            if bv == 0 and tx == 0:
+            if bx == 0 and tx == 0:
                 start[bs, bh] = skip
             # the planner lays the tiles below over these two buffers: everyone has read found_sh first
             T.sync_threads()
@@ -235,13 +239,13 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str,
 build_segment_states.pass_configs = {"tl.disable_thread_storage_sync": True}
 
 
-def segment_states(k, v, ag, gamma, beta, maps, *, bDV: int, rn=None):
+def segment_states(k, v, ag, gamma, beta, maps, *, bDV: int, rn=None, maps_only: bool = False):
     """The map ``S_end = M S_start + H`` of every token range in ``maps`` (the forward: each non-final segment).
 
     Args:
         k: [T, Hk, K]; v: [T, Hv, V]; ag: [T, Hv, 64] fp16 (``kkt_solve``'s Ag); gamma, beta: [T, Hv] fp32;
         maps: [R, 2] int32 token ranges (a Plan's ``maps``). bDV: V slice per CTA. rn: [T, Hk, 2] fp32 inverse l2 norms of q and k
-        (``kkt_solve``'s, with l2norm) or None.
+        (``kkt_solve``'s, with l2norm) or None. maps_only: M and the start table alone (H is None).
 
     Returns:
         H [R, Hv, K, V] fp32, M [R, Hv, K, K] fp32, and start [R, Hv] int32: per map and head the token H's walk
@@ -249,13 +253,15 @@ def segment_states(k, v, ag, gamma, beta, maps, *, bDV: int, rn=None):
     """
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
-    kernel = toolkit.compile_kernel(build_segment_states, Hk, Hv, K, V, bDV, toolkit.tl_dtype(k.dtype), rn is not None)
+    args = (Hk, Hv, K, V, bDV, toolkit.tl_dtype(k.dtype), rn is not None) + ((True,) if maps_only else ())
+    kernel = toolkit.compile_kernel(build_segment_states, *args)
     R = maps.shape[0]
-    hs = toolkit.empty((R, Hv, K, V), torch.float32, k.device)
+    hs = (toolkit.unread((1, Hv, K, V), torch.float32, k.device) if maps_only
+          else toolkit.empty((R, Hv, K, V), torch.float32, k.device))
     ms = toolkit.empty((R, Hv, K, K), torch.float32, k.device)
     start = toolkit.empty((R, Hv), torch.int32, k.device)
     if R > 0:
         if rn is None:
             rn = toolkit.unread((1, Hk, 2), torch.float32, k.device)  # not read without l2norm
         kernel(k, v, ag, gamma, beta, maps, start, hs, ms, rn)
-    return hs, ms, start
+    return (None if maps_only else hs), ms, start
