@@ -397,20 +397,27 @@ def test_gva_reduction_and_l2norm_backward_match_their_references(name):
 
 
 def _public_grads(fn, case, strided=False):
-    """Gradients of <o, do> + <final state, dht> through ``fn`` (the public op's signature), and o."""
+    """Gradients of <o, do> + <final state, dht> through ``fn`` (the public op's signature), and o. ``strided``:
+    "strided_qk" (q and k as slices of one fused projection) or "channels_first" (q, k, v as channel slices of one
+    [B, C, T] buffer, as transformers' layer passes them)."""
     q, k, v, g, beta, do, dht, h0, cu, l2 = case
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
-    qq, kk = leaves[0], leaves[1]
-    if strided:  # q and k as slices of one fused projection, as transformers' layer passes them
+    qq, kk, vv = leaves[0], leaves[1], leaves[2]
+    if strided == "strided_qk":
         qk = torch.cat([leaves[0], leaves[1]], dim=-1)
         qq, kk = qk[..., :q.shape[-1]], qk[..., q.shape[-1]:]
-    o, ht = fn(qq, kk, *leaves[2:5], initial_state=leaves[5], output_final_state=True, use_qk_l2norm_in_kernel=l2,
-               cu_seqlens=cu)
+    elif strided == "channels_first":
+        buf = torch.cat([x.flatten(2) for x in leaves[:3]], dim=-1).transpose(1, 2).contiguous()
+        parts = torch.split(buf.transpose(1, 2), [x[0, 0].numel() for x in (q, k, v)], dim=-1)
+        qq, kk, vv = (p.reshape(x.shape) for p, x in zip(parts, (q, k, v)))
+    o, ht = fn(qq, kk, vv, *leaves[3:5], initial_state=leaves[5], output_final_state=True,
+               use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
     torch.autograd.backward((o, ht), (do, dht))
     return o, [x.grad for x in leaves]
 
 
-@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided_qk"])
+@pytest.mark.parametrize("strided", [False, "strided_qk", "channels_first"],
+                         ids=["contiguous", "strided_qk", "channels_first"])
 def test_public_op_under_grad_runs_the_backward_kernels_at_fla_tolerances(strided, monkeypatch):
     from flashqla_kernels import chunk_gated_delta_rule, explain_backend
 

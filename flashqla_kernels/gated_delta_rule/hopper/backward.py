@@ -101,7 +101,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
 def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm, segment_chunks=None, states=None):
     # inputs checked, T > 0, head dims the kernels take
     from flashqla_kernels.gated_delta_rule import checks
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, kkt_solve
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, kkt_solve, layout
 
     B, Tn, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
@@ -118,9 +118,14 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
     fL = segment_chunks if segment_chunks is not None else plan.choose_segment_chunks(seq_chunks, Hv, V // bdv, sms)
     fpl = plan.make_plan(cu, Hv, V // bdv, initial_state is not None, q.device, fL)
     chunks = pl.chunks
-    q3 = q.reshape(B * Tn, Hk, K).contiguous()
-    k3 = k.reshape(B * Tn, Hk, K).contiguous()
-    v3 = v.reshape(B * Tn, Hv, V).contiguous()
+    # transformers' channels-first q, k, v: one transposing pass, as in the forward
+    buffer = layout.channels_first_buffer(q, k, v)
+    if buffer is not None:
+        q3, k3, v3 = layout.tokens_major(buffer, Hk, K, Hv, V)
+    else:
+        q3 = q.reshape(B * Tn, Hk, K).contiguous()
+        k3 = k.reshape(B * Tn, Hk, K).contiguous()
+        v3 = v.reshape(B * Tn, Hv, V).contiguous()
     do3 = do.reshape(B * Tn, Hv, V).to(q.dtype).contiguous()
     g3 = g.reshape(B * Tn, Hv).to(torch.float32).contiguous()
     b3 = beta.reshape(B * Tn, Hv).to(torch.float32).contiguous()
@@ -209,7 +214,7 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
     chunk kernel), and both of ``bwd_dqkwg.KERNELS``' paths
     (per value head: dqkwg, WY, the GVA pass; per key head: the grouped dqkwg and WY, K, V <= 128)."""
     from flashqla_kernels.gated_delta_rule.hopper import (
-        bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, chunk_fwd, kkt_solve, segment_states, state_scan,
+        bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, chunk_fwd, kkt_solve, layout, segment_states, state_scan,
     )
 
     scale = K ** -0.5 if scale is None else float(scale)
@@ -217,6 +222,8 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
     build_dh = bwd_dh.build_bwd_dh
     specs = [(chunk_bwd.build_l2norm_fwd, (Hk, K, dtype))] if l2norm else []
     specs += [
+        # q, k, v arriving as transformers' channels-first slices (forward and backward)
+        (layout.build_channels_first_to_tokens, (Hk * K, Hv * V, dtype)),
         (kkt_solve.build_kkt_solve, (Hk, Hv, K, dtype, False)),
         (build_dh, (Hk, Hv, K, V, bDV, dtype, scale, has_dht, has_h0, True)),
         (bwd_dqkwg.build_bwd_dqkwg, (Hk, Hv, K, V, dtype, scale)),
