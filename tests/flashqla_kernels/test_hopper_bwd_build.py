@@ -141,10 +141,11 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
     saving = {(b, a) for b, a in set(asked) - recompute if b.__name__ == "build_chunk_fwd"}
     assert saving and all(a[9] is True for _, a in saving) and saving <= want  # save_states
     # the forward's plan picks one of the V slices listed for the states, bwd_dqkwg.KERNEL between the
-    # per-value-head path (dqkwg, WY, GVA) and the grouped one: only those may go unasked
+    # per-value-head path (dqkwg, WY, GVA) and the grouped one, and the layout pass runs only on channels-first
+    # inputs: only those may go unasked
     assert {b.__name__ for b, _ in want - set(asked)} <= {
         "build_chunk_states", "build_segment_states", "build_chunk_fwd", "build_bwd_dqkwg", "build_bwd_dqkwg_group",
-        "build_bwd_wy", "build_bwd_wy_group", "build_gva_bwd"}
+        "build_bwd_wy", "build_bwd_wy_group", "build_gva_bwd", "build_channels_first_to_tokens"}
 
 
 def test_gpu_test_cases_are_all_precompiled():
