@@ -12,7 +12,7 @@ import torch
 
 from flashqla_kernels.gated_delta_rule import reference, reference_bwd
 from flashqla_kernels.gated_delta_rule.hopper import backward, plan
-from tests.flashqla_kernels.test_hopper_forward import _torch_segment_states, _torch_state_scan
+from tests.flashqla_kernels.test_hopper_forward import _torch_kkt_solve, _torch_segment_states, _torch_state_scan
 
 pytest.importorskip("tilelang")  # the stage modules import it; their kernels are replaced below
 
@@ -107,13 +107,10 @@ def _inputs(lens, Hk=1, Hv=2, K=4, V=3, pad=3, seed=0):
     v, do = (torch.randn(T, Hv, V, generator=gen, dtype=torch.float64) for _ in range(2))
     cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
     g = -torch.rand(T, Hv, generator=gen, dtype=torch.float64) / 4
-    gamma = torch.zeros_like(g)
-    for s, e in zip(cu, cu[1:]):
-        for cs, ce in _chunks(s, e):
-            gamma[cs:ce] = g[cs:ce].cumsum(0)
-    # any lower-triangular X: the walks read it the same way with and without a split
-    ag = torch.randn(T, Hv, C, generator=gen, dtype=torch.float64) / 8
     beta = torch.rand(T, Hv, generator=gen, dtype=torch.float64)
+    # the gated inverse of these keys and gates (unit-norm keys, beta <= 1): the segment maps' decay shortcut holds
+    chunks = torch.tensor([c for s, e in zip(cu, cu[1:]) for c in _chunks(s, e)], dtype=torch.int32)
+    gamma, ag, _ = _torch_kkt_solve(k, g, beta, chunks, Hv)
     N = len(lens)
     h0 = torch.randn(N, Hv, K, V, generator=gen, dtype=torch.float64)
     dht = torch.randn(N, Hv, K, V, generator=gen, dtype=torch.float64)
@@ -142,7 +139,8 @@ def test_context_parallel_walks_equal_whole_sequence_walks(emulated_stages, segm
                 continue
             n = cu[-1] if label in ("v_new", "dv") else a.shape[0]
             assert not b[:n].isnan().any(), f"{label}: an element no walk wrote"
-            torch.testing.assert_close(b[:n], a[:n], rtol=1e-10, atol=1e-10, msg=f"{label} differs")
+            # float64 throughout: what differs is only the maps' decay shortcut, terms below exp(-20) of the state
+            torch.testing.assert_close(b[:n], a[:n], rtol=1e-7, atol=1e-7, msg=f"{label} differs")
 
 
 def test_backward_plan_tables():
