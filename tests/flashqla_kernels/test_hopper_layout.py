@@ -14,9 +14,14 @@ def _transformers_views(B=2, Tn=70, Hk=2, Hv=4, K=64, V=64, dtype=torch.bfloat16
     return buffer, q.reshape(B, Tn, Hk, K), k.reshape(B, Tn, Hk, K), v.reshape(B, Tn, Hv, V)
 
 
-def test_finds_the_buffer_behind_transformers_views():
-    buffer, q, k, v = _transformers_views()
-    assert q.stride() == (buffer.shape[1] * 70, 1, 64 * 70, 70)  # the layout transformers' reshape gives
+@pytest.mark.parametrize("B,Hk,Hv", [(2, 2, 4), (1, 16, 16), (1, 1, 2), (3, 1, 1)])
+def test_finds_the_buffer_behind_transformers_views(B, Hk, Hv):
+    """Also for one sequence or one head, whose size-1 dims torch gives other strides (a one-sequence view has T, not
+    C T, as its batch stride)."""
+    buffer, q, k, v = _transformers_views(B=B, Hk=Hk, Hv=Hv)
+    C = buffer.shape[1]
+    assert [s for s, n in zip(q.stride(), q.shape) if n > 1] == [s for s, n in zip((C * 70, 1, 64 * 70, 70), q.shape)
+                                                                 if n > 1]
     found = layout.channels_first_buffer(q, k, v)
     assert found is not None and found.is_contiguous() and found.data_ptr() == buffer.data_ptr()
     assert torch.equal(found, buffer)

@@ -83,7 +83,8 @@ def channels_first_buffer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     C = 2 * Fq + Fv
     if Tn < 2 or Fq % TILE or Fv % TILE or k.shape != q.shape or not q.dtype == k.dtype == v.dtype:
         return None
-    if q.stride() != (C * Tn, 1, K * Tn, Tn) or k.stride() != q.stride() or v.stride() != (C * Tn, 1, V * Tn, Tn):
+    if not (_strides_are(q, (C * Tn, 1, K * Tn, Tn)) and _strides_are(k, (C * Tn, 1, K * Tn, Tn))
+            and _strides_are(v, (C * Tn, 1, V * Tn, Tn))):
         return None
     storage = q.untyped_storage().data_ptr()
     if k.untyped_storage().data_ptr() != storage or v.untyped_storage().data_ptr() != storage:
@@ -94,6 +95,12 @@ def channels_first_buffer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     if start + B * C * Tn > q.untyped_storage().nbytes() // q.element_size():
         return None
     return q.as_strided((B, C, Tn), (C * Tn, Tn, 1))
+
+
+def _strides_are(x: torch.Tensor, strides: tuple) -> bool:
+    """x's strides are ``strides`` on every dim longer than 1 (torch reports any stride for a dim of size 1: a
+    one-sequence batch's view has the token stride times T there, not C T)."""
+    return all(s == want for s, want, n in zip(x.stride(), strides, x.shape) if n > 1)
 
 
 def tokens_major(buffer: torch.Tensor, Hk: int, K: int, Hv: int, V: int):
