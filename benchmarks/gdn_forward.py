@@ -262,6 +262,23 @@ def stage_ms(q, k, v, g, beta, h0, cu, bench=None):
     return out
 
 
+def kernel_ms(fn, calls: int = 10) -> dict:
+    """Device time a call (ms) of each kernel ``fn`` launches, from ``torch.profiler`` over ``calls`` calls (internal:
+    what each stage of a library costs, ours against FlashQLA's; never the user's number)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name] = out.get(e.name, 0.0) + e.device_time / 1000 / calls
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def run_suite(idx, skip=(), stages=False, on_row=None):
     """Check the public op against the float64 reference, then time it, the launcher, FLA, FlashQLA and torch (but
     the baselines named in ``skip``); ``on_row(rows)`` after each config."""
@@ -303,6 +320,7 @@ def run_suite(idx, skip=(), stages=False, on_row=None):
             t2 = time.time()
             if stages:
                 row["stages_ms"] = stage_ms(*inputs)
+                row["kernels_ms"] = {name: kernel_ms(fns[name]) for name in ("ours", "flashqla") if name in fns}
             row["wall_s"] = {"check": round(t_check, 1), "first_calls": first, "stages": round(time.time() - t2, 1),
                              "total": round(time.time() - t0, 1)}
             rows.append(row)

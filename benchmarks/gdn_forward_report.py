@@ -87,4 +87,12 @@ def stages_markdown(r):
         st = x["stages_ms"]
         lines.append(f"- {x['Hk']}/{x['Hv']} {x['seqlen']}x{x['nseq']}: {st['kkt_solve']:.3f} / {st['cp']:.3f} / "
                      f"{st['chunk_fwd']:.3f} ({st['bDV']}, {st['segment_chunks']})")
+    profiled = [x for x in staged if x.get("kernels_ms")]
+    if profiled:
+        lines += ["", "Kernels of one public call, device ms (torch.profiler, internal; ours against FlashQLA's):", ""]
+        for x in profiled:
+            for name, kernels in x["kernels_ms"].items():
+                parts = ", ".join(f"{k[:48]} {v:.3f}" for k, v in kernels.items())
+                lines.append(f"- {x['Hk']}/{x['Hv']} {x['seqlen']}x{x['nseq']} {name} "
+                             f"({sum(kernels.values()):.3f}): {parts}")
     return lines + [""]

@@ -139,3 +139,21 @@ def test_compile_all_names_each_failed_stage_spec(monkeypatch):
     specs = [("kkt_solve", (1, 2, 128, "bfloat16", False)), ("state_scan", (2, 128, 128, True))]
     assert chunk_kernels.compile_all(specs, 1) == [(("state_scan", (2, 128, 128, True)),
                                                     "RuntimeError: ptxas: too many registers")]
+
+
+def test_forward_report_lists_each_librarys_kernels_under_the_stages():
+    """--stages: each stage alone, then every kernel of one public call with its device time, ours and FlashQLA's
+    (labelled internal), in the order the profile ranked them."""
+    _gdn_forward()
+    from gdn_forward_report import stages_markdown
+
+    row = {"Hk": 16, "Hv": 32, "seqlen": 8192, "nseq": 4,
+           "stages_ms": {"kkt_solve": 0.17, "cp": 0.0, "chunk_fwd": 0.49, "bDV": 128, "segment_chunks": 0},
+           "kernels_ms": {"ours": {"gdn_chunk_fwd_kernel": 0.488, "gdn_kkt_solve_kernel": 0.169},
+                          "flashqla": {"tilelang_fused_chunk_gdr_fwd_kernel_kernel": 0.405,
+                                       "tilelang_kkt_solve_kernel_kernel": 0.226}}}
+    text = "\n".join(stages_markdown({"rows": [row]}))
+    assert "- 16/32 8192x4: 0.170 / 0.000 / 0.490 (128, 0)" in text
+    assert "internal" in text
+    assert "- 16/32 8192x4 ours (0.657): gdn_chunk_fwd_kernel 0.488, gdn_kkt_solve_kernel 0.169" in text
+    assert "- 16/32 8192x4 flashqla (0.631): tilelang_fused_chunk_gdr_fwd_kernel_kernel 0.405" in text
