@@ -27,6 +27,8 @@ Arms (one run, one process):
                  accumulating into the sum;
   ours+compile   the fused GDN layer left eager (graph breaks there), ``torch.compile`` of the rest of ``model.model``:
                  inductor fuses the MLP / attention-layer / RMSNorm glue (our RMSNorm and MLP kernels not used);
+  flashqla_op    transformers' layer with FlashQLA's ``chunk_gated_delta_rule`` in place of its chunk op (the
+                 peer the op patch is measured against: ``ours_op`` must beat it);
   qla_op         transformers' layer with our FlashQLA-style chunk op patched in, the kernels forced
                  (``patch_transformers(backend="tilelang")``);
   fla            transformers' layer as imported: FLA's Triton op when flash-linear-attention is importable;
@@ -63,8 +65,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layer_kernels import precompile  # noqa: E402 - the precompile list, in its own module
 
-ARMS = ("ours", "ours_op", "qla_op", "fla", "torch", "compile", "ours+compile", "ours+graph", "ours+flash",
-        "ours+swiglu", "ours+silu_mul", "ours-decoder")
+ARMS = ("ours", "ours_op", "flashqla_op", "qla_op", "fla", "torch", "compile", "ours+compile", "ours+graph",
+        "ours+flash", "ours+swiglu", "ours+silu_mul", "ours-decoder")
 ANCHOR_TOKENS_PER_S = {"qla_op": 99.7e3, "fla": 96.9e3, "torch": 41.6e3}  # anchors-h200.md (FlashQLA / FLA / torch)
 CATEGORIES = [  # (bucket, kernel-name pattern), first match wins
     ("elementwise", r"attention_gate_mul"),  # the attention layers' glue kernel, not attention itself
@@ -125,6 +127,8 @@ class Arms:
     def reason_unavailable(self, name: str) -> str | None:
         if name == "fla" and not self.has_fla:
             return "flash-linear-attention is not importable: transformers' op is its torch fallback"
+        if name == "flashqla_op" and flashqla_chunk() is None:
+            return "flash-qla is not importable"
         if "+graph" in name and self.device != "cuda":
             return "CUDA graphs need a CUDA device"
         if name.endswith("+flash") and self.device != "cuda":
@@ -157,6 +161,8 @@ class Arms:
             patch_transformers()
         elif base in ("qla_op", "compile"):
             patch_transformers(backend=self.backend)
+        elif name == "flashqla_op":
+            self.module.torch_chunk_gated_delta_rule = flashqla_for_transformers(flashqla_chunk())
         elif base == "torch":
             for n, f in self.originals.items():
                 setattr(self.module, n, getattr(f, "__wrapped__", f))
@@ -169,6 +175,27 @@ class Arms:
             cls = self.module.Qwen3_5GatedDeltaNet
             cls.forward = torch.compiler.disable(cls.forward)
         return torch.compile(self.model.model)
+
+
+def flashqla_chunk():
+    """FlashQLA's public chunk op, or None where flash-qla is not installed."""
+    try:
+        from flash_qla import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def flashqla_for_transformers(fn):
+    """FlashQLA's op under transformers' call convention for ``torch_chunk_gated_delta_rule`` (extra keywords such
+    as ``chunk_size`` dropped), as a user would patch it in."""
+    def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                               output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, scale=None,
+                               **kwargs):
+        return fn(query, key, value, g, beta, scale=scale, initial_state=initial_state,
+                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                  cu_seqlens=cu_seqlens)
+    return chunk_gated_delta_rule
 
 
 def forward_fn(run, ids, keep: list):
@@ -337,6 +364,10 @@ def write(out: Path, result: dict) -> None:
         lines.append(f"| {r['arm']} | {r['tokens_per_s']:,.0f} | {r['ms_per_forward']:.1f} | {ratio} | "
                      f"{b['total_ms']:.1f} | {100 * b['glue_share']:.0f}% | "
                      + " | ".join(f"{b['ms'].get(k, 0.0):.1f}" for k in buckets) + " |")
+    speed = {r["arm"]: r["tokens_per_s"] for r in result["arms"] if "tokens_per_s" in r}
+    if "ours_op" in speed and "flashqla_op" in speed:
+        lines += ["", f"The op patch alone against FlashQLA's op in the same layer: ours_op / flashqla_op = "
+                      f"{speed['ours_op'] / speed['flashqla_op']:.3f} (bar: > 1)."]
     lines += ["", f"Correctness (rel. L2 vs the torch arm on 1 x {result['check_tokens']} tokens; max over layers of "
               "each type: decoder-layer outputs, GDN module outputs, attention module outputs):", ""]
     lines += [f"- {arm}: {json.dumps(c)}" for arm, c in result["checks"].items()]

@@ -226,3 +226,20 @@ def test_gpu_test_runner_reports_pass_skip_xfail_and_fail(tmp_path):
     assert "PASS test_ok measured 1.0" in lines and any(x.startswith("SKIP test_skipped") for x in lines)
     assert any(x.startswith("XFAIL test_near_tie (near-tie") for x in lines)
     assert any(x.startswith("FAIL test_broken") for x in lines)
+
+
+def test_flashqla_arm_patches_flashqlas_op_in_under_transformers_call_convention(tmp_path, bench):
+    """flashqla_op: FlashQLA's public op in transformers' module global, called as transformers calls its chunk op
+    (extra keywords dropped); where flash-qla is not installed the arm is reported, not run."""
+    seen = []
+    wrapped = bench.flashqla_for_transformers(lambda *a, **kw: seen.append((a, kw)) or ("o", "state"))
+    assert wrapped("q", "k", "v", "g", "b", chunk_size=64, initial_state="h0", output_final_state=True,
+                   use_qk_l2norm_in_kernel=True, cu_seqlens=None, use_cache=False) == ("o", "state")
+    assert seen == [(("q", "k", "v", "g", "b"), dict(scale=None, initial_state="h0", output_final_state=True,
+                                                      use_qk_l2norm_in_kernel=True, cu_seqlens=None))]
+    if bench.flashqla_chunk() is not None:
+        pytest.skip("flash-qla is installed here: the arm runs instead of being reported")
+    assert bench.main(["--tiny", "--arms", "flashqla_op", "--steps", "1", "--warmup", "0", "--out",
+                       str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "gdn_layer.json").read_text())["arms"][0]
+    assert row["arm"] == "flashqla_op" and row["note"] == "flash-qla is not importable" and "tokens_per_s" not in row

@@ -50,7 +50,9 @@ def test_precompile_builds_the_kernels_of_the_2b_layer_as_the_fused_layer_trains
     monkeypatch.setattr(layer_kernels, "precompile", lambda jobs: layer.append(jobs) or 0)
     assert train_step.precompile(2) == 0
     assert {s[0] for s in built} >= {"kkt_solve", "chunk_fwd"}
-    assert all(s[1][:3] == (16, 16, 128) for s in built if s[0] != "state_scan")
+    assert all(s[1][:3] == (16, 16, 128) for s in built if s[0] not in ("state_scan", "layout"))
+    # the layout pass of channels-first q, k, v: 16 heads of 128 channels each for q / k and for v
+    assert all(s[1] == (2048, 2048, "bfloat16") for s in built if s[0] == "layout")
     assert all(s[1][-1] is False for s in built if s[0] == "kkt_solve")  # no l2norm in the op
     from flashqla_kernels.decoder.hopper import cross_entropy
 
