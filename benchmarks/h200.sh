@@ -27,7 +27,8 @@
 #                BWD_TESTS_K="qwen_layout or ragged" selects tests as pytest -k does
 #   ncu          Nsight Compute's counters of each forward stage launched once (benchmarks/ncu_stages.py; NCU_CONFIGS=0,6
 #                picks suite configs), with the shared-memory bank conflicts of each kernel (the forward's stages keep
-#                the L1 / shared-memory pipe busiest); needs a Firecracker machine (on gVisor ncu cannot read counters)
+#                the L1 / shared-memory pipe busiest); NCU_FLASHQLA=1 profiles FlashQLA's forward kernels of the same
+#                rows beside ours; needs a Firecracker machine (on gVisor ncu cannot read counters)
 #   gdn-bwd      benchmarks/gdn_backward.py: forward + backward of the public op beside FLA and FlashQLA (GDN_BWD_ARGS=
 #                "--rows anchors" narrows it)
 #   train-tests  the training step's GPU tests: the cross-entropy kernels against float64, the LM loss against
@@ -137,8 +138,8 @@ for p in "$@"; do
         ncu) phase ncu "${NCU_S:-150}" bash -c "\$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1) \
                  --clock-control none --section SpeedOfLight --section Occupancy --section SchedulerStats \
                  --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis_Tables \
-                 -k regex:gdn_ python3 benchmarks/ncu_stages.py \
-                 --configs ${NCU_CONFIGS:-0}" ;;
+                 -k regex:'${NCU_FLASHQLA:+tilelang_fused|tilelang_kkt|}gdn_' python3 benchmarks/ncu_stages.py \
+                 --configs ${NCU_CONFIGS:-0} ${NCU_FLASHQLA:+--flashqla}" ;;
         # expandable segments for every arm: the step's 2 GB logits and 1 GB softmax blocks otherwise cost new
         # allocator segments (same H100, ours: 1.583 s a step default, 1.453 expandable)
         train-tests) phase train-tests "${TRAIN_TESTS_S:-150}" python3 -m pytest -q -rfE --timeout 120 -p no:cacheprovider \
