@@ -27,7 +27,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="0", help="comma-separated indices into gdn_forward.SUITE")
     ap.add_argument("--flashqla", action="store_true",
-                    help="also launch FlashQLA's forward on each config (profile with -k regex:'gdn_|tilelang_')")
+                    help="also launch FlashQLA's forward on each config (h200.sh NCU_FLASHQLA=1 profiles its kernels)")
     args = ap.parse_args()
     with torch.no_grad():
         for i in (int(c) for c in args.configs.split(",")):
