@@ -149,6 +149,16 @@ def test_hopper_no_final_state_returns_none():
     assert ht is None and _rel(o, ro) <= RTOL_L2
 
 
+def _without_host_sync(fn):
+    """fn() with every host synchronisation an error (torch's sync debug mode), after the queue has drained."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def test_public_op_makes_no_host_sync_once_cu_seqlens_is_known():
     """The call a model makes per layer: after the first call with a cu_seqlens tensor (its offsets are read once and
     cached on the tensor), the public op validates, plans and launches without synchronising with the host."""
@@ -156,12 +166,7 @@ def test_public_op_makes_no_host_sync_once_cu_seqlens_is_known():
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
     with torch.no_grad():
         o_first, _ = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            o, ht = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        o, ht = _without_host_sync(lambda: chunk_gated_delta_rule(q, k, v, g, beta, **kw))
     assert torch.equal(o, o_first)
     cu.add_(0)  # an in-place edit bumps the version: the offsets are read again, not served stale
     with torch.no_grad():
@@ -192,10 +197,5 @@ def test_channels_first_inputs_run_token_major_in_one_pass(B, T, Hk, Hv, D, dtyp
     with torch.no_grad():
         want_o, want_h = chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g, beta, **kw)
         chunk_gated_delta_rule(q, k, v, g, beta, **kw)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            o, ht = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        o, ht = _without_host_sync(lambda: chunk_gated_delta_rule(q, k, v, g, beta, **kw))
     assert torch.equal(o, want_o) and torch.equal(ht, want_h)

@@ -140,14 +140,8 @@ def _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l
     cu = list(range(0, B * Tn + 1, Tn)) if cu_seqlens is None else checks.host_offsets(cu_seqlens)
     N = len(cu) - 1
     # transformers' layer passes q, k, v as channel slices of its convolution's [B, C, T] buffer: one transposing
-    # pass makes all three token-major (torch's strided copies run at about an eighth of the bandwidth)
-    buffer = layout.channels_first_buffer(q, k, v)
-    if buffer is not None:
-        q3, k3, v3 = layout.tokens_major(buffer, Hk, K, Hv, V)
-    else:
-        q3 = q.reshape(B * Tn, Hk, K).contiguous()
-        k3 = k.reshape(B * Tn, Hk, K).contiguous()
-        v3 = v.reshape(B * Tn, Hv, V).contiguous()
+    # pass makes all three token-major (torch's strided copies run at about a fifth of its speed)
+    q3, k3, v3 = layout.as_tokens_major(q, k, v)
     g3 = g.reshape(B * Tn, Hv).to(torch.float32).contiguous()
     b3 = beta.reshape(B * Tn, Hv).to(torch.float32).contiguous()
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()

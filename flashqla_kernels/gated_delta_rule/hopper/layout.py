@@ -112,3 +112,16 @@ def tokens_major(buffer: torch.Tensor, Hk: int, K: int, Hv: int, V: int):
     v = toolkit.empty((B * Tn, Hv, V), buffer.dtype, buffer.device)
     kernel(buffer, q.view(B * Tn, Hk * K), k.view(B * Tn, Hk * K), v.view(B * Tn, Hv * V))
     return q, k, v
+
+
+def as_tokens_major(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """q, k [B T, Hk, K] and v [B T, Hv, V], contiguous, as the stage kernels read them: by the one layout pass where
+    q, k, v are transformers' channel slices (``channels_first_buffer``), else by reshape (a copy only where the
+    layout needs one)."""
+    B, Tn, Hk, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    buffer = channels_first_buffer(q, k, v)
+    if buffer is not None:
+        return tokens_major(buffer, Hk, K, Hv, V)
+    return (q.reshape(B * Tn, Hk, K).contiguous(), k.reshape(B * Tn, Hk, K).contiguous(),
+            v.reshape(B * Tn, Hv, V).contiguous())
