@@ -14,9 +14,9 @@ Decay shortcut: with g <= 0 and unit-norm keys, ||M|| <= exp(sum of g over the s
 H is scaled by at most exp(sum of g after it). Where that sum is below NEGLIGIBLE_LOG_DECAY = -20 (exp(-20) = 2e-9,
 below fp32's rounding of the state and six orders below the rounding of the walk's own bf16 / fp16 products) M counts
 as 0 and H only needs the chunks after that point. FlashQLA's auto-CP cuts at -10 (4.5e-5); heads with g = 0 get the
-full M. On an H100 the cut at -20 instead of -40 took the maps from 0.064 to 0.044 ms at 16/32 32768x1 (the benchmark's
-gates, about -3.2 a chunk: 7 chunks walked instead of 13); the scanned start states moved by 2e-5 relative, the
-difference between two bf16 walks.
+full M. On an H100 the cut at -20 instead of -40 took the maps (internal timing) from 0.064 to 0.044 ms at 16/32
+32768x1 (the benchmark's gates, about -3.2 a chunk: 7 chunks walked instead of 13); the scanned start states moved by
+2e-5 relative, the difference between two bf16 walks.
 Every CTA finds where its map's H walk starts itself: the map's chunk totals of gamma are staged in shared memory 256
 at a time from the map's end, and one thread adds them until the sum drops below NEGLIGIBLE_LOG_DECAY (the last chunk
 where it does is where H starts). Finding the starts in the kernel avoids ~25 small torch kernels per call (host-bound:
