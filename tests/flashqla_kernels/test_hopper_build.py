@@ -85,6 +85,46 @@ def _values_warpgroup(src: str) -> str:
     return src[src.index("warpgroup_reg_dealloc<120>"):src.index("warpgroup_reg_alloc<136>")]
 
 
+_ACCESS_BYTES = {"bfloat16_t": 2, "half_t": 2, "float": 4, "uint1": 4, "uint2": 8, "uint4": 16}
+
+
+def _bank_conflicts(src: str, name: str) -> list[tuple[int, float]]:
+    """(bytes, worst) of every element-wise access to shared buffer ``name`` inside an unrolled element loop of the
+    generated CUDA: ``worst`` is the most distinct 4-byte words one bank serves for a warp's access (lanes 0-31),
+    relative to the minimum an access of that width needs; 1.0 is conflict-free. Other loop counters are taken at 0."""
+    out = []
+    for loop in re.finditer(r"for \(int (i_\d+) = 0; \1 < (\d+);", src):
+        var, n = loop.group(1), int(loop.group(2))
+        depth, end = 0, src.index("{", loop.end())
+        begin = end
+        while True:
+            depth += (src[end] == "{") - (src[end] == "}")
+            if depth == 0:
+                break
+            end += 1
+        body = src[begin:end]
+        for acc in re.finditer(r"(?:\*\((\w+)\*\))?\(\(\((\w+)\*\)" + name + r"\) \+ ", body):
+            stop, depth = acc.end(), 1
+            while depth:
+                depth += (body[stop] == "(") - (body[stop] == ")")
+                stop += 1
+            expr = re.sub(r"\(\(int\)threadIdx\.x\)", "tx", body[acc.end():stop - 1]).replace("(int64_t)", "")
+            expr = re.sub(r"\b[a-z]\w*\b", lambda m: m.group(0) if m.group(0) in (var, "tx") else "0", expr)
+            elem = _ACCESS_BYTES[acc.group(2)]
+            width = _ACCESS_BYTES.get(acc.group(1), elem)
+            words_each = max(1, width // 4)
+            worst = 0.0
+            for i in range(n):
+                banks = {}
+                for lane in range(32):
+                    first = eval(expr, {}, {"tx": lane, var: i}) * elem // 4
+                    for w in range(first, first + words_each):
+                        banks.setdefault(w % 32, set()).add(w)
+                worst = max(worst, max(len(ws) for ws in banks.values()) / words_each)
+            out.append((width, worst))
+    return out
+
+
 def _check_chunk_fwd(args, src):
     # four warpgroup roles, registers moved to the state / output groups, mbarrier hand-offs, TMA loads
     for role in ("threadIdx.x) < 128", "threadIdx.x) < 256", "threadIdx.x) < 384"):
@@ -112,6 +152,16 @@ def _check_chunk_fwd(args, src):
     l2norm = len(args) > 8 and args[8]
     assert loop and ("ek_sh" if l2norm else "eg_sh") in loop.group(3), "no W element loop after the K S GEMM"
     assert "__sync_thread_partial" not in loop.group(3) and "stmatrix" in values
+    # W reads V element-wise in the accumulator's layout (eight rows a warp): from a swizzled tile, not linear rows of
+    # bDV elements, which put all eight rows in the same banks
+    v_access = _bank_conflicts(src, "v_sh")
+    assert v_access and all(worst == 1 for _, worst in v_access), f"V's tile has bank conflicts: {v_access}"
+    # the output warpgroup's O of a full chunk: registers -> shared (stmatrix) -> one bulk store, the shared tile
+    # rewritten only after the previous store has read it
+    output = src[src.index("warpgroup_reg_alloc<136>"):src.index("warpgroup_reg_dealloc<88>")]
+    o_tile = output[output.index("tma_store_wait<0, true>"):]
+    assert o_tile.index("ptx_stmatrix") < o_tile.index("tl::tma_store(o_desc"), "O does not leave by a bulk store"
+    assert o_tile.index("__sync_thread_partial") < o_tile.index("ptx_stmatrix")
     if len(args) > 9 and args[9]:
         # saving for the backward: each chunk's entering state leaves by one bulk store of its shared copy, waited on
         # (reads only) before that copy is overwritten
@@ -128,6 +178,9 @@ def _check_structure(stage, args, src):
     elif stage == "segment_states":
         # Ag W multiplies the loaded fp16 tile (an fp16 wgmma); no Ag tile is formed
         assert "wgmma_ss<tl::DataType::kFloat16" in src and "ag_sh" not in src
+        # W reads V element-wise in the accumulator's layout: from a swizzled tile, conflict-free
+        v_access = _bank_conflicts(src, "v_sh")
+        assert v_access and all(worst == 1 for _, worst in v_access), f"V's tile has bank conflicts: {v_access}"
         # every map writes its start table; the maps-only build never writes H
         assert re.search(r"\bstart\[", src)
         assert ("(hs + " not in src) == (len(args) > 7 and args[7])

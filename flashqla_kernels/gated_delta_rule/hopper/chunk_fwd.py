@@ -13,14 +13,16 @@ The chunk step is split over four warpgroups that run concurrently (FlashQLA's l
     WG0 state    S (fp32 registers): S -> smem, S *= exp(gamma_C), S += K^T Vn
     WG1 values   U = K S, W = V - exp(gamma) U (formed in the accumulator's registers), Vd = Ag W, Vn
     WG2 output   P = Q K^T, Pg in the accumulator's registers, O = exp(gamma) Q S, O += Pg Vd (wgmma with A in
-                 registers), store O from registers
+                 registers), O -> shared memory (stmatrix) -> one bulk store
     WG3 producer warp 0: q, k; warp 1: v slice, beta; warp 2: Ag, gamma (TMA for full chunks, masked loads for
                  the ragged tail), double-buffered against ``ready`` / ``free`` mbarriers
 
 Per chunk the critical chain is S -> smem, K S, W, Ag W, Vn, K^T Vn; Q K^T, Pg, Q S and the output GEMM run on WG2
 beside it, and the next chunk's tiles land while this one computes. WG0 waits only for Vn (``bar_vn``), not for the
 output GEMM, before its state update; WG2 arrives at the next step's ``bar_start`` as soon as its last shared-memory
-read (the Pg Vd GEMM) is done, so its O store to global memory overlaps the next step of the other warpgroups.
+read (the Pg Vd GEMM) is done, so its O store to global memory overlaps the next step of the other warpgroups. The
+output warpgroup is the busiest of the three (three GEMMs and the Pg mask): its O leaves through a shared tile and one
+TMA store (a ragged last chunk: element stores from registers), not 32 bounds-checked four-byte stores a thread.
 
 W, Ag, Vd and Pg are fp16 (the Ag W and Pg Vd GEMMs) for bf16 inputs too: 8x finer rounding than bf16 (the values are
 bounded like A0), which halves the bf16 error against the float64 reference; q, k, S and Vn stay in the input dtype.
@@ -42,6 +44,7 @@ of the barrier protocol and the producer loads no q.
 Grid (V / bDV, Hv, segments), 512 threads. ``segs[s] = (start, end, init, final)``: token range, the row of ``h_init``
 to start from (-1: zeros) and the row of ``ht`` to write (-1: none).
 """
+import tilelang
 import tilelang.language as T
 import torch
 
@@ -105,6 +108,8 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
             vn_sh = T.alloc_shared((C, bDV), dtype)
             # with store_states: v_new (= Vd in the input dtype) leaves from here by one bulk store
             vs_sh = T.alloc_shared((C, bDV), dtype) if store_states else None
+            # O of a full chunk leaves from here by one bulk store (the output warpgroup's leader)
+            o_sh = T.alloc_shared((C, bDV), dtype) if outputs else None
             eg_sh = T.alloc_shared((C,), "float32", scope="shared")
             er_sh = T.alloc_shared((C,), "float32", scope="shared")
             # l2norm: the inverse norms of the chunk's q and k rows, the log2 gates carrying them (Pg's scaling
@@ -116,6 +121,9 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
             ek_sh = T.alloc_shared((C,), "float32", scope="shared") if l2norm else None
             eq_sh = T.alloc_shared((C,), "float32", scope="shared") if l2norm else None
 
+            # V is read element-wise (W = V - exp(gamma) U) in the accumulator's layout: eight rows a warp, which in a
+            # linear tile of 256-byte rows all fall in the same four banks; swizzled, they fall in 32
+            T.annotate_layout({v_sh: tilelang.layout.make_swizzled_layout(v_sh)})
             s_f = T.alloc_fragment((K, bDV), "float32")
             u_f = T.alloc_fragment((C, bDV), "float32")
             vd_f = T.alloc_fragment((C, bDV), "float32")
@@ -268,12 +276,21 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
                     if outputs:
                         cs = s0 + it * C
                         if cs + C <= s1:
-                            T.copy(o_f, o[cs:cs + C, bh, v0:v0 + bDV])
+                            # registers -> o_sh (stmatrix) -> one bulk store: 32 four-byte global stores a thread,
+                            # each with its bounds test, cost this warpgroup (the walk's busiest) more than the copy
+                            if tx < 288:
+                                T.tma_store_wait(0)
+                            T.copy(o_f, o_sh)
+                            T.fence_proxy_async()
+                            T.tma_copy(o_sh, o[cs:cs + C, bh, v0:v0 + bDV])
                         else:
                             for i, j in T.Parallel(C, bDV):
                                 if cs + i < s1:
                                     o[cs + i, bh, v0 + j] = o_f[i, j]
                     T.barrier_arrive(free[it % 2])
+                if outputs:
+                    if tx < 288:
+                        T.tma_store_wait(0)
 
             else:
                 set_nreg(NREG_PRODUCER)

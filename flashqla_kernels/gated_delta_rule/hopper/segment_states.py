@@ -30,6 +30,7 @@ Outputs H [R, Hv, K, V], M [R, Hv, K, K] fp32 and ``start`` [R, Hv] int32: H's f
 covers the whole map and M is needed. Where ``start >= 0`` M is written as zeros and ``state_scan`` skips it (no M
 read, no product: the next segment starts from H).
 """
+import tilelang
 import tilelang.language as T
 import torch
 
@@ -160,6 +161,9 @@ def build_segment_states(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str,
             rk_sh = T.alloc_shared((C,), "float32") if l2norm else None
             ek_sh = T.alloc_shared((C,), "float32") if l2norm else None
 
+            # V is read element-wise (W) in the accumulator's layout, eight rows a warp: swizzled, not in linear rows
+            # whose 128 or 256 bytes put those eight rows in the same banks
+            T.annotate_layout({v_sh: tilelang.layout.make_swizzled_layout(v_sh)})
             s_f = T.alloc_fragment((K, bDV), "float32")
             u_f = T.alloc_fragment((C, bDV), "float32")
             vd_f = T.alloc_fragment((C, bDV), "float32")
