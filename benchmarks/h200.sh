@@ -19,7 +19,8 @@
 #                the forward's GPU test with a 60 s limit a test (pytest-timeout's thread method: a hung kernel blocks
 #                the main thread in the driver, where a signal never lands), so a new kernel that hangs costs a
 #                minute, not a whole phase (SMOKE_K selects other tests of that file as pytest -k does)
-#   gdn-bench    benchmarks/gdn_forward.py: the public op beside FLA and FlashQLA (GDN_CONFIGS=0,7,8,9 narrows it;
+#   gdn-bench    benchmarks/gdn_forward.py: the public op beside FLA and FlashQLA, FlashQLA's JIT kernels compiled
+#                on 10 processes first (GDN_CONFIGS=0,7,8,9 narrows it;
 #                GDN_BENCH_ARGS="--skip-fla --skip-torch" times ours and FlashQLA only; gdn-bench:0,1,2 runs those
 #                configs, e.g. half the suite per GPU of a --split, joined afterwards by gdn_forward.py --merge)
 #   bwd-tests    the Hopper backward kernels against the float64 stage references (tests/flashqla_kernels/
@@ -125,7 +126,8 @@ for p in "$@"; do
         gdn-bench|gdn-bench:*)  # gdn-bench:0,1,2 names the configs of this GPU (a --split half of the suite)
                    cfg=${p#gdn-bench}; cfg=${cfg#:}
                    phase gdn-bench "${GDN_BENCH_S:-420}" python3 benchmarks/gdn_forward.py \
-                       --configs "${cfg:-${GDN_CONFIGS:-}}" --stages --precompile 14 --out "$OUT" ${GDN_BENCH_ARGS:-} ;;
+                       --configs "${cfg:-${GDN_CONFIGS:-}}" --stages --precompile 14 --warm-flashqla 10 --out "$OUT" \
+                       ${GDN_BENCH_ARGS:-} ;;
         # kernels the carried cache lacks compile on 14 processes first, not one at a time inside the run (a failure is
         # printed and the run goes on: its tests or rows report it)
         bwd-tests) phase bwd-tests "${BWD_TESTS_S:-240}" bash -c "python3 -c 'from flashqla_kernels.gated_delta_rule.hopper \
