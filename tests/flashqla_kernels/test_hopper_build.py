@@ -156,12 +156,25 @@ def _check_chunk_fwd(args, src):
     # bDV elements, which put all eight rows in the same banks
     v_access = _bank_conflicts(src, "v_sh")
     assert v_access and all(worst == 1 for _, worst in v_access), f"V's tile has bank conflicts: {v_access}"
-    # the output warpgroup's O of a full chunk: registers -> shared (stmatrix) -> one bulk store, the shared tile
-    # rewritten only after the previous store has read it
-    output = src[src.index("warpgroup_reg_alloc<136>"):src.index("warpgroup_reg_dealloc<88>")]
-    o_tile = output[output.index("tma_store_wait<0, true>"):]
-    assert o_tile.index("ptx_stmatrix") < o_tile.index("tl::tma_store(o_desc"), "O does not leave by a bulk store"
-    assert o_tile.index("__sync_thread_partial") < o_tile.index("ptx_stmatrix")
+    # shared memory within sm_90's 227 KB a CTA (over it the launch fails): O gets its shared tile only where it fits
+    from flashqla_kernels.gated_delta_rule.hopper import chunk_fwd
+
+    K, bDV, dtype = args[2], args[4], args[5]
+    save = len(args) > 9 and args[9]
+    fits = chunk_fwd.shared_bytes(K, bDV, dtype, l2norm, save, True) <= chunk_fwd.SMEM_PER_CTA
+    has_o_tile = "tl::tma_store(o_desc" in src
+    assert has_o_tile == fits
+    used = chunk_fwd.shared_bytes(K, bDV, dtype, l2norm, save, has_o_tile)
+    assert used <= chunk_fwd.SMEM_PER_CTA
+    # the byte count covers every dynamic shared buffer the build placed
+    assert max(int(x) for x in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)) < used
+    if has_o_tile:
+        # the output warpgroup's O of a full chunk: registers -> shared (stmatrix) -> one bulk store, the shared tile
+        # rewritten only after the previous store has read it
+        output = src[src.index("warpgroup_reg_alloc<136>"):src.index("warpgroup_reg_dealloc<88>")]
+        o_tile = output[output.index("tma_store_wait<0, true>"):]
+        assert o_tile.index("ptx_stmatrix") < o_tile.index("tl::tma_store(o_desc"), "O does not leave by a bulk store"
+        assert o_tile.index("__sync_thread_partial") < o_tile.index("ptx_stmatrix")
     if len(args) > 9 and args[9]:
         # saving for the backward: each chunk's entering state leaves by one bulk store of its shared copy, waited on
         # (reads only) before that copy is overwritten

@@ -63,6 +63,22 @@ NREG_STATE, NREG_VALUES, NREG_OUTPUT, NREG_PRODUCER = 160, 120, 136, 88
 NREG_LAUNCH = 65536 // THREADS  # what every warp holds at launch: setmaxnreg.inc may only raise it, .dec only lower it
 
 
+# sm_90's opt-in shared memory for one CTA (227 KB), static and dynamic together: a kernel over it fails to launch
+SMEM_PER_CTA = 232448
+
+
+def shared_bytes(K: int, bDV: int, dtype: str, l2norm: bool, store_states: bool, o_tile: bool) -> int:
+    """Shared memory of one CTA of the chunk step (the module doc; ``o_tile``: O leaves through a shared tile)."""
+    e = 2  # bf16 / fp16 inputs; W, Ag, Vd and Pg are fp16
+    tiles = 2 * C * K * e * 2 + 2 * C * bDV * e + 2 * C * C * 2 + K * bDV * e  # q, k, v, Ag double-buffered; S
+    tiles += C * bDV * (2 + e)  # Vd, Vn
+    tiles += C * bDV * 2 if dtype != "float16" else 0  # W's own fp16 tile
+    tiles += C * bDV * e * (int(store_states) + int(o_tile))  # v_new's and O's store tiles
+    gates = 4 * (2 * C * 2 + C * 2)  # gamma, beta double-buffered; exp(gamma), exp(gamma_C - gamma)
+    gates += 4 * (2 * C * 4 + C * 2) if l2norm else 0  # rq, rk, lq, lk double-buffered; exp(gamma) rk, exp(gamma) rq
+    return tiles + gates + 128  # the mbarriers
+
+
 def set_nreg(count: int):
     """``setmaxnreg`` towards ``count`` from the launch allocation: .inc above it, .dec below (an .inc to a lower count
     is an illegal instruction on the H200: every launch faults)."""
@@ -78,6 +94,9 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
     idt = "float16"
     # bf16 inputs: W gets its own fp16 tile; fp16 inputs: W is written over this chunk's V tile
     separate_w = idt != dtype
+    # O through a shared tile where it fits beside the rest (saving the states for the backward at K = bDV = 128 it
+    # would not: that build stores O from registers)
+    o_tile = outputs and shared_bytes(K, bDV, dtype, l2norm, store_states, True) <= SMEM_PER_CTA
 
     @T.macro
     def chunk_step(q, k, v, a0, gamma, beta, h_init, segs, o, ht, rn, hs, vns, seg_chunk0):
@@ -109,7 +128,7 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
             # with store_states: v_new (= Vd in the input dtype) leaves from here by one bulk store
             vs_sh = T.alloc_shared((C, bDV), dtype) if store_states else None
             # O of a full chunk leaves from here by one bulk store (the output warpgroup's leader)
-            o_sh = T.alloc_shared((C, bDV), dtype) if outputs else None
+            o_sh = T.alloc_shared((C, bDV), dtype) if o_tile else None
             eg_sh = T.alloc_shared((C,), "float32", scope="shared")
             er_sh = T.alloc_shared((C,), "float32", scope="shared")
             # l2norm: the inverse norms of the chunk's q and k rows, the log2 gates carrying them (Pg's scaling
@@ -275,7 +294,7 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
                     T.barrier_arrive(bar_start)
                     if outputs:
                         cs = s0 + it * C
-                        if cs + C <= s1:
+                        if o_tile and cs + C <= s1:
                             # registers -> o_sh (stmatrix) -> one bulk store: 32 four-byte global stores a thread,
                             # each with its bounds test, cost this warpgroup (the walk's busiest) more than the copy
                             if tx < 288:
@@ -288,7 +307,7 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
                                 if cs + i < s1:
                                     o[cs + i, bh, v0 + j] = o_f[i, j]
                     T.barrier_arrive(free[it % 2])
-                if outputs:
+                if o_tile:
                     if tx < 288:
                         T.tma_store_wait(0)
 
