@@ -61,10 +61,11 @@ def markdown(r):
             f"{f(x['anchor_fla_ms'] / ms['ours'], 2)} | "
             f"{f(x['ratio_vs_flashqla'], 2)} | {f(x['anchor_flashqla_ms'] / ms['ours'], 2)} | "
             f"{f(x['bytes_floor_ms'])} | {f(x['flop_floor_ms'])} | "
-            f"{x['rel_l2_o_vs_ref']:.1e} / {x['rel_l2_state_vs_ref']:.1e} | {f(x['rel_l2_o_vs_fla'] or 0, 4)} |")
+            f"{x['rel_l2_o_vs_ref']:.1e} / {x['rel_l2_state_vs_ref']:.1e} | {f(x['rel_l2_o_vs_fla'], 4)} |")
     anchor = geomean([x["anchor_fla_ms"] / x["ms"]["ours"] for x in r["rows"]])
     qla_anchor = geomean([x["anchor_flashqla_ms"] / x["ms"]["ours"] for x in r["rows"]])
-    lines += ["", f"Geomean speedup vs FLA: {f(r['geomean_speedup_vs_fla'], 2)}x (this run), {f(anchor, 2)}x against "
+    this_run = "not timed" if r["geomean_speedup_vs_fla"] is None else f"{r['geomean_speedup_vs_fla']:.2f}x"
+    lines += ["", f"Geomean speedup vs FLA: {this_run} (this run), {f(anchor, 2)}x against "
               f"the anchor FLA times of shared/reference/anchors-h200.md; vs FlashQLA: "
               f"{f(r['geomean_ratio_vs_flashqla'], 2)}x (this run), {f(qla_anchor, 2)}x against its anchors "
               "(>1 = ours faster).", ""]
