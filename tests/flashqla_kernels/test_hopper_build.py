@@ -262,6 +262,34 @@ def test_kernels_do_not_spill(stage, args, tmp_path):
         assert "wgmma.mma_async" in text or "mma.sync" in text
 
 
+def test_every_chunk_step_build_fits_one_ctas_shared_memory():
+    """Every chunk_fwd / chunk_states build the backward's tested layouts compile, and every head dim, V slice the
+    plan picks, dtype, l2norm and state saving of chunk_fwd, fits sm_90's 227 KB a CTA: over it the launch fails,
+    on the GPU only. O's shared tile is dropped exactly where it would not fit. No compile needed."""
+    from flashqla_kernels.gated_delta_rule.hopper import backward, chunk_fwd, plan
+
+    # (K, bDV, dtype, l2norm, with v_new's store tile)
+    builds = []
+    for b, a in {s for layout in backward.TESTED_LAYOUTS for s in backward.kernel_specs(*layout)}:
+        if b is chunk_fwd.build_chunk_fwd:
+            builds.append((a[2], a[4], a[5], len(a) > 8 and a[8], len(a) > 9 and a[9]))
+        elif b is chunk_fwd.build_chunk_states:  # the backward's recompute: v_new's tile, no O
+            builds.append((a[2], a[4], a[5], False, True))
+    for K in (64, 128, 256):
+        for n_seqs in (1, 4, 64):
+            bDV = plan.choose_block_v(n_seqs, 32, K, K, 132)
+            builds += [(K, bDV, dt, l2, save) for dt in ("bfloat16", "float16") for l2 in (False, True)
+                       for save in (False, True)]
+    assert len(builds) > 50
+    for K, bDV, dtype, l2norm, save in builds:
+        without = chunk_fwd.shared_bytes(K, bDV, dtype, l2norm, save, False)
+        assert without <= chunk_fwd.SMEM_PER_CTA, f"chunk step K={K} bDV={bDV}: {without} bytes of shared memory"
+        assert chunk_fwd.shared_bytes(K, bDV, dtype, l2norm, save, True) - without == 64 * bDV * 2
+    # the Qwen layout saving the states for the backward is the build that must store O from registers
+    assert chunk_fwd.shared_bytes(128, 128, "bfloat16", True, True, True) > chunk_fwd.SMEM_PER_CTA
+    assert chunk_fwd.shared_bytes(128, 128, "bfloat16", True, False, True) <= chunk_fwd.SMEM_PER_CTA
+
+
 def test_importing_hopper_does_not_import_tilelang():
     code = ("import sys, flashqla_kernels.gated_delta_rule.hopper as h; "
             "assert 'tilelang' not in sys.modules, 'tilelang imported'; print(h.__all__)")
