@@ -296,7 +296,9 @@ def _chunk_step(Hk: int, Hv: int, K: int, V: int, bDV: int, dtype: str, scale: f
                         cs = s0 + it * C
                         if o_tile and cs + C <= s1:
                             # registers -> o_sh (stmatrix) -> one bulk store: 32 four-byte global stores a thread,
-                            # each with its bounds test, cost this warpgroup (the walk's busiest) more than the copy
+                            # each with its bounds test, cost this warpgroup (the walk's busiest) more than the copy.
+                            # The store's issuer is the lane elect.sync picks in the first warp; all of that warp wait
+                            # (a thread with no store in flight returns at once) before the tile is rewritten
                             if tx < 288:
                                 T.tma_store_wait(0)
                             T.copy(o_f, o_sh)
