@@ -183,6 +183,10 @@ def _check_chunk_fwd(args, src):
 
 def _check_structure(stage, args, src):
     assert "__global__" in src
+    # every element-wise shared-memory access of the forward's stages is free of bank conflicts (a warp's 32 lanes)
+    for name in sorted(set(re.findall(r"\(\(\w+\*\)(\w+_sh)\) \+ ", src))):
+        worst = max((w for _, w in _bank_conflicts(src, name)), default=1.0)
+        assert worst == 1, f"{stage}{args}: {name} is accessed with {worst:g}-way bank conflicts"
     # TileLang issues a TMA copy from the thread its elect.sync picks, over a full warp's mask: a copy put under a
     # one-thread branch (``if tx == 0``) elects inside it and hangs the kernel on the GPU
     assert not re.search(r"threadIdx\.x\) == \d+\) \{\s*if \(tl::tl_shuffle_elect", src), "an elect under one thread"
