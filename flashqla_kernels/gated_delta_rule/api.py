@@ -16,6 +16,7 @@ tilelang (nor does importing the launcher: its stage modules load tilelang on th
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -42,9 +43,7 @@ def _verifiers(op: str, q, k, v, g, beta, initial_state, cu_seqlens) -> tuple:
                 lambda: _recurrent_shape_reason(k.shape[-1], v.shape[-1]))
 
     def kernel_reason():
-        from flashqla_kernels.gated_delta_rule.hopper import forward
-
-        return forward.unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens)
+        return _hopper()[1].unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens)
 
     return (lambda: dispatch.hopper_reason(q, k, v, g, beta, initial_state),
             lambda: "T = 0: there is nothing to compute" if q.shape[1] == 0 else None,
@@ -112,14 +111,22 @@ def _needs_autograd(*tensors) -> bool:
 
 def _tilelang_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                     cu_seqlens):
-    from flashqla_kernels.gated_delta_rule.hopper import custom_op, forward
-
-    launch = forward.chunk_gated_delta_rule_fwd
-    if _needs_autograd(q, k, v, g, beta, initial_state) or torch.compiler.is_compiling():
-        launch = custom_op.chunk_gated_delta_rule
-    return launch(q, k, v, g, beta, scale=resolve_scale(scale, k.shape[-1]), initial_state=initial_state,
+    custom_op, forward = _hopper()
+    kwargs = dict(scale=resolve_scale(scale, k.shape[-1]), initial_state=initial_state,
                   output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                   cu_seqlens=cu_seqlens)
+    if _needs_autograd(q, k, v, g, beta, initial_state) or torch.compiler.is_compiling():
+        return custom_op.chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
+    # the dispatcher has run the launcher's own checks (forward.unsupported_reason)
+    return forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kwargs, checked=True)
+
+
+@functools.cache
+def _hopper():
+    # imported on the first kernel call, then kept: an import statement costs microseconds of host time a call
+    from flashqla_kernels.gated_delta_rule.hopper import custom_op, forward
+
+    return custom_op, forward
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

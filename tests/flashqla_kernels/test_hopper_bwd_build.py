@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from flashqla_kernels.gated_delta_rule.hopper import backward
+from tests.flashqla_kernels.test_hopper_build import _bank_conflicts
 
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc to compile for sm_90a")
@@ -75,6 +76,13 @@ def _check(builder, args):
         # its warpgroups hand off through mbarriers only: a planner-inserted bar.sync shared one named-barrier id
         # across warpgroups and hung the kernel
         assert "__sync_thread_partial" not in src, f"{name}{args}: a named bar.sync inside a warpgroup's branch"
+    # the grouped kernels' fp32 running sums, read and written in accumulator layout, each thread its own elements:
+    # rows padded to shift 8 banks, so those accesses are at most 2-way (unpadded: 8-way). The one row-major copy
+    # from dk_part into dka_sh, once a chunk, stays 4-way.
+    tile = {"build_bwd_dqkwg_group": "dqa_sh", "build_bwd_wy_group": "dka_sh"}.get(name)
+    if tile:
+        worst = [w for _, w in _bank_conflicts(src, tile)]
+        assert worst and [w for w in worst if w > 2.0] == ([4.0] if tile == "dka_sh" else []), f"{name}{args}: {worst}"
 
 
 @needs_nvcc

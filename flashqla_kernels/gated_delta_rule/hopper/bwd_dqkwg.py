@@ -26,7 +26,7 @@ import torch
 
 from flashqla_kernels import toolkit
 from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import (
-    C, LOG2E, TILE, l2norm_bwd_rows, load_gates, load_rows, store_rows,
+    ACC_PAD, C, LOG2E, TILE, l2norm_bwd_rows, load_gates, load_rows, store_rows,
 )
 from flashqla_kernels.gated_delta_rule.hopper.chunk_fwd import set_nreg
 
@@ -216,7 +216,7 @@ def build_bwd_dqkwg_group(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: f
             h_sh = T.alloc_shared((2, K, TILE), dtype)
             dh_sh = T.alloc_shared((2, K, TILE), dtype)
             ds_sh = T.alloc_shared((2, C, C), dtype)
-            dqa_sh = T.alloc_shared((C, K), "float32")
+            dqa_sh = T.alloc_shared((C, K + ACC_PAD), "float32")
             g_sh = T.alloc_shared((2, C), "float32", scope="shared")
             eg_sh = T.alloc_shared((2, C), "float32", scope="shared")
             er_sh = T.alloc_shared((2, C), "float32", scope="shared")

@@ -22,7 +22,7 @@ import torch
 
 from flashqla_kernels import toolkit
 from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import (
-    C, LOG2E, TILE, l2norm_bwd_rows, load_gates, load_rows, store_rows,
+    ACC_PAD, C, LOG2E, TILE, l2norm_bwd_rows, load_gates, load_rows, store_rows,
 )
 
 THREADS = 256
@@ -255,7 +255,7 @@ def build_bwd_wy_group(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: boo
             kkg_sh = T.alloc_shared((C, C), "float16")
             a_sh = T.alloc_shared((C, C), dtype)
             t_sh = T.alloc_shared((C, C), dtype)
-            dka_sh = T.alloc_shared((C, K), "float32")
+            dka_sh = T.alloc_shared((C, K + ACC_PAD), "float32")
             dsum_sh = T.alloc_shared((C, C), "float32")
             g_sh = T.alloc_shared((C,), "float32")
             eg_sh = T.alloc_shared((C,), "float32")

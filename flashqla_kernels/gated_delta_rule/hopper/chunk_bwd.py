@@ -56,6 +56,11 @@ LOG2E = toolkit.LOG2E
 TILE = 64
 L2NORM_EPS = 1e-6
 THREADS = 256
+# pad of the fp32 [C, K] tiles the grouped kernels keep in accumulator layout (each thread its own elements): a row of
+# K = 64 or 128 floats is a multiple of 128 bytes, so the 8 rows a warp touches at once fall on the same banks (4x
+# conflicts on every 8-byte access); 8 more floats shift each row by 32 bytes, and the four rows of a half-warp cover
+# all 32 banks
+ACC_PAD = 8
 
 
 @T.macro

@@ -43,7 +43,8 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initia
                 use_qk_l2norm_in_kernel: bool, save_states: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     o, ht, *states = forward.chunk_gated_delta_rule_fwd(
         q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, save_states=save_states)
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, save_states=save_states,
+        checked=True)
     # a custom op returns tensors only: no final state (no saved states) is an empty one
     h, v_new = states if save_states else (q.new_empty((0,)), q.new_empty((0,)))
     return o, (ht if ht is not None else q.new_empty((0,), dtype=torch.float32)), h, v_new

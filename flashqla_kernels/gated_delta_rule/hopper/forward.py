@@ -6,8 +6,12 @@ of an sm_90 GPU) is the dispatcher's (``flashqla_kernels.dispatch.hopper_reason`
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from flashqla_kernels import toolkit
+from flashqla_kernels.gated_delta_rule import checks
 from flashqla_kernels.gated_delta_rule.hopper import plan
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -72,7 +76,7 @@ def saved_chunks(B: int, T: int, N: int) -> int:
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, segment_chunks=None, block_v=None,
-                               save_states=False):
+                               save_states=False, checked=False):
     """Gated delta rule forward on the TileLang Hopper kernels (chunk size 64, exact).
 
     Args:
@@ -87,6 +91,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
         block_v: None (default) takes the plan's V slice per CTA (``plan.block_dv``); 32, 64 or 128 forces that
             width where K <= 128 (benchmarks).
         save_states: also return what the backward would otherwise recompute (``backward``'s ``states``).
+        checked: the caller has run ``unsupported_reason`` on these inputs and it returned None (the public op's
+            dispatcher does): skip running it again.
 
     Returns:
         (o [B, T, Hv, V] in q's dtype, final state [N, Hv, K, V] fp32 or None); with ``save_states`` also
@@ -97,9 +103,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
     Raises:
         ValueError: inputs the kernels cannot take (``unsupported_reason``).
     """
-    reason = unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens)
-    if reason is not None:
-        raise ValueError(reason)
+    if not checked:
+        reason = unsupported_reason(q, k, v, g, beta, initial_state, cu_seqlens)
+        if reason is not None:
+            raise ValueError(reason)
     B, Tn, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     Kp, Vp = padded_head_dim(K), padded_head_dim(V)
@@ -127,13 +134,19 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
     return o[..., :V].contiguous(), (None if ht is None else ht[:, :, :K, :V].contiguous()), *states
 
 
+@functools.cache
+def _stages():
+    # imported on the first launch (they import tilelang), then kept: an import statement per call costs microseconds
+    # of host time on a path whose small calls are host-bound
+    from flashqla_kernels.gated_delta_rule.hopper import chunk_fwd, kkt_solve, layout, segment_states, state_scan
+
+    return chunk_fwd, kkt_solve, layout, segment_states, state_scan
+
+
 def _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
             segment_chunks, block_v, save_states=False):
     # inputs checked, T > 0
-    from flashqla_kernels import toolkit
-    from flashqla_kernels.gated_delta_rule import checks
-    from flashqla_kernels.gated_delta_rule.hopper import chunk_fwd, kkt_solve, layout, segment_states, state_scan
-
+    chunk_fwd, kkt_solve, layout, segment_states, state_scan = _stages()
     B, Tn, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     scale = K ** -0.5 if scale is None else float(scale)
