@@ -134,6 +134,13 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
     return o[..., :V].contiguous(), (None if ht is None else ht[:, :, :K, :V].contiguous()), *states
 
 
+def _token_rows(x: torch.Tensor, rows: int, Hv: int) -> torch.Tensor:
+    """g or beta as the [B T, Hv] fp32 rows the kernels read: a view where it already is one."""
+    if x.dtype == torch.float32 and x.is_contiguous():
+        return x.view(rows, Hv)
+    return x.reshape(rows, Hv).to(torch.float32).contiguous()
+
+
 @functools.cache
 def _stages():
     # imported on the first launch (they import tilelang), then kept: an import statement per call costs microseconds
@@ -155,9 +162,10 @@ def _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l
     # transformers' layer passes q, k, v as channel slices of its convolution's [B, C, T] buffer: one transposing
     # pass makes all three token-major (torch's strided copies run at about a fifth of its speed)
     q3, k3, v3 = layout.as_tokens_major(q, k, v)
-    g3 = g.reshape(B * Tn, Hv).to(torch.float32).contiguous()
-    b3 = beta.reshape(B * Tn, Hv).to(torch.float32).contiguous()
-    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    g3, b3 = _token_rows(g, B * Tn, Hv), _token_rows(beta, B * Tn, Hv)
+    h0 = initial_state
+    if h0 is not None and not (h0.dtype == torch.float32 and h0.is_contiguous()):
+        h0 = h0.to(torch.float32).contiguous()
 
     seq_chunks = [-(-(e - s) // plan.CHUNK) for s, e in zip(cu, cu[1:])]
     bDV = plan.block_dv(seq_chunks, Hv, K, V, plan.num_sms(q.device), segment_chunks)
