@@ -42,6 +42,10 @@ CORE = [
     ("segment_states", (16, 32, 128, 128, 64, "bfloat16", False, True)),
     # transformers' channels-first q, k, v made token-major (the 2B layer: 16 heads of 128 each)
     ("layout", (2048, 2048, "bfloat16")),
+    # v alone channels-first (transformers < 5.23 repeats q and k when Hv > Hk): the 9B layer, 32 heads of 128, one
+    # sequence and a batch of them
+    ("layout_slice", (4096, 0, 4096, "bfloat16")),
+    ("layout_slice", (8192, 4096, 4096, "bfloat16")),
 ]
 EXTRA = [
     ("kkt_solve", (2, 4, 64, "float16")),
@@ -70,7 +74,8 @@ def _builder(stage):
 
     return {"kkt_solve": kkt_solve.build_kkt_solve, "chunk_fwd": chunk_fwd.build_chunk_fwd,
             "segment_states": segment_states.build_segment_states, "state_scan": state_scan.build_state_scan,
-            "layout": layout.build_channels_first_to_tokens}[stage]
+            "layout": layout.build_channels_first_to_tokens,
+            "layout_slice": layout.build_channel_slice_to_tokens}[stage]
 
 
 def _source(stage, args) -> str:
@@ -206,7 +211,7 @@ def _check_structure(stage, args, src):
         # a map found negligible (start >= 0) costs neither its M load nor the product
         body = src[src.index("__global__"):]
         assert "mstart[" in body and body.index("mstart[") < body.index("tl::wgmma")
-    elif stage == "layout":
+    elif stage in ("layout", "layout_slice"):
         # a warp's 32 consecutive tokens of one channel go down a column of the [token, channel] tile, whose rows
         # of 66 elements (33 words) put them in 32 distinct banks; the rows leave in whole-row stores
         assert re.search(r"tt\[\(+\(\(int\)threadIdx\.x\) & 63\) \* 66\)", src), "the transposed write is not a column"

@@ -270,6 +270,12 @@ def _torch_tokens_major(buffer, Hk, K, Hv, V):
             rows[:, 2 * Hk * K:].reshape(B * Tn, Hv, V).contiguous())
 
 
+def _torch_slice_tokens_major(buffer, c_first, H, D):
+    """layout.slice_tokens_major's contract in torch: one channel slice of the [B, C, T] buffer, token-major."""
+    B, C, Tn = buffer.shape
+    return buffer[:, c_first:c_first + H * D].transpose(1, 2).reshape(B * Tn, H, D).contiguous()
+
+
 @pytest.fixture
 def torch_stages(monkeypatch):
     """The launcher with every kernel swapped for its float64 torch twin (CPU); returns the recorded stage calls."""
@@ -292,6 +298,7 @@ def torch_stages(monkeypatch):
     monkeypatch.setattr(segment_states, "segment_states", record("segment_states", _torch_segment_states))
     monkeypatch.setattr(state_scan, "state_scan", record("state_scan", _torch_state_scan))
     monkeypatch.setattr(layout, "tokens_major", record("layout", _torch_tokens_major))
+    monkeypatch.setattr(layout, "slice_tokens_major", record("layout_slice", _torch_slice_tokens_major))
     return calls
 
 
@@ -341,6 +348,30 @@ def test_launcher_makes_transformers_channels_first_inputs_token_major_in_one_pa
     assert _rel(o, ro) < 1e-6 and _rel(ht, rht) < 1e-6
     torch_stages.clear()
     o2, ht2 = forward.chunk_gated_delta_rule_fwd(q.contiguous(), k.contiguous(), v.contiguous(), g, beta, **kw)
+    assert [name for name, _ in torch_stages] == ["kkt_solve", "chunk_fwd"]
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_launcher_makes_a_lone_channels_first_v_token_major_in_one_pass(torch_stages, B):
+    """transformers < 5.23 with Hv > Hk repeats q and k to the value heads: q, k arrive contiguous and v alone is a
+    channel slice of the convolution's buffer. v goes through the one-slice pass, not torch's strided copy, and the
+    result equals the same values laid out token-major."""
+    from flashqla_kernels.gated_delta_rule.hopper import forward
+
+    gen = torch.Generator().manual_seed(9)
+    Tn, Hk, Hv, K, V = 70, 1, 2, 64, 64
+    buffer = torch.randn(B, 2 * Hk * K + Hv * V, Tn, generator=gen, dtype=torch.float64)
+    q, k, v = torch.split(buffer.transpose(1, 2), [Hk * K, Hk * K, Hv * V], dim=-1)
+    q, k = (x.reshape(B, Tn, Hk, K).repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
+    v = v.reshape(B, Tn, Hv, V)
+    g = -torch.rand(B, Tn, Hv, generator=gen, dtype=torch.float64)
+    beta = torch.rand(B, Tn, Hv, generator=gen, dtype=torch.float64)
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, segment_chunks=0)
+    o, ht = forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
+    assert [name for name, _ in torch_stages] == ["layout_slice", "kkt_solve", "chunk_fwd"]
+    torch_stages.clear()
+    o2, ht2 = forward.chunk_gated_delta_rule_fwd(q, k, v.contiguous(), g, beta, **kw)
     assert [name for name, _ in torch_stages] == ["kkt_solve", "chunk_fwd"]
     assert torch.equal(o, o2) and torch.equal(ht, ht2)
 

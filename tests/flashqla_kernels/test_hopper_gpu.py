@@ -199,3 +199,31 @@ def test_channels_first_inputs_run_token_major_in_one_pass(B, T, Hk, Hv, D, dtyp
         chunk_gated_delta_rule(q, k, v, g, beta, **kw)
         o, ht = _without_host_sync(lambda: chunk_gated_delta_rule(q, k, v, g, beta, **kw))
     assert torch.equal(o, want_o) and torch.equal(ht, want_h)
+
+
+@pytest.mark.parametrize("B,T,Hk,Hv,D,dtype", [(2, 130, 2, 4, 128, torch.bfloat16),
+                                               (1, 4096, 16, 32, 128, torch.bfloat16),
+                                               (3, 65, 1, 2, 64, torch.float16)])
+def test_a_lone_channels_first_v_runs_token_major_in_one_pass(B, T, Hk, Hv, D, dtype):
+    """transformers < 5.23 with Hv > Hk: q and k repeated to the value heads (contiguous), v alone a channel slice
+    of the convolution's buffer. The one-slice kernel gives exactly v's token-major copy (tail tiles too), and the
+    public op gives bit for bit what it gives on a contiguous v, without a host sync."""
+    from flashqla_kernels.gated_delta_rule.hopper import layout
+
+    buffer = torch.randn(B, (2 * Hk + Hv) * D, T, device="cuda").to(dtype)
+    q, k, v = torch.split(buffer.transpose(1, 2), [Hk * D, Hk * D, Hv * D], dim=-1)
+    q, k = (x.reshape(B, T, Hk, D).repeat_interleave(Hv // Hk, dim=2) for x in (q, k))
+    v = v.reshape(B, T, Hv, D)
+    found = layout.channels_first_slice(v)
+    assert found is not None and layout.channels_first_buffer(q, k, v) is None
+    with toolkit.poisoned_outputs():
+        v3 = layout.slice_tokens_major(*found, Hv, D)
+    assert torch.equal(v3, v.reshape(B * T, Hv, D))
+    g = -torch.nn.functional.softplus(torch.randn(B, T, Hv, device="cuda"))
+    beta = torch.sigmoid(torch.randn(B, T, Hv, device="cuda")).to(dtype)
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with torch.no_grad():
+        want_o, want_h = chunk_gated_delta_rule(q, k, v.contiguous(), g, beta, **kw)
+        chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        o, ht = _without_host_sync(lambda: chunk_gated_delta_rule(q, k, v, g, beta, **kw))
+    assert torch.equal(o, want_o) and torch.equal(ht, want_h)

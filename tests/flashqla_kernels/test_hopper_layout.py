@@ -52,3 +52,37 @@ def test_other_layouts_are_left_to_the_strided_copies():
     # channel slices the kernel's 64-channel tiles would straddle
     _, q2, k2, v2 = _transformers_views(Hk=1, Hv=1, K=32, V=32)
     assert layout.channels_first_buffer(q2, k2, v2) is None
+
+
+def _repeated_views(B=2, Tn=70, Hk=2, Hv=4, K=64, V=64, dtype=torch.bfloat16):
+    """transformers < 5.23 with Hv > Hk: q and k repeated to the value heads (new tensors), v still a view."""
+    buffer, q, k, v = _transformers_views(B=B, Tn=Tn, Hk=Hk, Hv=Hv, K=K, V=V, dtype=dtype)
+    rep = Hv // Hk
+    return buffer, q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2), v
+
+
+@pytest.mark.parametrize("B,Hk,Hv", [(2, 2, 4), (1, 16, 32), (3, 1, 2), (2, 4, 4)])
+def test_finds_v_alone_as_a_slice_of_the_buffer(B, Hk, Hv):
+    """The slice's channels in the recovered buffer are exactly v's, and the view stays inside v's storage (it ends
+    where the buffer does: v is its last slice)."""
+    buffer, q, k, v = _repeated_views(B=B, Hk=Hk, Hv=Hv)
+    assert layout.channels_first_buffer(q, k, v) is None
+    found = layout.channels_first_slice(v)
+    assert found is not None
+    view, c_first = found
+    F = Hv * 64
+    assert view.shape == (B, (buffer.shape[1] if B > 1 else F), 70) and view.is_contiguous()
+    assert c_first == (buffer.shape[1] - F if B > 1 else 0)
+    assert torch.equal(view[:, c_first:c_first + F].transpose(1, 2).reshape(B, 70, Hv, 64), v)
+    if B > 1:
+        assert view.data_ptr() == buffer.data_ptr() and torch.equal(view, buffer)
+
+
+def test_v_alone_in_other_layouts_is_left_to_the_strided_copy():
+    _, _, _, v = _repeated_views()
+    assert layout.channels_first_slice(v.contiguous()) is None
+    # one token, and a slice the kernel's 64-channel tiles would straddle
+    assert layout.channels_first_slice(_repeated_views(Tn=1)[3]) is None
+    assert layout.channels_first_slice(_repeated_views(Hk=1, Hv=1, K=32, V=32)[3]) is None
+    # a token-strided view that is not channels-first (every other token of a token-major tensor)
+    assert layout.channels_first_slice(torch.randn(2, 140, 4, 64).to(torch.bfloat16)[:, ::2]) is None

@@ -10,6 +10,10 @@ transposed into shared memory and stores whole rows of channels into q, k or v.
 
 Grid (ceil(T / 64), C / 64, B), 128 threads. A tail tile (T not a multiple of 64) reads and writes only its T % 64
 tokens, so no CTA touches another sequence's rows.
+
+transformers before 5.23 repeats q and k to the value heads when Hv > Hk (Qwen3.5-9B and up): q and k then arrive as
+new contiguous tensors and v alone is a channels-first view. ``build_channel_slice_to_tokens`` makes that one slice
+token-major the same way (grid over its own channels only).
 """
 
 import tilelang.language as T
@@ -42,13 +46,7 @@ def build_channels_first_to_tokens(Fq: int, Fv: int, dtype: str):
             c0 = bc * TILE
             n = T.min(TILE, tokens - t0)
             r0 = b * tokens + t0
-            # a warp reads 32 consecutive tokens of one channel and writes them down a column of the tile
-            if n == TILE:
-                for i, j in T.Parallel(TILE, TILE):
-                    tt[j, i] = src[b, c0 + i, t0 + j]
-            else:
-                for i, j in T.Parallel(TILE, TILE):
-                    tt[j, i] = T.if_then_else(j < n, src[b, c0 + i, T.min(t0 + j, tokens - 1)], T.cast(0, dtype))
+            _load_tile(src, tt, b, c0, t0, n, tokens, dtype)
             # the tile lies wholly in one of q, k, v (each is a multiple of 64 channels)
             if c0 < Fq:
                 for i, j in T.Parallel(TILE, TILE):
@@ -64,6 +62,43 @@ def build_channels_first_to_tokens(Fq: int, Fv: int, dtype: str):
                         v[r0 + i, c0 - 2 * Fq + j] = tt[i, j]
 
     return gdn_channels_first_to_tokens
+
+
+def build_channel_slice_to_tokens(C: int, c_first: int, F: int, dtype: str):
+    """The transpose kernel for one slice of a [B, C, T] buffer: channels ``c_first`` to ``c_first + F`` (F a
+    multiple of 64) as token-major rows [B T, F]."""
+    batch = T.dynamic("batch")
+    tokens = T.dynamic("tokens")
+    rows = T.dynamic("rows")
+
+    @T.prim_func
+    def gdn_channel_slice_to_tokens(
+        src: T.Tensor((batch, C, tokens), dtype),
+        out: T.Tensor((rows, F), dtype),
+    ):
+        with T.Kernel(T.ceildiv(tokens, TILE), F // TILE, batch, threads=128) as (bt, bc, b):
+            tt = T.alloc_shared((TILE, TILE + PAD), dtype)  # [token, channel]
+            t0 = bt * TILE
+            n = T.min(TILE, tokens - t0)
+            r0 = b * tokens + t0
+            _load_tile(src, tt, b, c_first + bc * TILE, t0, n, tokens, dtype)
+            for i, j in T.Parallel(TILE, TILE):
+                if i < n:
+                    out[r0 + i, bc * TILE + j] = tt[i, j]
+
+    return gdn_channel_slice_to_tokens
+
+
+@T.macro
+def _load_tile(src, tt, b, c0, t0, n, tokens, dtype):
+    """Channels c0..c0+63 x tokens t0..t0+n-1 of ``src`` [B, C, T] into ``tt`` [token, channel]: a warp reads 32
+    consecutive tokens of one channel and writes them down a column of the tile (rows past n are zero)."""
+    if n == TILE:
+        for i, j in T.Parallel(TILE, TILE):
+            tt[j, i] = src[b, c0 + i, t0 + j]
+    else:
+        for i, j in T.Parallel(TILE, TILE):
+            tt[j, i] = T.if_then_else(j < n, src[b, c0 + i, T.min(t0 + j, tokens - 1)], T.cast(0, dtype))
 
 
 def channels_first_buffer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -97,6 +132,44 @@ def channels_first_buffer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return q.as_strided((B, C, Tn), (C * Tn, Tn, 1))
 
 
+def channels_first_slice(v: torch.Tensor):
+    """The [B, C, T] buffer that ``v`` [B, T, H, D] is the last channel slice of (transformers' v when it repeated q
+    and k to the value heads), and the slice's first channel; or None.
+
+    Returns:
+        (buffer, c_first): a [B, C, T] view of v's storage whose channels c_first .. c_first + H D are v's (C from v's
+        batch stride, v taken as the last slice so the view ends where v does); None when v is laid out any other
+        way, when T < 2, or when H D is not a multiple of 64. With one sequence the batch stride says nothing, so
+        the buffer is v's own [1, H D, T] block (c_first 0).
+    """
+    B, Tn, H, D = v.shape
+    F = H * D
+    if Tn < 2 or F % TILE or not _strides_are(v, (v.stride(0), 1, D * Tn, Tn)):
+        return None
+    start = v.storage_offset()
+    if B == 1:
+        C, c_first = F, 0
+    else:
+        C = v.stride(0) // Tn
+        c_first = C - F
+        if v.stride(0) % Tn or c_first < 0:
+            return None
+        start -= c_first * Tn
+    if start < 0 or start + B * C * Tn > v.untyped_storage().nbytes() // v.element_size():
+        return None
+    return v.as_strided((B, C, Tn), (C * Tn, Tn, 1), start), c_first
+
+
+def slice_tokens_major(buffer: torch.Tensor, c_first: int, H: int, D: int) -> torch.Tensor:
+    """[B T, H, D], contiguous, from channels ``c_first`` .. ``c_first + H D`` of a [B, C, T] buffer
+    (``channels_first_slice``)."""
+    B, C, Tn = buffer.shape
+    kernel = toolkit.compile_kernel(build_channel_slice_to_tokens, C, c_first, H * D, toolkit.tl_dtype(buffer.dtype))
+    out = toolkit.empty((B * Tn, H, D), buffer.dtype, buffer.device)
+    kernel(buffer, out.view(B * Tn, H * D))
+    return out
+
+
 def _strides_are(x: torch.Tensor, strides: tuple) -> bool:
     """x's strides are ``strides`` on every dim longer than 1 (torch reports any stride for a dim of size 1: a
     one-sequence batch's view has the token stride times T there, not C T)."""
@@ -116,8 +189,8 @@ def tokens_major(buffer: torch.Tensor, Hk: int, K: int, Hv: int, V: int):
 
 def as_tokens_major(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """q, k [B T, Hk, K] and v [B T, Hv, V], contiguous, as the stage kernels read them: by the one layout pass where
-    q, k, v are transformers' channel slices (``channels_first_buffer``), else by reshape (a copy only where the
-    layout needs one)."""
+    q, k, v are transformers' channel slices (``channels_first_buffer``), by the one-slice pass where v alone is
+    (``channels_first_slice``), else by reshape (a copy only where the layout needs one)."""
     B, Tn, Hk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     if q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
@@ -126,5 +199,8 @@ def as_tokens_major(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     buffer = channels_first_buffer(q, k, v)
     if buffer is not None:
         return tokens_major(buffer, Hk, K, Hv, V)
-    return (q.reshape(B * Tn, Hk, K).contiguous(), k.reshape(B * Tn, Hk, K).contiguous(),
-            v.reshape(B * Tn, Hv, V).contiguous())
+    q3, k3 = q.reshape(B * Tn, Hk, K).contiguous(), k.reshape(B * Tn, Hk, K).contiguous()
+    found = channels_first_slice(v)
+    if found is not None:
+        return q3, k3, slice_tokens_major(*found, Hv, V)
+    return q3, k3, v.reshape(B * Tn, Hv, V).contiguous()
