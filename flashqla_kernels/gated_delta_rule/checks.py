@@ -83,31 +83,38 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> int:
     if torch.compiler.is_compiling():
         # reading the offsets is a host sync that would split the traced graph; an eager call checks them
         return cu_seqlens.shape[0] - 1
-    offsets = host_offsets(cu_seqlens)
+    offsets, ordered = _offsets_entry(cu_seqlens)
     if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] > T:
         # cu_seqlens[-1] < T is a padded tail (FlashQLA's packed batches): ignored, its outputs 0
         raise ValueError(f"cu_seqlens must start at 0 and end at most at T={T}; got {offsets[:4]}...{offsets[-2:]}")
-    if any(b < a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(f"cu_seqlens must be non-decreasing; got {offsets}")
+    if not ordered:
+        raise ValueError(f"cu_seqlens must be non-decreasing; got {list(offsets)}")
     return len(offsets) - 1
 
 
 _HOST_OFFSETS: dict = {}
 
 
-def host_offsets(cu_seqlens: torch.Tensor) -> list[int]:
-    """``cu_seqlens.tolist()`` without a device sync when the same, unmodified tensor object comes back (every
-    layer of a model forward passes the same one; a sync per call would stall the host in the hot path). Keyed on
-    object identity, checked by weakref and version. The list is shared: do not modify it."""
+def host_offsets(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    """``cu_seqlens`` as a tuple of ints, without a device sync when the same, unmodified tensor object comes back
+    (every layer of a model forward passes the same one; a sync per call would stall the host in the hot path).
+    Keyed on object identity, checked by weakref and version."""
+    return _offsets_entry(cu_seqlens)[0]
+
+
+def _offsets_entry(cu_seqlens: torch.Tensor) -> tuple[tuple[int, ...], bool]:
+    # (offsets, whether they never decrease), both kept with the tensor's version: a call that finds them costs
+    # O(1) host time however many sequences are packed
     key = id(cu_seqlens)
     hit = _HOST_OFFSETS.get(key)
     if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
         return hit[2]
-    offsets = [int(x) for x in cu_seqlens.tolist()]
+    offsets = tuple(int(x) for x in cu_seqlens.tolist())
+    entry = (offsets, all(b >= a for a, b in zip(offsets, offsets[1:])))
     if len(_HOST_OFFSETS) > 64:
         _HOST_OFFSETS.clear()
-    _HOST_OFFSETS[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, offsets)
-    return offsets
+    _HOST_OFFSETS[key] = (weakref.ref(cu_seqlens), cu_seqlens._version, entry)
+    return entry
 
 
 def sequence_spans(B: int, T: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, int]]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashqla_kernels.gated_delta_rule.api import chunk_gated_delta_rule
-from flashqla_kernels.gated_delta_rule.checks import check_inputs, resolve_scale, sequence_spans
+from flashqla_kernels.gated_delta_rule.checks import check_inputs, host_offsets, resolve_scale, sequence_spans
 
 # check_inputs itself and the public op, which must surface the same error
 ENTRY_POINTS = [check_inputs, chunk_gated_delta_rule]
@@ -66,3 +66,17 @@ def test_sequence_spans_and_scale():
     assert sequence_spans(2, 5, None) == [(0, 0, 5), (1, 0, 5)]
     assert sequence_spans(1, 6, torch.tensor([0, 1, 6])) == [(0, 0, 1), (0, 1, 6)]
     assert resolve_scale(None, 16) == 0.25 and resolve_scale(0.0, 16) == 0.0
+
+
+def test_cu_seqlens_checks_are_kept_with_the_tensor_and_redone_after_an_in_place_edit():
+    """The offsets and their order are read once per tensor version (no sync on the next call), and an in-place edit
+    that breaks them is still refused."""
+    q, k, v, g, beta = _inputs()
+    cu = torch.tensor([0, 2, 6])
+    assert check_inputs(q, k, v, g, beta, cu_seqlens=cu) == 2
+    assert host_offsets(cu) == (0, 2, 6) and host_offsets(cu) is host_offsets(cu)
+    cu[1] = 5
+    assert check_inputs(q, k, v, g, beta, cu_seqlens=cu) == 2 and host_offsets(cu) == (0, 5, 6)
+    cu[2] = 3
+    with pytest.raises(ValueError, match=r"cu_seqlens must be non-decreasing; got \[0, 5, 3\]"):
+        check_inputs(q, k, v, g, beta, cu_seqlens=cu)

@@ -70,6 +70,22 @@ def test_slices_widen_to_128_where_sequences_are_split():
     assert plan.block_dv([32], 16, 128, 128, 132) == 64 and plan.block_dv([512], 32, 256, 256, 132) == 32
 
 
+@pytest.mark.parametrize("cu,Hv,segment_chunks,block_v", [
+    ((0, 8192), 32, None, None), ((0, 8192, 16384), 32, None, None), ((0, 2048), 16, None, None),
+    (tuple(range(0, 16 * 1001, 16)), 16, None, None), ((0, 8192), 32, 0, None), ((0, 8192), 32, 16, 64)])
+def test_forward_plan_is_the_composition_of_the_rules(cu, Hv, segment_chunks, block_v, monkeypatch):
+    """The launcher's one cached call gives what block_dv, make_plan and the chunk count give separately."""
+    monkeypatch.setattr(plan, "num_sms", lambda device: 132)
+    dev = torch.device("cpu")
+    bdv, pl, num_chunks = plan.forward_plan(cu, Hv, 128, 128, True, dev, segment_chunks, block_v)
+    seq_chunks = plan.chunk_counts(cu)
+    want_bdv = block_v or plan.block_dv(list(seq_chunks), Hv, 128, 128, 132, segment_chunks)
+    want = plan.make_plan(list(cu), Hv, 128 // want_bdv, True, dev, segment_chunks)
+    assert bdv == want_bdv and num_chunks == sum(seq_chunks) == pl.chunks.shape[0]
+    assert pl.segment_chunks == want.segment_chunks and torch.equal(pl.segs, want.segs)
+    assert plan.forward_plan(cu, Hv, 128, 128, True, dev, segment_chunks, block_v)[1] is pl
+
+
 def test_gva_groups_split_into_slices_of_1_2_or_4_heads():
     assert [plan.heads_per_cta(g) for g in (1, 2, 3, 4, 6, 8, 12)] == [1, 2, 3, 4, 3, 4, 4]
 

@@ -49,9 +49,10 @@ def test_hopper_launcher_takes_the_op_arguments_and_only_keyword_only_options():
     ref = _params(reference.chunk_gated_delta_rule_ref)
     assert all(params[n].kind is inspect.Parameter.KEYWORD_ONLY and params[n].default == ref[n].default
                for n in FLA_PARAMS[5:])
-    # the internal options tests and benchmarks force, and the custom op's saving of the states, off by default
+    # the internal options tests and benchmarks force, the custom op's saving of the states and the dispatcher's
+    # skipping of checks it has run, off by default
     assert {n: p.default for n, p in params.items() if n not in FLA_PARAMS} == {
-        "segment_chunks": None, "block_v": None, "save_states": False}
+        "segment_chunks": None, "block_v": None, "save_states": False, "checked": False}
     assert list(_params(forward.unsupported_reason)) == ["q", "k", "v", "g", "beta", "initial_state", "cu_seqlens"]
 
 

@@ -157,7 +157,7 @@ def _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l
     B, Tn, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     scale = K ** -0.5 if scale is None else float(scale)
-    cu = list(range(0, B * Tn + 1, Tn)) if cu_seqlens is None else checks.host_offsets(cu_seqlens)
+    cu = tuple(range(0, B * Tn + 1, Tn)) if cu_seqlens is None else checks.host_offsets(cu_seqlens)
     N = len(cu) - 1
     # transformers' layer passes q, k, v as channel slices of its convolution's [B, C, T] buffer: one transposing
     # pass makes all three token-major (torch's strided copies run at about a fifth of its speed)
@@ -167,11 +167,7 @@ def _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l
     if h0 is not None and not (h0.dtype == torch.float32 and h0.is_contiguous()):
         h0 = h0.to(torch.float32).contiguous()
 
-    seq_chunks = [-(-(e - s) // plan.CHUNK) for s, e in zip(cu, cu[1:])]
-    bDV = plan.block_dv(seq_chunks, Hv, K, V, plan.num_sms(q.device), segment_chunks)
-    if block_v and K <= 128:
-        bDV = min(V, block_v)
-    pl = plan.make_plan(cu, Hv, V // bDV, h0 is not None, q.device, segment_chunks)
+    bDV, pl, num_chunks = plan.forward_plan(cu, Hv, K, V, h0 is not None, q.device, segment_chunks, block_v)
     # l2norm inside the stages: kkt_solve writes the inverse norms, the others fold them into their row scalings
     gamma, ag, rn = kkt_solve.kkt_solve(k3, g3, b3, pl.chunks, Hv, q3 if use_qk_l2norm_in_kernel else None)
     if pl.segment_chunks:
@@ -195,7 +191,6 @@ def _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l
     # what no chunk writes is zeroed, as o's padded tail is: the op's outputs are the same on every run (opcheck
     # compares two), and no uninitialised memory is kept until the backward
     _, h, v_new = states
-    num_chunks = sum(seq_chunks)
     if h.shape[0] > num_chunks:
         h[num_chunks:].zero_()
     if cu[-1] < B * Tn:

@@ -139,16 +139,40 @@ def _tables(cu: tuple[int, ...], L: int, has_init: bool):
     return chunks, segs, maps, seqs, seg_chunk0
 
 
-def make_plan(cu_seqlens: list[int], Hv: int, nV: int, has_init: bool, device: torch.device,
+def chunk_counts(cu: tuple[int, ...]) -> tuple[int, ...]:
+    """Chunks of every sequence packed with offsets ``cu`` [N+1] (a partial chunk counts as one)."""
+    return tuple(-(-(e - s) // CHUNK) for s, e in zip(cu, cu[1:]))
+
+
+def make_plan(cu_seqlens, Hv: int, nV: int, has_init: bool, device: torch.device,
               segment_chunks: int | None = None) -> Plan:
     """Build (or fetch) the plan for packed sequences with offsets ``cu_seqlens`` [N+1].
 
     ``segment_chunks``: None picks by :func:`choose_segment_chunks`; 0 never splits; L > 0 forces L-chunk segments.
     """
     if segment_chunks is None:
-        seq_chunks = [(cu_seqlens[i + 1] - cu_seqlens[i] + CHUNK - 1) // CHUNK for i in range(len(cu_seqlens) - 1)]
-        segment_chunks = choose_segment_chunks(seq_chunks, Hv, nV, num_sms(device))
+        segment_chunks = choose_segment_chunks(chunk_counts(tuple(cu_seqlens)), Hv, nV, num_sms(device))
     return _device_plan(tuple(cu_seqlens), segment_chunks, has_init, device)
+
+
+@functools.lru_cache(maxsize=64)
+def forward_plan(cu: tuple[int, ...], Hv: int, K: int, V: int, has_init: bool, device: torch.device,
+                 segment_chunks: int | None = None, block_v: int | None = None) -> tuple[int, Plan, int]:
+    """The forward launcher's whole plan for offsets ``cu``: (the V slice a CTA owns, the :class:`Plan`, the chunk
+    count). Cached: every layer of a model passes the same offsets, and with many short sequences packed, working
+    them out again (three passes over the sequences in Python) would cost more host time than the kernels run.
+
+    Args:
+        cu: offsets [N+1] as a tuple. Hv, K, V: value heads and the kernel head dims. has_init: an initial state is
+            given. device: where the tables go. segment_chunks, block_v: as ``forward.chunk_gated_delta_rule_fwd``.
+    """
+    seq_chunks = chunk_counts(cu)
+    bdv = block_dv(seq_chunks, Hv, K, V, num_sms(device), segment_chunks)
+    if block_v and K <= 128:
+        bdv = min(V, block_v)
+    if segment_chunks is None:
+        segment_chunks = choose_segment_chunks(seq_chunks, Hv, V // bdv, num_sms(device))
+    return bdv, _device_plan(cu, segment_chunks, has_init, device), sum(seq_chunks)
 
 
 @functools.lru_cache(maxsize=64)
