@@ -17,6 +17,7 @@ gradient, Gamma_ij = exp(gamma_i - gamma_j) for i >= j (else 0) and P = scale (Q
                                 dM = StrictLower(-A^T (dw (beta exp(gamma) K)^T + du (beta V)^T) A^T)
                                 -> dk, dv, dbeta, dgamma
     chunk_local_cumsum_bwd_ref  dg = reverse cumsum of dgamma within each chunk
+    chunk_bwd_step_ref          all of one chunk's gradients from S and dS' alone, and dS: the step of a fused walk
     gva_reduce_ref              dq, dk per value head summed over each key head's group        [B, T, Hk, K]
     l2norm_bwd_ref              dx = r (dy - (y . dy) y), y = r x, r = rsqrt(sum(x^2) + eps)
 
@@ -39,7 +40,7 @@ from flashqla_kernels.gated_delta_rule.reference import (
 __all__ = [
     "ChunkForwardSaved", "chunk_gated_delta_rule_bwd_ref", "chunk_bwd_recompute_ref", "chunk_bwd_dv_local_ref",
     "chunk_bwd_dh_ref", "chunk_bwd_dqkwg_ref", "chunk_bwd_wy_ref", "chunk_local_cumsum_bwd_ref", "gva_reduce_ref",
-    "l2norm_bwd_ref",
+    "l2norm_bwd_ref", "chunk_bwd_step_ref",
 ]
 
 
@@ -265,6 +266,36 @@ def chunk_local_cumsum_bwd_ref(dgamma: torch.Tensor, cu_seqlens: torch.Tensor | 
     for b, _, _, s, e in chunk_spans(dgamma.shape[0], dgamma.shape[1], cu_seqlens, chunk_size):
         dg[b, s:e] = dgamma[b, s:e].flip(0).cumsum(0).flip(0)
     return dg
+
+
+def chunk_bwd_step_ref(q, k, v, gamma, beta, S, dS_out, do, scale):
+    """One chunk of one value head, the whole backward: the step a fused backward walk takes per chunk, going back.
+
+    Everything a chunk's gradients need from outside the chunk is the state entering it (S, the forward's h) and the
+    gradient of the state leaving it (dS'); the walk hands dS, the gradient of the state entering, to the chunk
+    before. So one walk per (sequence or segment, value head) can form every gradient on chip, with nothing but S
+    read and dq, dk, dv, dg, dbeta written (the staged kernels write dh, dv_new and dw to memory and read them back).
+
+    Args:
+        q, k: [n, K], n <= 64 (l2-normalised where the op normalises; unscaled). v, do: [n, V]. gamma: [n] the
+        chunk-local cumsum of g. beta: [n]. S: [K, V] the state entering the chunk. dS_out: [K, V] the gradient of the
+        state leaving it. scale: the output scale.
+
+    Returns:
+        (dq [n, K], dk [n, K], dv [n, V], dg [n] for the raw g, dbeta [n], dS [K, V]) for this value head: dq and dk
+        before the GVA sum and the l2norm backward.
+    """
+    x = [t[None, :, None] for t in (q, k, v, gamma, beta, do)]
+    q1, k1, v1, gamma1, beta1, do1 = x
+    A = kkt_inverse_ref(k1, beta1, gamma1)
+    w, u = recompute_w_u_ref(k1, v1, beta1, A, gamma1)
+    h, v_new, _ = chunk_states_ref(k1, w, u, gamma1, S[None, None])
+    dv_local = chunk_bwd_dv_local_ref(q1, k1, do1, gamma1, scale)
+    dh, dv_new, dS = chunk_bwd_dh_ref(q1, k1, w, do1, dv_local, gamma1, scale, dS_out[None, None])
+    dq, dk, dw, dgamma = chunk_bwd_dqkwg_ref(q1, k1, v_new, w, h, dh, do1, dv_new, gamma1, scale)
+    dk_wy, dv, dbeta, dgamma_wy = chunk_bwd_wy_ref(k1, v1, beta1, A, gamma1, dw, dv_new)
+    dg = chunk_local_cumsum_bwd_ref(dgamma + dgamma_wy)
+    return dq[0, :, 0], (dk + dk_wy)[0, :, 0], dv[0, :, 0], dg[0, :, 0], dbeta[0, :, 0], dS[0, 0]
 
 
 def gva_reduce_ref(dx: torch.Tensor, Hk: int) -> torch.Tensor:

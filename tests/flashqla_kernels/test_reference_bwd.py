@@ -11,7 +11,7 @@ from flashqla_kernels.gated_delta_rule.reference import (
 )
 from flashqla_kernels.gated_delta_rule.reference_bwd import (
     chunk_bwd_dh_ref, chunk_bwd_dqkwg_ref, chunk_bwd_dv_local_ref, chunk_bwd_recompute_ref, chunk_bwd_wy_ref,
-    chunk_gated_delta_rule_bwd_ref, chunk_local_cumsum_bwd_ref, gva_reduce_ref, l2norm_bwd_ref,
+    chunk_bwd_step_ref, chunk_gated_delta_rule_bwd_ref, chunk_local_cumsum_bwd_ref, gva_reduce_ref, l2norm_bwd_ref,
 )
 from tests.flashqla_kernels.test_reference import make_inputs
 
@@ -191,3 +191,30 @@ def test_bad_gradient_shapes_raise_actionable_errors():
         chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do[:, :4])
     with pytest.raises(ValueError, match=r"dht must be .* \[N, Hv, K, V\] = \[1,4,16,8\]"):
         chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do, dht[:, :2])
+
+
+@pytest.mark.parametrize("T", [1, 64, 200])
+def test_a_walk_of_chunk_steps_back_over_a_sequence_is_the_whole_backward(T):
+    """The fused walk's contract: per value head, going back over the chunks and handing each step the state entering
+    its chunk (the forward's h) and the dS its successor returned, gives every gradient of the composed backward
+    (ragged last chunk, a head with g = 0 and one with strong decay, h0 and dht), dh0 the last dS."""
+    Hv, K, V = 3, 16, 8
+    q, k, v, g, beta, h0 = make_inputs(1, T, Hv, Hv, K, V)
+    q, k = l2norm(q), l2norm(k)
+    do, dht = _cotangents(T, Hv, 1, K, V)
+    scale = 0.3
+    want = chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do, dht, scale=scale, initial_state=h0)
+    fwd = chunk_bwd_recompute_ref(k, v, g, beta, h0)
+    got = [torch.zeros_like(x) for x in (q, k, v, g, beta)]
+    dh0 = torch.zeros_like(h0)
+    for h in range(Hv):
+        dS = dht[0, h]
+        for c in reversed(range(-(-T // 64))):
+            s, e = 64 * c, min(64 * c + 64, T)
+            step = chunk_bwd_step_ref(q[0, s:e, h], k[0, s:e, h], v[0, s:e, h], fwd.gamma[0, s:e, h],
+                                      beta[0, s:e, h], fwd.h[0, c, h], dS, do[0, s:e, h], scale)
+            for out, part in zip(got, step[:5]):
+                out[0, s:e, h] = part
+            dS = step[5]
+        dh0[0, h] = dS
+    _assert_close(got + [dh0], want, NAMES)
