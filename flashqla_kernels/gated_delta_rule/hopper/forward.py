@@ -25,6 +25,8 @@ def padded_head_dim(d: int) -> int | None:
     channel only produces a zero output column and a zero state column, so the launcher pads other head dims with
     zeros and slices the outputs back.
     """
+    if d in SUPPORTED_HEAD_DIMS:
+        return d  # the common case, without the search (it runs four times a call)
     return next((s for s in SUPPORTED_HEAD_DIMS if s >= d), None) if d >= 1 else None
 
 
