@@ -81,25 +81,28 @@ CATEGORIES = [  # (bucket, kernel-name pattern), first match wins
 ]
 
 
-def config(tiny: bool):
+def config(tiny: bool, value_heads: int | None = None):
+    """The model's config; ``value_heads`` replaces the GDN layers' value heads (16 in the 2B model, 2 in the tiny
+    one): 32 over the 16 key heads is the head layout of Qwen3.5-9B and up, for which transformers before 5.23
+    repeats q and k to the value heads and hands the op v alone as a channels-first view."""
     import transformers as tf
 
     if tiny:
         return tf.Qwen3_5TextConfig(
             vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=value_heads or 2,
             linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=False)
     return tf.Qwen3_5TextConfig(
         vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=value_heads or 16,
         linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False, max_position_embeddings=8192)
 
 
-def build_model(tiny: bool, device: str):
+def build_model(tiny: bool, device: str, value_heads: int | None = None):
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = config(tiny)
+    cfg = config(tiny, value_heads)
     cfg._attn_implementation = "sdpa"
     with torch.device(device):
         model = tf.Qwen3_5ForCausalLM(cfg)
@@ -435,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {','.join(ARMS)}")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--value-heads", type=int, default=None,
+                        help="GDN value heads over the model's key heads (2B: 16 over 16; 32 is the 9B layout)")
     parser.add_argument("--torch-batch", type=int, default=2, help="sequences per forward in the torch arm")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
@@ -460,10 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: run on the H200, or pass --tiny for a CPU dry run")
     B, T = (2, 80) if args.tiny else (args.batch, args.seqlen)
-    model = build_model(args.tiny, device)
+    model = build_model(args.tiny, device, args.value_heads)
     vocab = model.config.vocab_size
-    result = {"env": versions(device), "model": "tiny Qwen3.5 (CPU dry run)" if args.tiny else
-              "Qwen3.5-2B-shaped random bf16", "batch": B, "seqlen": T, "arms": [], "checks": {},
+    label = "tiny Qwen3.5 (CPU dry run)" if args.tiny else "Qwen3.5-2B-shaped random bf16"
+    if args.value_heads:
+        label += (f", GDN layers with {model.config.linear_num_value_heads} value heads over "
+                  f"{model.config.linear_num_key_heads} key heads")
+    result = {"env": versions(device), "model": label, "batch": B, "seqlen": T, "arms": [], "checks": {},
               "anchors_tokens_per_s": ANCHOR_TOKENS_PER_S}
     previous = args.out / "gdn_layer.json"
     if args.merge and previous.exists():

@@ -243,3 +243,14 @@ def test_flashqla_arm_patches_flashqlas_op_in_under_transformers_call_convention
                        str(tmp_path)]) == 0
     row = json.loads((tmp_path / "gdn_layer.json").read_text())["arms"][0]
     assert row["arm"] == "flashqla_op" and row["note"] == "flash-qla is not importable" and "tokens_per_s" not in row
+
+
+def test_value_heads_option_builds_the_wider_gdn_layout_and_every_arm_computes_the_same_model(tmp_path, bench):
+    """--value-heads 4 over the tiny model's 2 key heads (the 9B layout's GVA, Hv = 2 Hk): the label says so and the
+    op patch alone computes what the torch arm does."""
+    assert bench.main(["--tiny", "--value-heads", "4", "--arms", "ours_op,torch", "--steps", "1", "--warmup", "0",
+                       "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "gdn_layer.json").read_text())
+    assert result["model"].endswith("GDN layers with 4 value heads over 2 key heads")
+    assert max(result["checks"]["ours_op"].values()) < 1e-5, result["checks"]["ours_op"]
+    assert "4 value heads over 2 key heads" in (tmp_path / "gdn_layer.md").read_text()
