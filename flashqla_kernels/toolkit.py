@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -29,6 +30,11 @@ LOG2E = 1.4426950408889634
 
 _TORCH_TO_TL = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _poison = False
+# A call of TileLang's JIT kernel goes through its Python adapter (about 7 us on a CPU: it walks the parameters to
+# place outputs, which no kernel here asks it to allocate) before the TVM FFI executable, which checks every argument
+# in C and launches. With FLASHQLA_KERNELS_DIRECT_LAUNCH=1 (read at import) calls go to the executable itself; off by
+# default until a GPU run has compared the two.
+DIRECT_LAUNCH = os.environ.get("FLASHQLA_KERNELS_DIRECT_LAUNCH") == "1"
 
 
 def tl_dtype(dtype: torch.dtype) -> str:
@@ -94,7 +100,31 @@ def _compile_cached(builder: Callable, args: tuple):
     from tvm.target import Target
 
     configs = {**pass_configs(), **getattr(builder, "pass_configs", {})}
-    return tilelang.compile(builder(*args), target=Target(TARGET), pass_configs=configs)
+    kernel = tilelang.compile(builder(*args), target=Target(TARGET), pass_configs=configs)
+    return DirectKernel(kernel) if DIRECT_LAUNCH and DirectKernel.applies(kernel) else kernel
+
+
+class DirectKernel:
+    """A compiled kernel whose calls go straight to its TVM FFI executable (``DIRECT_LAUNCH``); everything else
+    (``get_kernel_source`` and the rest) is the JIT kernel's."""
+
+    __slots__ = ("jit", "_run")
+
+    def __init__(self, jit):
+        self.jit = jit
+        self._run = jit.adapter._get_executable()
+
+    @staticmethod
+    def applies(jit) -> bool:
+        """The executable takes exactly the kernel's arguments: TVM FFI's adapter, no outputs it allocates."""
+        adapter = getattr(jit, "adapter", None)
+        return hasattr(adapter, "_get_executable") and not getattr(adapter, "result_idx", None)
+
+    def __call__(self, *args):
+        return self._run(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.jit, name)
 
 
 @contextlib.contextmanager

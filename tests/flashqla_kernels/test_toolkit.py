@@ -1,11 +1,12 @@
-"""flashqla_kernels.toolkit: kernel outputs poisoned on request, the kept arguments no kernel reads, and compiling
-many kernels (in order, once each, on worker processes)."""
+"""flashqla_kernels.toolkit: kernel outputs poisoned on request, the kept arguments no kernel reads, compiling
+many kernels (in order, once each, on worker processes), and the direct launch."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from flashqla_kernels import toolkit
+from tests.flashqla_kernels.test_hopper_bwd_build import needs_nvcc
 
 
 def test_outputs_are_nan_or_minus_one_only_inside_poisoned_outputs():
@@ -60,3 +61,27 @@ def test_compile_many_on_processes_compiles_past_failures_and_returns_each():
     failed = toolkit.compile_many([(_refusing_builder, (32,)), (_refusing_builder, (16,))], workers=2)
     assert failed == [(_refusing_builder, (16,), "ValueError: no kernel for width 16"),
                       (_refusing_builder, (32,), "ValueError: no kernel for width 32")]
+
+
+@needs_nvcc
+def test_direct_launch_calls_the_executable_the_jit_kernel_calls(monkeypatch):
+    """FLASHQLA_KERNELS_DIRECT_LAUNCH: the kernel's calls reach the same TVM FFI executable (its argument checks
+    answer the same wrong call with the same error), and the JIT kernel's other attributes stay reachable."""
+    pytest.importorskip("tilelang")
+    from flashqla_kernels.gated_delta_rule.hopper import layout
+
+    args = (256, 128, 128, "bfloat16")
+    jit = toolkit.compile_kernel(layout.build_channel_slice_to_tokens, *args)
+    monkeypatch.setattr(toolkit, "DIRECT_LAUNCH", True)
+    toolkit._compile_cached.cache_clear()
+    direct = toolkit.compile_kernel(layout.build_channel_slice_to_tokens, *args)
+    toolkit._compile_cached.cache_clear()
+    assert isinstance(direct, toolkit.DirectKernel) and direct._run is jit.adapter._get_executable()
+    assert direct.get_kernel_source() == jit.get_kernel_source()
+    wrong = (torch.zeros(2), torch.zeros(2))  # 1-D where the kernel takes [B, C, T] and [rows, F]
+    errors = []
+    for kernel in (jit, direct):
+        with pytest.raises(RuntimeError) as err:
+            kernel(*wrong)
+        errors.append(str(err.value))
+    assert errors[0] == errors[1] and "ndim" in errors[0]
