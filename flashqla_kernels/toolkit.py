@@ -8,6 +8,9 @@ across processes). Compiling needs nvcc but no GPU, so CI on a CPU machine build
 Importing this module does not import tilelang (the kernels' modules do, on their first call), so the dispatcher and
 the public ops can import it anywhere.
 
+``FLASHQLA_KERNELS_DIRECT_LAUNCH=1`` makes compiled kernels call TileLang's TVM FFI executable directly
+(``DirectKernel``), without its Python adapter.
+
 Example:
     >>> from flashqla_kernels import toolkit
     >>> kernel = toolkit.compile_kernel(build_rms_norm, 2048, toolkit.tl_dtype(torch.bfloat16), 1e-6)
