@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["TARGET", "LOG2E", "tl_dtype", "pass_configs", "compile_kernel", "compile_many", "poisoned_outputs", "empty",
-           "empty_like", "unread"]
+__all__ = ["TARGET", "LOG2E", "DIRECT_LAUNCH", "DirectKernel", "tl_dtype", "pass_configs", "compile_kernel",
+           "compile_many", "poisoned_outputs", "empty", "empty_like", "unread"]
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 LOG2E = 1.4426950408889634
