@@ -334,6 +334,9 @@ def run_suite(idx, skip=(), stages=False, on_row=None):
             vs_internal = rel_l2(outs["ours"][0], outs["internal"][0])
             del outs
             ms = {}
+            # the host's 1-minute load while this row is timed: the short rows are host-bound, and another busy
+            # process on the host slows them (a 1.8x swing once), which the report then says
+            load = os.getloadavg()[0]
             for name, fn in fns.items():
                 rep = 20 if name == "torch" else 200
                 ms[name] = triton.testing.do_bench(fn, warmup=10 if name == "torch" else 50, rep=rep,
@@ -345,7 +348,8 @@ def run_suite(idx, skip=(), stages=False, on_row=None):
                    "rel_l2_o_vs_ref": err_o, "rel_l2_state_vs_ref": err_h, "nan": nan, "rel_l2_o_vs_fla": vs_fla,
                    "rel_l2_o_vs_internal": vs_internal, "backend": why.splitlines()[0],
                    "bytes_floor_ms": bytes_floor, "flop_floor_ms": flop_floor,
-                   "anchor_fla_ms": ANCHOR_FLA_MS[i], "anchor_flashqla_ms": ANCHOR_QLA_MS[i]}
+                   "anchor_fla_ms": ANCHOR_FLA_MS[i], "anchor_flashqla_ms": ANCHOR_QLA_MS[i],
+                   "host_load": round(max(load, os.getloadavg()[0]), 2)}
             t2 = time.time()
             if stages:
                 row["stages_ms"] = stage_ms(*inputs)
@@ -412,7 +416,7 @@ def main():
             "method": "packed B=1 + cu_seqlens, triton.testing.do_bench median, torch.no_grad, the public op",
             "geomean_speedup_vs_fla": geomean([r["speedup_vs_fla"] for r in rows]),
             "geomean_ratio_vs_flashqla": geomean([r["ratio_vs_flashqla"] for r in rows]),
-            "configs_planned": len(idx), "rows": rows,
+            "configs_planned": len(idx), "rows": rows, "host_cpus": os.cpu_count(),
         }
         (out / "gdn_forward.json").write_text(json.dumps(result, indent=1))
         (out / "gdn_forward.md").write_text(markdown(result))

@@ -4,6 +4,9 @@ from __future__ import annotations
 import json
 import math
 
+# the timing process keeps about one CPU busy: a 1-minute load above this means another process shared the host
+HOST_LOAD_SHARED = 2.0
+
 
 def geomean(xs):
     xs = [x for x in xs if x]
@@ -72,6 +75,14 @@ def markdown(r):
     if len(r["rows"]) < r.get("configs_planned", len(r["rows"])):
         lines += [f"Partial run: {len(r['rows'])} of the {r['configs_planned']} planned configs finished within the "
                   "time limit.", ""]
+    loads = [x["host_load"] for x in r["rows"] if "host_load" in x]
+    if loads:
+        busy = [f"{x['Hk']}/{x['Hv']} {x['seqlen']}x{x['nseq']}" for x in r["rows"]
+                if x.get("host_load", 0) > HOST_LOAD_SHARED]
+        lines += [f"Host load (1-minute average) while timing: {min(loads):.2f}-{max(loads):.2f} on "
+                  f"{r.get('host_cpus', '?')} CPUs"
+                  + (f"; above {HOST_LOAD_SHARED} (another busy process) on {', '.join(busy)}: the short rows there "
+                     "may be host-bound by it." if busy else "."), ""]
     if r.get("note"):
         lines += [r["note"], ""]
     lines += stages_markdown(r)

@@ -157,3 +157,25 @@ def test_forward_report_lists_each_librarys_kernels_under_the_stages():
     assert "internal" in text
     assert "- 16/32 8192x4 ours (0.657): gdn_chunk_fwd_kernel 0.488, gdn_kkt_solve_kernel 0.169" in text
     assert "- 16/32 8192x4 flashqla (0.631): tilelang_fused_chunk_gdr_fwd_kernel_kernel 0.405" in text
+
+
+def test_forward_report_says_when_another_process_loaded_the_host():
+    """Each row records the host's load while it was timed; the report gives the range and names the rows timed on
+    a shared host (the short rows are host-bound there)."""
+    _gdn_forward()
+    from gdn_forward_report import HOST_LOAD_SHARED, markdown
+
+    def row(Hk, Hv, seqlen, load):
+        return {"Hk": Hk, "Hv": Hv, "seqlen": seqlen, "nseq": 1, "ms": {"ours": 0.2, "flashqla": 0.3},
+                "speedup_vs_fla": None, "ratio_vs_flashqla": 1.5, "anchor_fla_ms": 0.5, "anchor_flashqla_ms": 0.3,
+                "bytes_floor_ms": 0.05, "flop_floor_ms": 0.06, "rel_l2_o_vs_ref": 2e-3, "rel_l2_state_vs_ref": 2e-3,
+                "rel_l2_o_vs_fla": None, "host_load": load}
+
+    result = {"gpu": "H100", "date": "d", "commit": "c", "versions": {}, "bf16_matmul_tflops": 778.0,
+              "copy_tbps": 3.0, "method": "m", "geomean_speedup_vs_fla": None, "geomean_ratio_vs_flashqla": 1.5,
+              "host_cpus": 16, "rows": [row(16, 32, 8192, 1.0), row(16, 16, 2048, HOST_LOAD_SHARED + 1.5)]}
+    text = markdown(result)
+    assert "Host load (1-minute average) while timing: 1.00-3.50 on 16 CPUs" in text
+    assert "on 16/16 2048x1: the short rows there may be host-bound by it." in text
+    result["rows"][1]["host_load"] = 1.2
+    assert "1.00-1.20 on 16 CPUs." in markdown(result) and "host-bound by it" not in markdown(result)
