@@ -131,7 +131,7 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     g3, b3 = g[0].detach().float().contiguous(), beta[0].detach().float().contiguous()
     h0, scale = h0.detach(), Kd ** -0.5
     cu_host = checks.host_offsets(cu)
-    seq_chunks = [-(-(e - s) // fwd.CHUNK) for s, e in zip(cu_host, cu_host[1:])]
+    seq_chunks = plan.chunk_counts(cu_host)
     sms = plan.num_sms(q.device)
     # the launcher's plans: the dh walk's split, and the forward's plan the states are recomputed over
     L = plan.choose_bwd_segment_chunks(seq_chunks, Hv, Vd // bwd_dh.block_v(Kd, Vd), sms)

@@ -269,7 +269,7 @@ def stage_ms(q, k, v, g, beta, h0, cu, bench=None):
     q3, k3, v3 = q.reshape(Tn, Hk, Kd), k.reshape(Tn, Hk, Kd), v.reshape(Tn, Hv, Vd)
     g3, b3 = g.reshape(Tn, Hv).float().contiguous(), beta.reshape(Tn, Hv).float().contiguous()
     offsets = checks.host_offsets(cu)
-    seq_chunks = [-(-(e - s) // CHUNK) for s, e in zip(offsets, offsets[1:])]
+    seq_chunks = plan.chunk_counts(offsets)
     bdv = plan.block_dv(seq_chunks, Hv, Kd, Vd, plan.num_sms(q.device))
     pl = plan.make_plan(offsets, Hv, Vd // bdv, True, q.device)
     bench = bench or (lambda fn: triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median"))

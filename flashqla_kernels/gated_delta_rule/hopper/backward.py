@@ -106,7 +106,7 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
     B, Tn, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     cu = list(range(0, B * Tn + 1, Tn)) if cu_seqlens is None else checks.host_offsets(cu_seqlens)
-    seq_chunks = [-(-(e - s) // plan.CHUNK) for s, e in zip(cu, cu[1:])]
+    seq_chunks = plan.chunk_counts(tuple(cu))
     sms = plan.num_sms(q.device) if q.is_cuda else 0
     L = segment_chunks
     if L is None:

@@ -170,9 +170,7 @@ def forward_plan(cu: tuple[int, ...], Hv: int, K: int, V: int, has_init: bool, d
     bdv = block_dv(seq_chunks, Hv, K, V, num_sms(device), segment_chunks)
     if block_v and K <= 128:
         bdv = min(V, block_v)
-    if segment_chunks is None:
-        segment_chunks = choose_segment_chunks(seq_chunks, Hv, V // bdv, num_sms(device))
-    return bdv, _device_plan(cu, segment_chunks, has_init, device), sum(seq_chunks)
+    return bdv, make_plan(cu, Hv, V // bdv, has_init, device, segment_chunks), sum(seq_chunks)
 
 
 @functools.lru_cache(maxsize=64)
