@@ -66,14 +66,15 @@ def arms(q, k, v, g, beta, h0, cu) -> dict:
 AB_ARMS = {
     "ours_per_value_head": ("bwd_dqkwg", "KERNEL", "blocked"),
     "ours_recomputed_states": ("custom_op", "SAVE_STATES", False),
+    "ours_walk": ("backward", "WALK", True),
 }
 
 
 def ab_module(name: str):
     """The module an ``AB_ARMS`` entry names."""
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, custom_op
+    from flashqla_kernels.gated_delta_rule.hopper import backward, bwd_dqkwg, custom_op
 
-    return {"bwd_dqkwg": bwd_dqkwg, "custom_op": custom_op}[name]
+    return {"backward": backward, "bwd_dqkwg": bwd_dqkwg, "custom_op": custom_op}[name]
 
 
 # --stages: the segment lengths (chunks) the sequential stages are also timed at (0: whole sequences)
@@ -195,7 +196,7 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     }
 
 
-def run_row(cfg, stages=False, ab=False) -> dict:
+def run_row(cfg, stages=False, ab=()) -> dict:
     import triton.testing
 
     Hk, Hv, seqlen, nseq = cfg
@@ -209,8 +210,11 @@ def run_row(cfg, stages=False, ab=False) -> dict:
     grads = {}
     runs = arms(q, k, v, g, beta, h0, cu)
     if ab:
+        unknown = set(ab) - set(AB_ARMS)
+        if unknown:
+            raise SystemExit(f"gdn_backward: --ab names {sorted(unknown)}; the arms are {sorted(AB_ARMS)}")
         runs.update({name: runs["ours"] for name, (module, attr, value) in AB_ARMS.items()
-                     if getattr(ab_module(module), attr) != value})
+                     if name in ab and getattr(ab_module(module), attr) != value})
     for name, fn in runs.items():
         try:
             step = fwd_bwd(fn, do, dht, AB_ARMS.get(name))
@@ -307,8 +311,9 @@ def main(argv=None) -> None:
     parser.add_argument("--configs", default="", help="suite indices, e.g. 0,7 (default: all ten)")
     parser.add_argument("--budget-s", type=float, default=500.0, help="stop starting rows after this many seconds")
     parser.add_argument("--no-qla-fix", action="store_true", help="leave tilelang's buffer-init check as it is")
-    parser.add_argument("--ab", action="store_true",
-                        help="also time the public op with each of AB_ARMS' backward defaults changed")
+    parser.add_argument("--ab", nargs="?", const=",".join(AB_ARMS), default="",
+                        help="also time the public op with AB_ARMS' backward defaults changed (all, or the listed "
+                             "arms: --ab ours_walk)")
     parser.add_argument("--precompile-only", action="store_true", help="build the rows' backward kernels and stop")
     parser.add_argument("--jobs", type=int, default=1, help="processes compiling kernels (--precompile-only)")
     parser.add_argument("--stages", action="store_true", help="also time the backward's stages alone (internal)")
@@ -329,7 +334,7 @@ def main(argv=None) -> None:
         if time.perf_counter() - began > args.budget_s:
             print(f"past the {args.budget_s:.0f} s budget: {cfg} and later rows not run")
             break
-        result["rows"].append(run_row(cfg, args.stages, args.ab))
+        result["rows"].append(run_row(cfg, args.stages, [a for a in args.ab.split(",") if a]))
         print(result["rows"][-1], flush=True)
         write(args.out, result)
     print((args.out / "gdn_backward.md").read_text())

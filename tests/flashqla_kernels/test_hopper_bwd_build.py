@@ -70,7 +70,7 @@ def _check(builder, args):
     assert not re.search(r"threadIdx\.x\) == \d+\) \{\s*if \(tl::tl_shuffle_elect", src), f"{builder.__name__}{args}"
     name = builder.__name__
     if name in ("build_chunk_states", "build_bwd_dh", "build_bwd_dqkwg", "build_bwd_dqkwg_group", "build_bwd_wy",
-                "build_bwd_wy_group"):
+                "build_bwd_wy_group", "build_bwd_walk"):
         assert "wgmma" in src, f"{name}{args}: its GEMMs should run on warpgroup MMA"
     if name == "build_bwd_dqkwg_group":
         # its warpgroups hand off through mbarriers only: a planner-inserted bar.sync shared one named-barrier id
@@ -153,7 +153,41 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
     # inputs: only those may go unasked
     assert {b.__name__ for b, _ in want - set(asked)} <= {
         "build_chunk_states", "build_segment_states", "build_chunk_fwd", "build_bwd_dqkwg", "build_bwd_dqkwg_group",
-        "build_bwd_wy", "build_bwd_wy_group", "build_gva_bwd", "build_channels_first_to_tokens"}
+        "build_bwd_wy", "build_bwd_wy_group", "build_gva_bwd", "build_channels_first_to_tokens", "build_bwd_walk"}
+
+
+@pytest.mark.parametrize("layout", [QWEN[0], (2, 4, 64, 64, "float16", True, False, False),
+                                    (2, 4, 96, 40, "bfloat16", True, True, False)])
+def test_fused_walk_launcher_compiles_only_listed_specialisations(layout, monkeypatch):
+    """With ``backward.WALK`` on, the launcher runs the walk (whole sequences and segments), asks only for
+    ``kernel_specs``' kernels, and never for the dqkwg and WY stages it replaces."""
+    pytest.importorskip("tilelang")
+    from flashqla_kernels import toolkit
+
+    asked = []
+    monkeypatch.setattr(toolkit, "compile_kernel", lambda builder, *args: asked.append((builder, args)) or (
+        lambda *tensors: None))
+    monkeypatch.setattr(backward, "WALK", True)
+    Hk, Hv, K, V, dtype, l2, has_h0, has_dht = layout
+    q, k, v, g, beta, do, N, cu = _cpu_inputs(Hk, Hv, K, V, dtype, [1, 70, 130], pad=5)
+    h0 = torch.randn(N, Hv, K, V) if has_h0 else None
+    dht = torch.randn(N, Hv, K, V) if has_dht else None
+    Kp, Vp = (backward.forward.padded_head_dim(d) for d in (K, V))
+    for segment_chunks in (None, 1):
+        dq, dk, dv, dg, dbeta, dh0 = backward.chunk_gated_delta_rule_bwd(
+            q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2,
+            segment_chunks=segment_chunks)
+        assert dq.shape == q.shape and dv.shape == v.shape and (dh0 is None) == (h0 is None)
+        if dh0 is not None:
+            assert dh0.shape == (N, Hv, K, V)
+        for x in (dq, dk, dv, dg, dbeta):
+            assert not x[:, -5:].any(), "the padded tail's gradients must be exactly 0"
+    want = {(b, a) for b, a in backward.kernel_specs(Hk, Hv, Kp, Vp, dtype, l2, has_h0, has_dht, scale=K ** -0.5)}
+    names = {b.__name__ for b, _ in asked}
+    assert set(asked) <= want and "build_bwd_walk" in names
+    assert not names & {"build_bwd_dqkwg", "build_bwd_dqkwg_group", "build_bwd_wy", "build_bwd_wy_group"}
+    walks = {a for b, a in asked if b.__name__ == "build_bwd_walk"}
+    assert {a[6] for a in walks} == ({has_dht, True}) and {a[7] for a in walks} == {has_h0}
 
 
 def test_gpu_test_cases_are_all_precompiled():

@@ -192,6 +192,29 @@ def test_grouped_and_per_value_head_paths_give_the_reference_gradients(name, seg
     _check_variant(name, case, run, "group", "blocked", "grouped vs per-value-head path")
 
 
+WALK_CASES = [(n, None) for n in sorted(CASES) if CASES[n][2] <= 128 and CASES[n][3] <= 128] + [
+    ("qwen_layout_l2norm_varlen", 2), ("ragged_gva2_l2norm_padded_tail", 1), ("gva1_fp16_l2norm_no_h0", 1)]
+
+
+@pytest.mark.parametrize("name,segment_chunks", WALK_CASES)
+def test_fused_walk_gives_the_reference_gradients(name, segment_chunks, monkeypatch):
+    """The fused walk (``backward.WALK``: dh, dqkwg and WY in one walk per (walk, value head)) on the states the
+    forward saved, against the staged kernels on the same states and the float64 reference: FLA's tolerances, every
+    element written, two runs bit-identical; whole sequences and split into segments."""
+    case = q, k, v, g, beta, do, dht, h0, cu, l2 = _case(name)
+    states = forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,
+                                                segment_chunks=segment_chunks, save_states=True)[2:]
+
+    def run(walk):
+        monkeypatch.setattr(backward, "WALK", walk)
+        return backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
+                                                   use_qk_l2norm_in_kernel=l2, segment_chunks=segment_chunks,
+                                                   states=states)
+
+    _check_variant(name, case, run, True, False, "fused walk vs staged")
+
+
 class _Stages:
     """The float64 stage references of one case, and the kernel-side tables and tensors of its inputs."""
 

@@ -3,6 +3,10 @@ the backward stages (``chunk_bwd``'s docstring has the math of each):
 
     [l2norm fwd] -> kkt_solve -> states -> dh -> dqkwg -> wy (+ dg) -> gva [+ l2norm bwd]
 
+or, with ``WALK`` on and K, V <= 128, the dh, dqkwg and WY stages as one fused walk (``bwd_walk``):
+
+    [l2norm fwd] -> kkt_solve -> states -> walk (dq, dk per value head, dv, dbeta, dg, dh0) -> gva [+ l2norm bwd]
+
 Saved versus recomputed: the backward takes the forward's inputs (q, k, v, g, beta, h0) and recomputes gamma,
 X = Ag (the forward's ``kkt_solve``) and the normalised q / k. The per-chunk states h and v_new come from the
 forward when it saved them (``states``: the forward's ``save_states``, which the custom op asks for under grad;
@@ -18,6 +22,10 @@ from __future__ import annotations
 import torch
 
 from flashqla_kernels.gated_delta_rule.hopper import forward, plan
+
+# The fused walk (``bwd_walk``: every gradient in one walk per (walk, value head), nothing but the saved states read
+# back) for K, V <= 128, instead of the dh, dqkwg and WY stages. Off until it has passed the GPU suite.
+WALK = False
 
 # (Hk, Hv, K, V, dtype, use_qk_l2norm_in_kernel, has initial_state, has dht) of every case of the GPU test, all with
 # the default scale K^-0.5
@@ -101,16 +109,20 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
 def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm, segment_chunks=None, states=None):
     # inputs checked, T > 0, head dims the kernels take
     from flashqla_kernels.gated_delta_rule import checks
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, kkt_solve, layout
+    from flashqla_kernels.gated_delta_rule.hopper import (
+        bwd_dh, bwd_dqkwg, bwd_walk, bwd_wy, chunk_bwd, kkt_solve, layout,
+    )
 
     B, Tn, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     cu = list(range(0, B * Tn + 1, Tn)) if cu_seqlens is None else checks.host_offsets(cu_seqlens)
     seq_chunks = plan.chunk_counts(tuple(cu))
     sms = plan.num_sms(q.device) if q.is_cuda else 0
+    walk = WALK and bwd_walk.supported(K, V)
     L = segment_chunks
     if L is None:
-        L = plan.choose_bwd_segment_chunks(seq_chunks, Hv, V // bwd_dh.block_v(K, V), sms)
+        # the fused walk owns all of V; the dh walk a V slice
+        L = plan.choose_bwd_segment_chunks(seq_chunks, Hv, 1 if walk else V // bwd_dh.block_v(K, V), sms)
     pl = plan.make_bwd_plan(tuple(cu), L, q.device)
     # the states are recomputed over the forward's own plan: its V slice and split rule (a forced segment_chunks
     # splits it the same way)
@@ -133,6 +145,20 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
         # backward at the end
         (qn, rq), (kn, rk) = chunk_bwd.l2norm_fwd(q3, chunks), chunk_bwd.l2norm_fwd(k3, chunks)
     gamma, ag, _ = kkt_solve.kkt_solve(kn, g3, b3, chunks, Hv)
+    if walk:
+        NC = chunks.shape[0]
+        if states is not None:
+            h, v_new = states[0][:NC], states[1]
+        else:
+            h, v_new = recompute_states(kn, v3, ag, gamma, b3, h0, NC, fpl, bdv)
+        d_end = dht if not pl.segment_chunks else segment_end_grads(qn, kn, v3, do3, ag, gamma, b3, dht, pl, scale)
+        dq_v, dk_v, dv, dbeta, dg, dh0 = bwd_walk.bwd_walk(qn, kn, v3, do3, v_new, h, ag, gamma, b3, d_end, pl.walks,
+                                                           scale=scale, store_dh0=h0 is not None)
+        if dh0 is not None and pl.segment_chunks:
+            dh0 = dh0.index_select(0, pl.first)
+        dq = chunk_bwd.gva_bwd(dq_v, None, chunks, Hk, q.dtype, *((q3, rq) if l2norm else ()))
+        dk = chunk_bwd.gva_bwd(dk_v, None, chunks, Hk, k.dtype, *((k3, rk) if l2norm else ()))
+        return _finish(dq, dk, dv, dg, dbeta, dh0, cu, B, Tn, Hk, Hv, K, V, g, beta)
     h, v_new, dh, du, dh0 = sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, bdv, states)
     if bwd_dqkwg.grouped(K, V):
         # per key head: dq finished by dqkwg, dk by WY (both summed over the value heads on chip, no GVA pass)
@@ -149,6 +175,10 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
         dk_wy, dv, dbeta, _, dg = bwd_wy.bwd_wy(kn, v3, b3, gamma, ag, dw, du, dgp, chunks)
         dq = chunk_bwd.gva_bwd(dq_v, None, chunks, Hk, q.dtype, *((q3, rq) if l2norm else ()))
         dk = chunk_bwd.gva_bwd(dk_v, dk_wy, chunks, Hk, k.dtype, *((k3, rk) if l2norm else ()))
+    return _finish(dq, dk, dv, dg, dbeta, dh0, cu, B, Tn, Hk, Hv, K, V, g, beta)
+
+
+def _finish(dq, dk, dv, dg, dbeta, dh0, cu, B, Tn, Hk, Hv, K, V, g, beta):
     if cu[-1] < B * Tn:
         # a padded tail is in no chunk: no kernel wrote it
         for x in (dq, dk, dv, dg, dbeta):
@@ -162,9 +192,9 @@ def sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, b
     None). h and v_new are the forward's ``states`` or, without them, recomputed on the forward's step over the
     forward's plan ``fpl`` with V slices ``bdv`` (``recompute_states``); the dh walk runs per sequence or
     (``pl.segment_chunks``) per segment of ``pl``."""
-    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, segment_states, state_scan
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh
 
-    NC, S = pl.chunks.shape[0], pl.walks.shape[0]
+    NC = pl.chunks.shape[0]
     if states is not None:
         # the forward's h has a row for every chunk its shape-only bound allows; the stages take exactly NC
         h, v_new = states[0][:NC], states[1]
@@ -174,16 +204,24 @@ def sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, b
         dh, du, dh0 = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, dht, pl.walks, NC, scale=scale,
                                     store_dh0=h0 is not None)
         return h, v_new, dh, du, dh0
-    K, V = kn.shape[2], v3.shape[2]
-    # the maps M of the segments carry the state gradient back across them
-    _, ms, mstart = segment_states.segment_states(kn, v3, ag, gamma, b3, pl.maps, bDV=bwd_dh.block_v(K, V),
-                                                  maps_only=True)
-    _, _, c = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, None, pl.rest, NC, scale=scale, store_dh0=True,
-                            store_grads=False)
-    d_end = state_scan.state_scan_bwd(dht, c, ms, mstart, pl.rscan, S)
+    d_end = segment_end_grads(qn, kn, v3, do3, ag, gamma, b3, dht, pl, scale)
     dh, du, d_start = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, d_end, pl.walks, NC, scale=scale,
                                     store_dh0=h0 is not None)
     return h, v_new, dh, du, (None if h0 is None else d_start.index_select(0, pl.first))
+
+
+def segment_end_grads(qn, kn, v3, do3, ag, gamma, b3, dht, pl, scale):
+    """The gradient of the state at the end of every segment of ``pl`` [W, Hv, K, V] fp32, exact: the maps M of the
+    segments (``segment_states``), each segment's own start gradient c walked from zero (``bwd_dh`` without its
+    outputs), and ``state_scan_bwd`` carrying dS_end[i - 1] = M_i^T dS_end[i] + c_i back from ``dht``."""
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dh, segment_states, state_scan
+
+    K, V = kn.shape[2], v3.shape[2]
+    _, ms, mstart = segment_states.segment_states(kn, v3, ag, gamma, b3, pl.maps, bDV=bwd_dh.block_v(K, V),
+                                                  maps_only=True)
+    _, _, c = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, None, pl.rest, pl.chunks.shape[0], scale=scale, store_dh0=True,
+                            store_grads=False)
+    return state_scan.state_scan_bwd(dht, c, ms, mstart, pl.rscan, pl.walks.shape[0])
 
 
 def recompute_states(kn, v3, ag, gamma, b3, h0, num_chunks, fpl, bdv):
@@ -209,7 +247,7 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
     chunk kernel), and both of ``bwd_dqkwg.KERNELS``' paths
     (per value head: dqkwg, WY, the GVA pass; per key head: the grouped dqkwg and WY, K, V <= 128)."""
     from flashqla_kernels.gated_delta_rule.hopper import (
-        bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, chunk_fwd, kkt_solve, layout, segment_states, state_scan,
+        bwd_dh, bwd_dqkwg, bwd_walk, bwd_wy, chunk_bwd, chunk_fwd, kkt_solve, layout, segment_states, state_scan,
     )
 
     scale = K ** -0.5 if scale is None else float(scale)
@@ -231,6 +269,9 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
             (bwd_dqkwg.build_bwd_dqkwg_group, (Hk, Hv, K, V, dtype, scale, l2norm)),
             (bwd_wy.build_bwd_wy_group, (Hk, Hv, K, V, dtype, l2norm)),
         ]
+    if bwd_walk.supported(K, V):
+        # the fused walk from dht (or zeros), and from the segments' end gradients
+        specs += [(bwd_walk.build_bwd_walk, (Hk, Hv, K, V, dtype, scale, d, has_h0)) for d in sorted({has_dht, True})]
     specs += [
         # context parallelism of the dh walk: the maps, the reverse scan, the two passes
         (segment_states.build_segment_states, (Hk, Hv, K, V, bDV, dtype, False, True)),

@@ -1,0 +1,313 @@
+"""Backward stage: the whole chunk backward in one walk per (sequence or segment, value head), with all of V
+(``reference_bwd.chunk_bwd_step_ref`` is its step in float64).
+
+The staged path writes dh, dv_new and dw to memory and reads them back (about 8.6 GB at 16/32 8192x4, more than the
+op's whole fwd + bwd time at 4.2 TB/s). Here one CTA carries dS' [K, V] in fp32 registers back over a walk's
+chunks and, per chunk, forms every gradient on chip from the chunk's q, k, v, dO, X and gates, the state entering it
+(S = the forward's saved h) and the forward's saved v_new; only dq and dk per value head, dv, dbeta, dg and dh0 leave.
+Per chunk, last to first (``chunk_bwd``'s notation; C = 64 rows, rows past a ragged end are zero):
+
+    the chain       dv_new = diag(r) K dS' + Pt dO,   Pt = scale (K Q^T) * Gamma^T (upper triangle)
+                    dS     = e_C dS' + Q^T Doe + K^T Y,   Doe = scale diag(e) dO,   Y = -diag(e) X^T dv_new
+    dq, dk          dP = scale (dO v_new^T) * Gamma (lower),  dq = scale diag(e) dO S^T + dP K,
+                    dk = diag(r) v_new dS'^T + dP^T Q,  dw = -dv_new S^T
+    gates           dgamma_i = dq_i.q_i - dk_i.k_i, the last token adding e_C <S, dS'> + sum_j (diag(r) v_new dS'^T)_j.k_j
+    WY              bwd_wy's math on dw and du = dv_new (``bwd_wy.through_inverse``): dk += diag(beta e) A^T dw +
+                    dKK K + dKK^T K, dv = diag(beta) A^T du, dbeta, dgamma; then dg = the reverse cumsum of dgamma
+
+Every product runs on the input dtype with fp32 accumulation, as in the staged kernels; the carried dS' never leaves
+fp32. Grid (Hv, walks), 256 threads, one step after another (TileLang places the syncs). dq and dk leave per value
+head in fp32 for ``chunk_bwd.gva_bwd`` (the key head's sum in head order and the l2norm backward).
+"""
+import tilelang.language as T
+import torch
+
+from flashqla_kernels import toolkit
+from flashqla_kernels.gated_delta_rule.hopper.bwd_wy import ROW_BATCH, through_inverse
+from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import C, LOG2E, load_rows, store_rows
+
+THREADS = 256
+
+
+def supported(K: int, V: int) -> bool:
+    """The walk holds dS' [K, V] in fp32 registers and the chunk's tiles whole in shared memory: K, V <= 128."""
+    return K <= 128 and V <= 128
+
+
+def build_bwd_walk(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: float, has_dht: bool, store_dh0: bool):
+    """The walk kernel: grid (Hv, walks), 256 threads; ``has_dht``: start from ``dht`` (else zeros); ``store_dh0``:
+    write the gradient of each walk's start state."""
+    if not supported(K, V):
+        raise ValueError(f"the fused backward walk holds K and V whole: K, V <= 128, got {K}, {V}")
+    group = Hv // Hk
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+    num_walks = T.dynamic("num_walks")
+    num_dht = T.dynamic("num_dht")
+    num_dh0 = T.dynamic("num_dh0")
+
+    @T.prim_func
+    def gdn_bwd_walk(
+        q: T.Tensor((num_tokens, Hk, K), dtype),
+        k: T.Tensor((num_tokens, Hk, K), dtype),
+        v: T.Tensor((num_tokens, Hv, V), dtype),
+        do: T.Tensor((num_tokens, Hv, V), dtype),
+        v_new: T.Tensor((num_tokens, Hv, V), dtype),
+        h: T.Tensor((num_chunks, Hv, K, V), dtype),
+        ag: T.Tensor((num_tokens, Hv, C), "float16"),
+        gamma: T.Tensor((num_tokens, Hv), "float32"),
+        beta: T.Tensor((num_tokens, Hv), "float32"),
+        dht: T.Tensor((num_dht, Hv, K, V), "float32"),
+        walks: T.Tensor((num_walks, 3), "int32"),
+        dq: T.Tensor((num_tokens, Hv, K), "float32"),
+        dk: T.Tensor((num_tokens, Hv, K), "float32"),
+        dv: T.Tensor((num_tokens, Hv, V), dtype),
+        dbeta: T.Tensor((num_tokens, Hv), "float32"),
+        dg: T.Tensor((num_tokens, Hv), "float32"),
+        dh0: T.Tensor((num_dh0, Hv, K, V), "float32"),
+    ):
+        with T.Kernel(Hv, num_walks, threads=THREADS) as (bh, bn):
+            hk = bh // group
+            bos = T.alloc_var("int32")
+            eos = T.alloc_var("int32")
+            c0 = T.alloc_var("int32")
+            n_it = T.alloc_var("int32")
+            cs = T.alloc_var("int32")
+            n = T.alloc_var("int32")
+            bos = walks[bn, 0]
+            eos = walks[bn, 1]
+            c0 = walks[bn, 2]
+            n_it = T.ceildiv(eos - bos, C)
+            tx = T.get_thread_binding()
+
+            # the chunk's inputs
+            q_sh = T.alloc_shared((C, K), dtype)
+            k_sh = T.alloc_shared((C, K), dtype)
+            v_sh = T.alloc_shared((C, V), dtype)
+            do_sh = T.alloc_shared((C, V), dtype)
+            vn_sh = T.alloc_shared((C, V), dtype)
+            s_sh = T.alloc_shared((K, V), dtype)
+            x_sh = T.alloc_shared((C, C), "float16")
+            # formed on chip: dS' in the input dtype, X in it, dv_new, one [C, C] tile for Pt, then dP, then the WY
+            # stage's scratch, and the WY stage's A and KKg (Doe and Y take dO's tile, dw q's, once they are read)
+            ds_sh = T.alloc_shared((K, V), dtype)
+            xb_sh = T.alloc_shared((C, C), dtype)
+            dvn_sh = T.alloc_shared((C, V), dtype)
+            t_sh = T.alloc_shared((C, C), dtype)
+            a_sh = T.alloc_shared((C, C), dtype)
+            kkg_sh = T.alloc_shared((C, C), "float16")
+            g_sh = T.alloc_shared((C,), "float32")
+            eg_sh = T.alloc_shared((C,), "float32")
+            er_sh = T.alloc_shared((C,), "float32")
+            b_sh = T.alloc_shared((C,), "float32")
+            dgq_sh = T.alloc_shared((C,), "float32")
+            st_sh = T.alloc_shared((C,), "float32")
+            tr_sh = T.alloc_shared((K,), "float32")
+            rowf_sh = T.alloc_shared((C,), "float32")
+            cole_sh = T.alloc_shared((C,), "float32")
+            db_out = T.alloc_shared((C,), "float32")
+
+            ds_f = T.alloc_fragment((K, V), "float32")
+            sd_f = T.alloc_fragment((K, V), "float32")
+            red_k = T.alloc_fragment((K,), "float32")
+            cv_f = T.alloc_fragment((C, V), "float32")
+            ck_f = T.alloc_fragment((C, K), "float32")
+            dk_f = T.alloc_fragment((C, K), "float32")
+            cc_f = T.alloc_fragment((C, C), "float32")
+            kk_f = T.alloc_fragment((C, C), "float32")
+            da_f = T.alloc_fragment((C, C), "float32")
+            a_f = T.alloc_fragment((C, C), "float32")
+            red = T.alloc_fragment((C,), "float32")
+            red_v = T.alloc_fragment((C,), "float32")
+            red_cc = T.alloc_fragment((C,), "float32")
+            red_col = T.alloc_fragment((C,), "float32")
+            tot = T.alloc_local((1,), "float32")
+
+            if has_dht:
+                T.copy(dht[bn, bh, :, :], ds_f)
+            else:
+                T.clear(ds_f)
+            for it in T.serial(n_it):
+                cs = bos + (n_it - 1 - it) * C
+                n = T.min(eos - cs, C)
+                if n == C:
+                    T.copy(q[cs:cs + C, hk, :], q_sh)
+                    T.copy(k[cs:cs + C, hk, :], k_sh)
+                    T.copy(v[cs:cs + C, bh, :], v_sh)
+                    T.copy(do[cs:cs + C, bh, :], do_sh)
+                    T.copy(v_new[cs:cs + C, bh, :], vn_sh)
+                    T.copy(ag[cs:cs + C, bh, :], x_sh)
+                else:
+                    load_rows(q, q_sh, cs, n, hk, 0, K)
+                    load_rows(k, k_sh, cs, n, hk, 0, K)
+                    load_rows(v, v_sh, cs, n, bh, 0, V)
+                    load_rows(do, do_sh, cs, n, bh, 0, V)
+                    load_rows(v_new, vn_sh, cs, n, bh, 0, V)
+                    load_rows(ag, x_sh, cs, n, bh, 0, C)
+                T.copy(h[c0 + n_it - 1 - it, bh, :, :], s_sh)
+                # padded rows repeat the last valid gamma (every padded gate <= 1; their terms meet zero rows)
+                for i in T.Parallel(C):
+                    g_sh[i] = gamma[cs + T.min(i, n - 1), bh]
+                    eg_sh[i] = T.exp2(gamma[cs + T.min(i, n - 1), bh] * LOG2E)
+                    er_sh[i] = T.exp2((gamma[cs + n - 1, bh] - gamma[cs + T.min(i, n - 1), bh]) * LOG2E)
+                    b_sh[i] = T.if_then_else(i < n, beta[cs + T.min(i, n - 1), bh], 0.0)
+                T.copy(ds_f, ds_sh)
+                for i, j in T.Parallel(C, C):
+                    xb_sh[i, j] = x_sh[i, j]
+
+                # <S, dS'> from the fp32 dS' in registers: the rows' sums, added below in a fixed order
+                for i, j in T.Parallel(K, V):
+                    sd_f[i, j] = ds_f[i, j] * s_sh[i, j]
+                T.reduce_sum(sd_f, red_k, dim=1)
+                for i in T.Parallel(K):
+                    tr_sh[i] = red_k[i]
+
+                # Pt = scale (K Q^T) * Gamma^T on j >= i
+                T.gemm(k_sh, q_sh, cc_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    t_sh[i, j] = T.if_then_else(
+                        j >= i, cc_f[i, j] * T.exp2((g_sh[j] - g_sh[i]) * LOG2E) * scale, 0.0)
+                # dv_new = diag(r) K dS' + Pt dO
+                T.gemm(k_sh, ds_sh, cv_f, clear_accum=True)
+                for i, j in T.Parallel(C, V):
+                    cv_f[i, j] = cv_f[i, j] * er_sh[i]
+                T.gemm(t_sh, do_sh, cv_f)
+                T.copy(cv_f, dvn_sh)
+                # dP = scale (dO v_new^T) * Gamma on j <= i
+                T.gemm(do_sh, vn_sh, cc_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    t_sh[i, j] = T.if_then_else(
+                        j <= i, cc_f[i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E) * scale, 0.0)
+                # dk = diag(r) v_new dS'^T + dP^T Q; the state part's k-dots go to the last token
+                T.gemm(vn_sh, ds_sh, dk_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, K):
+                    dk_f[i, j] = dk_f[i, j] * er_sh[i]
+                for i, j in T.Parallel(C, K):
+                    ck_f[i, j] = dk_f[i, j] * k_sh[i, j]
+                T.reduce_sum(ck_f, red, dim=1, batch=ROW_BATCH)
+                for i in T.Parallel(C):
+                    st_sh[i] = red[i]
+                T.gemm(t_sh, q_sh, dk_f, transpose_A=True)
+                # dq = scale diag(e) dO S^T + dP K
+                T.gemm(do_sh, s_sh, ck_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, K):
+                    ck_f[i, j] = ck_f[i, j] * eg_sh[i] * scale
+                T.gemm(t_sh, k_sh, ck_f)
+                store_rows(ck_f, dq, cs, n, bh, 0, K)
+                # dgamma_i = dq_i.q_i - dk_i.k_i, the last token adding e_C <S, dS'> + the state part's k-dots (every
+                # thread sums them in the same fixed order; rows past a ragged end are 0)
+                for i, j in T.Parallel(C, K):
+                    ck_f[i, j] = ck_f[i, j] * q_sh[i, j] - dk_f[i, j] * k_sh[i, j]
+                T.reduce_sum(ck_f, red, dim=1, batch=ROW_BATCH)
+                tot[0] = 0.0
+                for i in T.serial(C):
+                    tot[0] += st_sh[i]
+                for i in T.serial(K):
+                    tot[0] += eg_sh[C - 1] * tr_sh[i]
+                for i in T.Parallel(C):
+                    dgq_sh[i] = red[i] + T.if_then_else(i == n - 1, tot[0], 0.0)
+
+                # dS = e_C dS' + Q^T Doe + K^T Y, Doe = scale diag(e) dO and then Y = -diag(e) X^T dv_new in dO's
+                # tile (dO has no reader left in this chunk)
+                for i, j in T.Parallel(C, V):
+                    do_sh[i, j] = do_sh[i, j] * eg_sh[i] * scale
+                for i, j in T.Parallel(K, V):
+                    ds_f[i, j] = ds_f[i, j] * eg_sh[C - 1]
+                T.gemm(q_sh, do_sh, ds_f, transpose_A=True)
+                T.gemm(xb_sh, dvn_sh, cv_f, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(C, V):
+                    do_sh[i, j] = -eg_sh[i] * cv_f[i, j]
+                T.gemm(k_sh, do_sh, ds_f, transpose_A=True)
+
+                # dw = -dv_new S^T, into q's tile (q has no reader left in this chunk)
+                T.gemm(dvn_sh, s_sh, ck_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, K):
+                    q_sh[i, j] = -ck_f[i, j]
+                # WY: dA = dw (diag(beta e) K)^T + du (diag(beta) V)^T on the chunk's rows and columns
+                T.gemm(k_sh, k_sh, kk_f, transpose_B=True, clear_accum=True)
+                T.gemm(q_sh, k_sh, da_f, transpose_B=True, clear_accum=True)
+                T.gemm(dvn_sh, v_sh, cc_f, transpose_B=True, clear_accum=True)
+                for i, j in T.Parallel(C, C):
+                    da_f[i, j] = T.if_then_else(i < n, T.if_then_else(
+                        j < n, (da_f[i, j] * eg_sh[j] + cc_f[i, j]) * b_sh[j], 0.0), 0.0)
+                through_inverse(x_sh, kkg_sh, a_sh, t_sh, kk_f, da_f, a_f, g_sh, b_sh, rowf_sh, cole_sh, red_cc,
+                                red_col, n)
+                # dKK = diag(beta) dM * Gamma
+                for i, j in T.Parallel(C, C):
+                    t_sh[i, j] = T.if_then_else(j < i, da_f[i, j] * b_sh[i] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
+                # A^T dw: dk += diag(beta e) A^T dw, and its k-dots
+                T.gemm(a_sh, q_sh, ck_f, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(C, K):
+                    dk_f[i, j] = dk_f[i, j] + ck_f[i, j] * b_sh[i] * eg_sh[i]
+                for i, j in T.Parallel(C, K):
+                    ck_f[i, j] = ck_f[i, j] * k_sh[i, j]
+                T.reduce_sum(ck_f, red, dim=1, batch=ROW_BATCH)
+                # A^T du: dv = diag(beta) A^T du, and its v-dots
+                T.gemm(a_sh, dvn_sh, cv_f, transpose_A=True, clear_accum=True)
+                for i, j in T.Parallel(C, V):
+                    if i < n:
+                        dv[cs + i, bh, j] = cv_f[i, j] * b_sh[i]
+                for i, j in T.Parallel(C, V):
+                    cv_f[i, j] = cv_f[i, j] * v_sh[i, j]
+                T.reduce_sum(cv_f, red_v, dim=1, batch=ROW_BATCH)
+                # dk += dKK K + dKK^T K
+                T.gemm(t_sh, k_sh, dk_f)
+                T.gemm(t_sh, k_sh, dk_f, transpose_A=True)
+                store_rows(dk_f, dk, cs, n, bh, 0, K)
+
+                # dbeta, and dg: the reverse cumsum within the chunk of every dgamma part (one thread a token, a
+                # warp's shuffle scan: fixed order)
+                for i in T.Parallel(C):
+                    db_out[i] = red[i] * eg_sh[i] + red_v[i] + rowf_sh[i]
+                    st_sh[i] = T.if_then_else(i < n, dgq_sh[i] + red[i] * eg_sh[i] * b_sh[i] + b_sh[i] * rowf_sh[i]
+                                              - cole_sh[i], 0.0)
+                T.sync_threads()
+                if tx < n:
+                    dbeta[cs + tx, bh] = db_out[tx]
+                T.cumsum(st_sh, dim=0, reverse=True)
+                if tx < n:
+                    dg[cs + tx, bh] = st_sh[tx]
+                T.sync_threads()
+
+            if store_dh0:
+                T.copy(ds_f, dh0[bn, bh, :, :])
+
+    return gdn_bwd_walk
+
+
+# fixed-order sums everywhere, no atomics: the walk repeats bit for bit
+build_bwd_walk.pass_configs = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": True}
+
+
+def bwd_walk(q, k, v, do, v_new, h, ag, gamma, beta, dht, walks, *, scale: float, store_dh0: bool):
+    """Every gradient of the chunk backward in one walk per (walk, value head).
+
+    Args:
+        q, k: [T, Hk, K] bf16/fp16 (normalised if the op normalises). v, do, v_new: [T, Hv, V] same dtype (v_new the
+        forward's saved one). h: [>= NC, Hv, K, V] the forward's saved states, in q's dtype. ag: [T, Hv, 64] fp16
+        (``kkt_solve``'s X). gamma, beta: [T, Hv] fp32. dht: [W, Hv, K, V] fp32, the gradient of each walk's end state,
+        or None (zeros). walks: [W, 3] int32 (start, end, first chunk) of each walk (``plan.make_bwd_plan``'s).
+        scale: the output scale. store_dh0: return the gradient of each walk's start state.
+
+    Returns:
+        (dq [T, Hv, K] fp32 and dk [T, Hv, K] fp32 per value head (``chunk_bwd.gva_bwd`` sums them), dv [T, Hv, V] in
+        v's dtype, dbeta [T, Hv] fp32, dg [T, Hv] fp32 the gradient of the raw g, dh0 [W, Hv, K, V] fp32 or None).
+        Rows outside every walk are not written.
+    """
+    Tn, Hk, K = k.shape
+    Hv, V = v.shape[1], v.shape[2]
+    W = walks.shape[0]
+    kernel = toolkit.compile_kernel(build_bwd_walk, Hk, Hv, K, V, toolkit.tl_dtype(q.dtype), float(scale),
+                                    dht is not None, store_dh0)
+    dq = toolkit.empty((Tn, Hv, K), torch.float32, q.device)
+    dk = toolkit.empty((Tn, Hv, K), torch.float32, q.device)
+    dv = toolkit.empty((Tn, Hv, V), v.dtype, q.device)
+    dbeta = toolkit.empty((Tn, Hv), torch.float32, q.device)
+    dg = toolkit.empty((Tn, Hv), torch.float32, q.device)
+    dh0 = toolkit.empty((W, Hv, K, V), torch.float32, q.device) if store_dh0 else None
+    if dht is None:
+        dht = toolkit.unread((1, Hv, K, V), torch.float32, q.device)  # not read without has_dht
+    if W > 0:
+        kernel(q, k, v, do, v_new, h, ag, gamma, beta, dht, walks, dq, dk, dv, dbeta, dg,
+               dh0 if store_dh0 else toolkit.unread((1, Hv, K, V), torch.float32, q.device))
+    return dq, dk, dv, dbeta, dg, dh0
