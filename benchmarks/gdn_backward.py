@@ -196,7 +196,7 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     }
 
 
-def run_row(cfg, stages=False, ab=()) -> dict:
+def run_row(cfg, stages=False, ab=(), skip=()) -> dict:
     import triton.testing
 
     Hk, Hv, seqlen, nseq = cfg
@@ -208,7 +208,7 @@ def run_row(cfg, stages=False, ab=()) -> dict:
     row = {"Hk": Hk, "Hv": Hv, "seqlen": seqlen, "nseq": nseq, "ms": {}, "grad_rel_l2_vs_fla": {}}
     row["bytes_floor_ms"], row["flop_floor_ms"] = floor_ms(Hk, Hv, seqlen, nseq)
     grads = {}
-    runs = arms(q, k, v, g, beta, h0, cu)
+    runs = {name: fn for name, fn in arms(q, k, v, g, beta, h0, cu).items() if name not in skip}
     if ab:
         unknown = set(ab) - set(AB_ARMS)
         if unknown:
@@ -314,6 +314,8 @@ def main(argv=None) -> None:
     parser.add_argument("--ab", nargs="?", const=",".join(AB_ARMS), default="",
                         help="also time the public op with AB_ARMS' backward defaults changed (all, or the listed "
                              "arms: --ab ours_walk)")
+    parser.add_argument("--skip-fla", action="store_true",
+                        help="leave FLA out (its Triton autotune takes minutes on a machine without its cache)")
     parser.add_argument("--precompile-only", action="store_true", help="build the rows' backward kernels and stop")
     parser.add_argument("--jobs", type=int, default=1, help="processes compiling kernels (--precompile-only)")
     parser.add_argument("--stages", action="store_true", help="also time the backward's stages alone (internal)")
@@ -334,7 +336,8 @@ def main(argv=None) -> None:
         if time.perf_counter() - began > args.budget_s:
             print(f"past the {args.budget_s:.0f} s budget: {cfg} and later rows not run")
             break
-        result["rows"].append(run_row(cfg, args.stages, [a for a in args.ab.split(",") if a]))
+        result["rows"].append(run_row(cfg, args.stages, [a for a in args.ab.split(",") if a],
+                                      skip=("fla",) if args.skip_fla else ()))
         print(result["rows"][-1], flush=True)
         write(args.out, result)
     print((args.out / "gdn_backward.md").read_text())

@@ -25,6 +25,7 @@ import torch
 from flashqla_kernels import toolkit
 from flashqla_kernels.gated_delta_rule.hopper.bwd_wy import ROW_BATCH, through_inverse
 from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import C, LOG2E, load_rows, store_rows
+from flashqla_kernels.gated_delta_rule.hopper.chunk_fwd import set_nreg
 
 THREADS = 256
 
@@ -279,6 +280,431 @@ def build_bwd_walk(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: float, h
 build_bwd_walk.pass_configs = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": True}
 
 
+# The warp-specialised walk: the same step split over three warpgroups that run side by side in lockstep phases (every
+# consumer thread arrives at each phase's barrier and waits for it, so a phase only reads what earlier phases wrote),
+# and a producer warpgroup that refills each input tile as soon as the phase of its last reader has passed (inputs are
+# held once: there is no room for a second buffer). Per chunk:
+#
+#   phase  S (state, dS' in registers)   A                                   B
+#   0      dS' -> ds_sh                 Pt = scale (K Q^T) * Gamma^T         dP = scale (dO v_new^T) * Gamma, Doe
+#   1      dS' *= e_C, += Q^T Doe;      dv_new = diag(r) K dS' + Pt dO       dq = diag(e) scale dO S^T + dP K (stored),
+#          X in the input dtype                                              its q-dots
+#   2      <S, dS'> row by row          Y = -diag(e) X^T dv_new (dO's tile)  dk = diag(r) v_new dS'^T + dP^T Q, k-dots
+#   3      dS' += K^T Y                 dw = -dv_new S^T (Doe's tile); K K^T the last token's state terms
+#   4                                   A = I - X KKg                        dA = dw (diag(beta e) K)^T + du (diag(beta) V)^T
+#   5                                   P = dA A^T                           A^T dw (dk, its k-dots), A^T du (dv, v-dots)
+#   6                                   dM = SL(-A^T P), dM^T = SU(-P^T A):  (idle)
+#                                       rowf, cole (the column sums as row
+#                                       sums of the transpose), dKK
+#   7                                                                        dk += dKK K + dKK^T K (stored), dbeta, dgamma
+#   8                                                                        dg: the reverse cumsum within the chunk
+#
+# The producer's warps: 0 loads q, S and k, 1 v_new and dO, 2 X and v, each after the phase of its last reader in the
+# chunk before (q, v_new after 2, S and dO after 3, X after 4, v after 5, k after 7); warp 3 fills the gates (gamma,
+# exp(gamma), exp(gamma_C - gamma), beta) a chunk ahead in a two-slot ring.
+WS_THREADS = 512
+PHASES = 9
+# setmaxnreg budgets (sum 512): the state warpgroup holds dS' (K V / 128 fp32 a thread), B holds dk [C, K] from
+# phase 2 to 7 beside each product's [C, K] accumulator
+WS_NREG_STATE, WS_NREG_A, WS_NREG_B, WS_NREG_PRODUCER = 168, 136, 168, 40
+
+
+def ws_supported(K: int, V: int) -> bool:
+    """The warp-specialised walk: K = V <= 128 (dw shares the [C, V] tile Doe leaves)."""
+    return K == V and K <= 128
+
+
+def build_bwd_walk_ws(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: float, has_dht: bool, store_dh0: bool):
+    """The warp-specialised walk kernel: grid (Hv, walks), 512 threads; arguments and outputs as ``build_bwd_walk``."""
+    if not ws_supported(K, V):
+        raise ValueError(f"the warp-specialised backward walk takes K = V <= 128, got {K}, {V}")
+    group = Hv // Hk
+    num_tokens = T.dynamic("num_tokens")
+    num_chunks = T.dynamic("num_chunks")
+    num_walks = T.dynamic("num_walks")
+    num_dht = T.dynamic("num_dht")
+    num_dh0 = T.dynamic("num_dh0")
+
+    @T.macro
+    def phase(ph, p, it):
+        # every consumer thread: its shared-memory writes visible to the async proxy, then the rendezvous
+        T.fence_proxy_async()
+        T.barrier_arrive(ph[p])
+        T.barrier_wait(ph[p], it % 2)
+
+    @T.macro
+    def load_tile(src, dst, cs, n, head, width, bar):
+        # a chunk's rows of src[:, head, :] into dst [C, width]: TMA for a full chunk, masked loads for a ragged one
+        # (row by row: the producer's few registers hold one row's share at a time)
+        if n == C:
+            T.tma_copy(src[cs:cs + C, head, :], dst, barrier=bar)
+        else:
+            for i in T.serial(C):
+                for j in T.Parallel(width):
+                    dst[i, j] = T.if_then_else(i < n, src[cs + T.min(i, n - 1), head, j], T.cast(0, dst.dtype))
+            T.fence_proxy_async()
+
+    @T.prim_func
+    def gdn_bwd_walk_ws(
+        q: T.Tensor((num_tokens, Hk, K), dtype),
+        k: T.Tensor((num_tokens, Hk, K), dtype),
+        v: T.Tensor((num_tokens, Hv, V), dtype),
+        do: T.Tensor((num_tokens, Hv, V), dtype),
+        v_new: T.Tensor((num_tokens, Hv, V), dtype),
+        h: T.Tensor((num_chunks, Hv, K, V), dtype),
+        ag: T.Tensor((num_tokens, Hv, C), "float16"),
+        gamma: T.Tensor((num_tokens, Hv), "float32"),
+        beta: T.Tensor((num_tokens, Hv), "float32"),
+        dht: T.Tensor((num_dht, Hv, K, V), "float32"),
+        walks: T.Tensor((num_walks, 3), "int32"),
+        dq: T.Tensor((num_tokens, Hv, K), "float32"),
+        dk: T.Tensor((num_tokens, Hv, K), "float32"),
+        dv: T.Tensor((num_tokens, Hv, V), dtype),
+        dbeta: T.Tensor((num_tokens, Hv), "float32"),
+        dg: T.Tensor((num_tokens, Hv), "float32"),
+        dh0: T.Tensor((num_dh0, Hv, K, V), "float32"),
+    ):
+        with T.Kernel(Hv, num_walks, threads=WS_THREADS) as (bh, bn):
+            hk = bh // group
+            bos = T.alloc_var("int32")
+            eos = T.alloc_var("int32")
+            c0 = T.alloc_var("int32")
+            n_it = T.alloc_var("int32")
+            bos = walks[bn, 0]
+            eos = walks[bn, 1]
+            c0 = walks[bn, 2]
+            n_it = T.ceildiv(eos - bos, C)
+            tx = T.get_thread_binding()
+
+            q_sh = T.alloc_shared((C, K), dtype)
+            k_sh = T.alloc_shared((C, K), dtype)
+            v_sh = T.alloc_shared((C, V), dtype)
+            do_sh = T.alloc_shared((C, V), dtype)  # dO, then Y
+            vn_sh = T.alloc_shared((C, V), dtype)
+            s_sh = T.alloc_shared((K, V), dtype)
+            x_sh = T.alloc_shared((C, C), "float16")
+            ds_sh = T.alloc_shared((K, V), dtype)
+            xb_sh = T.alloc_shared((C, C), dtype)  # X in the input dtype, then P = dA A^T
+            pt_sh = T.alloc_shared((C, C), dtype)  # Pt, then dA, then dKK
+            dp_sh = T.alloc_shared((C, C), dtype)  # dP, then A
+            doe_sh = T.alloc_shared((C, V), dtype)  # Doe, then dw
+            dvn_sh = T.alloc_shared((C, V), dtype)
+            kkg_sh = T.alloc_shared((C, C), "float16")
+            g_sh = T.alloc_shared((2, C), "float32", scope="shared")
+            eg_sh = T.alloc_shared((2, C), "float32", scope="shared")
+            er_sh = T.alloc_shared((2, C), "float32", scope="shared")
+            b_sh = T.alloc_shared((2, C), "float32", scope="shared")
+            tr_sh = T.alloc_shared((K,), "float32", scope="shared")
+            st_sh = T.alloc_shared((C,), "float32", scope="shared")
+            dgq_sh = T.alloc_shared((C,), "float32", scope="shared")
+            rowf_sh = T.alloc_shared((C,), "float32", scope="shared")
+            cole_sh = T.alloc_shared((C,), "float32", scope="shared")
+            dgm_sh = T.alloc_shared((C,), "float32", scope="shared")
+
+            ph = T.alloc_barrier(arrive_count=[384] * PHASES)
+            rdy_qk = T.alloc_barrier(arrive_count=32)
+            rdy_s = T.alloc_barrier(arrive_count=32)
+            rdy_vd = T.alloc_barrier(arrive_count=32)
+            rdy_x = T.alloc_barrier(arrive_count=32)
+            rdy_v = T.alloc_barrier(arrive_count=32)
+            g_rdy = T.alloc_barrier(arrive_count=[32] * 2)
+            g_free = T.alloc_barrier(arrive_count=[384] * 2)
+
+            if tx < 128:
+                set_nreg(WS_NREG_STATE)
+                ds_f = T.alloc_fragment((K, V), "float32")
+                acc = T.alloc_local((1,), "float32")
+                if has_dht:
+                    T.copy(dht[bn, bh, :, :], ds_f)
+                else:
+                    T.clear(ds_f)
+                for it in T.serial(n_it):
+                    sl = it % 2
+                    T.barrier_wait(g_rdy[sl], (it // 2) % 2)
+                    T.copy(ds_f, ds_sh)
+                    phase(ph, 0, it)
+                    for i, j in T.Parallel(K, V):
+                        ds_f[i, j] = ds_f[i, j] * eg_sh[sl, C - 1]
+                    T.barrier_wait(rdy_qk, it % 2)
+                    T.gemm(q_sh, doe_sh, ds_f, transpose_A=True)
+                    T.barrier_wait(rdy_x, it % 2)
+                    for i, j in T.Parallel(C, C):
+                        xb_sh[i, j] = x_sh[i, j]
+                    phase(ph, 1, it)
+                    # <S, dS'>: one row of K a thread (the bf16 dS' the products use), summed by B in a fixed order
+                    T.barrier_wait(rdy_s, it % 2)
+                    if tx < K:
+                        acc[0] = 0.0
+                        for j in T.serial(V):
+                            acc[0] += T.cast(s_sh[tx, j], "float32") * T.cast(ds_sh[tx, j], "float32")
+                        tr_sh[tx] = acc[0]
+                    phase(ph, 2, it)
+                    T.gemm(k_sh, do_sh, ds_f, transpose_A=True)
+                    for p in T.serial(3, PHASES):
+                        phase(ph, p, it)
+                    T.barrier_arrive(g_free[sl])
+                if store_dh0:
+                    T.copy(ds_f, dh0[bn, bh, :, :])
+
+            elif tx < 256:
+                set_nreg(WS_NREG_A)
+                cc_f = T.alloc_fragment((C, C), "float32")
+                cv_f = T.alloc_fragment((C, V), "float32")
+                kk_f = T.alloc_fragment((C, C), "float32")
+                dm_f = T.alloc_fragment((C, C), "float32")
+                red = T.alloc_fragment((C,), "float32")
+                for it in T.serial(n_it):
+                    sl = it % 2
+                    cs = bos + (n_it - 1 - it) * C
+                    n = T.min(eos - cs, C)
+                    T.barrier_wait(g_rdy[sl], (it // 2) % 2)
+                    T.barrier_wait(rdy_qk, it % 2)
+                    # 0: Pt = scale (K Q^T) * Gamma^T on j >= i
+                    T.gemm(k_sh, q_sh, cc_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        pt_sh[i, j] = T.if_then_else(
+                            j >= i, cc_f[i, j] * T.exp2((g_sh[sl, j] - g_sh[sl, i]) * LOG2E) * scale, 0.0)
+                    phase(ph, 0, it)
+                    # 1: dv_new = diag(r) K dS' + Pt dO
+                    T.barrier_wait(rdy_vd, it % 2)
+                    T.gemm(k_sh, ds_sh, cv_f, clear_accum=True)
+                    for i, j in T.Parallel(C, V):
+                        cv_f[i, j] = cv_f[i, j] * er_sh[sl, i]
+                    T.gemm(pt_sh, do_sh, cv_f)
+                    T.copy(cv_f, dvn_sh)
+                    phase(ph, 1, it)
+                    # 2: Y = -diag(e) X^T dv_new, into dO's tile
+                    T.gemm(xb_sh, dvn_sh, cv_f, transpose_A=True, clear_accum=True)
+                    for i, j in T.Parallel(C, V):
+                        do_sh[i, j] = -eg_sh[sl, i] * cv_f[i, j]
+                    phase(ph, 2, it)
+                    # 3: dw = -dv_new S^T into Doe's tile; KKg = StrictLower(K K^T * Gamma), fp16 for X KKg
+                    T.barrier_wait(rdy_s, it % 2)
+                    T.gemm(dvn_sh, s_sh, cv_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, K):
+                        doe_sh[i, j] = -cv_f[i, j]
+                    T.gemm(k_sh, k_sh, kk_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        kkg_sh[i, j] = T.if_then_else(
+                            j < i, kk_f[i, j] * T.exp2((g_sh[sl, i] - g_sh[sl, j]) * LOG2E), 0.0)
+                    phase(ph, 3, it)
+                    # 4: A = I - X KKg on the chunk's rows (dP's tile)
+                    T.barrier_wait(rdy_x, it % 2)
+                    T.gemm(x_sh, kkg_sh, cc_f, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        dp_sh[i, j] = T.if_then_else(i < n, T.if_then_else(
+                            j <= i, T.if_then_else(i == j, 1.0, 0.0) - cc_f[i, j], 0.0), 0.0)
+                    phase(ph, 4, it)
+                    # 5: P = dA A^T (dA in Pt's tile, from B), into X's
+                    T.gemm(pt_sh, dp_sh, cc_f, transpose_B=True, clear_accum=True)
+                    T.copy(cc_f, xb_sh)
+                    phase(ph, 5, it)
+                    # 6: dM = StrictLower(-A^T P) and its transpose StrictUpper(-P^T A); rowf = rowsum(dM * KKg),
+                    # cole = colsum(diag(beta) dM * KKg) as the row sums of dM^T * KKg^T * beta_col (K K^T is
+                    # symmetric: KKg^T is K K^T gated the other way); dKK = diag(beta) dM * Gamma into Pt's tile
+                    T.gemm(dp_sh, xb_sh, dm_f, transpose_A=True, clear_accum=True)
+                    T.gemm(xb_sh, dp_sh, cc_f, transpose_A=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        dm_f[i, j] = T.if_then_else(j < i, -dm_f[i, j], 0.0)
+                        cc_f[i, j] = T.if_then_else(
+                            j > i, -cc_f[i, j] * kk_f[i, j] * T.exp2((g_sh[sl, j] - g_sh[sl, i]) * LOG2E)
+                            * b_sh[sl, j], 0.0)
+                    T.reduce_sum(cc_f, red, dim=1)
+                    for i in T.Parallel(C):
+                        cole_sh[i] = red[i]
+                    for i, j in T.Parallel(C, C):
+                        pt_sh[i, j] = T.if_then_else(
+                            j < i, dm_f[i, j] * b_sh[sl, i] * T.exp2((g_sh[sl, i] - g_sh[sl, j]) * LOG2E), 0.0)
+                        dm_f[i, j] = T.if_then_else(
+                            j < i, dm_f[i, j] * kk_f[i, j] * T.exp2((g_sh[sl, i] - g_sh[sl, j]) * LOG2E), 0.0)
+                    T.reduce_sum(dm_f, red, dim=1)
+                    for i in T.Parallel(C):
+                        rowf_sh[i] = red[i]
+                    phase(ph, 6, it)
+                    for p in T.serial(7, PHASES):
+                        phase(ph, p, it)
+                    T.barrier_arrive(g_free[sl])
+
+            elif tx < 384:
+                set_nreg(WS_NREG_B)
+                cc_f = T.alloc_fragment((C, C), "float32")
+                ck_f = T.alloc_fragment((C, K), "float32")
+                dk_f = T.alloc_fragment((C, K), "float32")
+                da_f = T.alloc_fragment((C, C), "float32")
+                red_q = T.alloc_fragment((C,), "float32")
+                red_k = T.alloc_fragment((C,), "float32")
+                red_w = T.alloc_fragment((C,), "float32")
+                red_v = T.alloc_fragment((C,), "float32")
+                tot = T.alloc_local((1,), "float32")
+                for it in T.serial(n_it):
+                    sl = it % 2
+                    cs = bos + (n_it - 1 - it) * C
+                    n = T.min(eos - cs, C)
+                    T.barrier_wait(g_rdy[sl], (it // 2) % 2)
+                    T.barrier_wait(rdy_vd, it % 2)
+                    # 0: dP = scale (dO v_new^T) * Gamma on j <= i; Doe = scale diag(e) dO
+                    T.gemm(do_sh, vn_sh, cc_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        dp_sh[i, j] = T.if_then_else(
+                            j <= i, cc_f[i, j] * T.exp2((g_sh[sl, i] - g_sh[sl, j]) * LOG2E) * scale, 0.0)
+                    for i, j in T.Parallel(C, V):
+                        doe_sh[i, j] = do_sh[i, j] * eg_sh[sl, i] * scale
+                    phase(ph, 0, it)
+                    # 1: dq = scale diag(e) dO S^T + dP K, stored; its q-dots
+                    T.barrier_wait(rdy_s, it % 2)
+                    T.barrier_wait(rdy_qk, it % 2)
+                    T.gemm(do_sh, s_sh, ck_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, K):
+                        ck_f[i, j] = ck_f[i, j] * eg_sh[sl, i] * scale
+                    T.gemm(dp_sh, k_sh, ck_f)
+                    store_rows(ck_f, dq, cs, n, bh, 0, K)
+                    for i, j in T.Parallel(C, K):
+                        ck_f[i, j] = ck_f[i, j] * q_sh[i, j]
+                    T.reduce_sum(ck_f, red_q, dim=1)
+                    phase(ph, 1, it)
+                    # 2: dk = diag(r) v_new dS'^T + dP^T Q; the state part's k-dots (the last token's), then dq.q - dk.k
+                    T.gemm(vn_sh, ds_sh, dk_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, K):
+                        dk_f[i, j] = dk_f[i, j] * er_sh[sl, i]
+                    for i, j in T.Parallel(C, K):
+                        ck_f[i, j] = dk_f[i, j] * k_sh[i, j]
+                    T.reduce_sum(ck_f, red_k, dim=1)
+                    for i in T.Parallel(C):
+                        st_sh[i] = red_k[i]
+                    T.gemm(dp_sh, q_sh, dk_f, transpose_A=True)
+                    for i, j in T.Parallel(C, K):
+                        ck_f[i, j] = dk_f[i, j] * k_sh[i, j]
+                    T.reduce_sum(ck_f, red_k, dim=1)
+                    for i in T.Parallel(C):
+                        dgq_sh[i] = red_q[i] - red_k[i]
+                    phase(ph, 2, it)
+                    # 3: the last token's e_C <S, dS'> + the state part's k-dots, every thread in the same order
+                    tot[0] = 0.0
+                    for i in T.serial(C):
+                        tot[0] += st_sh[i]
+                    for i in T.serial(K):
+                        tot[0] += eg_sh[sl, C - 1] * tr_sh[i]
+                    phase(ph, 3, it)
+                    # 4: dA = dw (diag(beta e) K)^T + du (diag(beta) V)^T on the chunk's rows and columns, into Pt's tile
+                    T.barrier_wait(rdy_v, it % 2)
+                    T.gemm(doe_sh, k_sh, da_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        da_f[i, j] = da_f[i, j] * eg_sh[sl, j]
+                    T.gemm(dvn_sh, v_sh, da_f, transpose_B=True)
+                    for i, j in T.Parallel(C, C):
+                        pt_sh[i, j] = T.if_then_else(i < n, T.if_then_else(j < n, da_f[i, j] * b_sh[sl, j], 0.0), 0.0)
+                    phase(ph, 4, it)
+                    # 5: A^T dw: dk += diag(beta e) A^T dw and its k-dots; A^T du: dv = diag(beta) A^T du, its v-dots
+                    T.gemm(dp_sh, doe_sh, ck_f, transpose_A=True, clear_accum=True)
+                    for i, j in T.Parallel(C, K):
+                        dk_f[i, j] = dk_f[i, j] + ck_f[i, j] * b_sh[sl, i] * eg_sh[sl, i]
+                    for i, j in T.Parallel(C, K):
+                        ck_f[i, j] = ck_f[i, j] * k_sh[i, j]
+                    T.reduce_sum(ck_f, red_w, dim=1)
+                    T.gemm(dp_sh, dvn_sh, ck_f, transpose_A=True, clear_accum=True)
+                    for i, j in T.Parallel(C, V):
+                        if i < n:
+                            dv[cs + i, bh, j] = ck_f[i, j] * b_sh[sl, i]
+                    for i, j in T.Parallel(C, V):
+                        ck_f[i, j] = ck_f[i, j] * v_sh[i, j]
+                    T.reduce_sum(ck_f, red_v, dim=1)
+                    phase(ph, 5, it)
+                    phase(ph, 6, it)
+                    # 7: dk += dKK K + dKK^T K, stored; dbeta; every dgamma part of the chunk's rows
+                    T.gemm(pt_sh, k_sh, dk_f)
+                    T.gemm(pt_sh, k_sh, dk_f, transpose_A=True)
+                    store_rows(dk_f, dk, cs, n, bh, 0, K)
+                    for i in T.Parallel(C):
+                        if i < n:
+                            dbeta[cs + i, bh] = red_w[i] * eg_sh[sl, i] + red_v[i] + rowf_sh[i]
+                        dgm_sh[i] = T.if_then_else(i < n, dgq_sh[i] + T.if_then_else(i == n - 1, tot[0], 0.0)
+                                                   + red_w[i] * eg_sh[sl, i] * b_sh[sl, i] + b_sh[sl, i] * rowf_sh[i]
+                                                   - cole_sh[i], 0.0)
+                    phase(ph, 7, it)
+                    # 8: dg_i = sum of dgamma over the chunk's rows j >= i, one thread a row (fixed order)
+                    if tx - 256 < n:
+                        tot[0] = 0.0
+                        for j in T.serial(C):
+                            if j >= tx - 256:
+                                tot[0] += dgm_sh[j]
+                        dg[cs + tx - 256, bh] = tot[0]
+                    phase(ph, 8, it)
+                    T.barrier_arrive(g_free[sl])
+
+            else:
+                set_nreg(WS_NREG_PRODUCER)
+                if tx < 384 + 32:
+                    for it in T.serial(n_it):
+                        cs = bos + (n_it - 1 - it) * C
+                        n = T.min(eos - cs, C)
+                        if it > 0:
+                            T.barrier_wait(ph[2], (it - 1) % 2)
+                        load_tile(q, q_sh, cs, n, hk, K, rdy_qk)
+                        if it > 0:
+                            T.barrier_wait(ph[3], (it - 1) % 2)
+                        T.tma_copy(h[c0 + n_it - 1 - it, bh, :, :], s_sh, barrier=rdy_s)
+                        T.barrier_arrive(rdy_s)
+                        if it > 0:
+                            T.barrier_wait(ph[7], (it - 1) % 2)
+                        load_tile(k, k_sh, cs, n, hk, K, rdy_qk)
+                        T.barrier_arrive(rdy_qk)
+                elif tx < 384 + 64:
+                    for it in T.serial(n_it):
+                        cs = bos + (n_it - 1 - it) * C
+                        n = T.min(eos - cs, C)
+                        if it > 0:
+                            T.barrier_wait(ph[2], (it - 1) % 2)
+                        load_tile(v_new, vn_sh, cs, n, bh, V, rdy_vd)
+                        if it > 0:
+                            T.barrier_wait(ph[3], (it - 1) % 2)
+                        load_tile(do, do_sh, cs, n, bh, V, rdy_vd)
+                        T.barrier_arrive(rdy_vd)
+                elif tx < 384 + 96:
+                    for it in T.serial(n_it):
+                        cs = bos + (n_it - 1 - it) * C
+                        n = T.min(eos - cs, C)
+                        if it > 0:
+                            T.barrier_wait(ph[4], (it - 1) % 2)
+                        load_tile(ag, x_sh, cs, n, bh, C, rdy_x)
+                        T.barrier_arrive(rdy_x)
+                        if it > 0:
+                            T.barrier_wait(ph[5], (it - 1) % 2)
+                        load_tile(v, v_sh, cs, n, bh, V, rdy_v)
+                        T.barrier_arrive(rdy_v)
+                else:
+                    for it in T.serial(n_it):
+                        sl = it % 2
+                        cs = bos + (n_it - 1 - it) * C
+                        n = T.min(eos - cs, C)
+                        T.barrier_wait(g_free[sl], (it // 2 + 1) % 2)
+                        # padded rows repeat the last valid gamma (every padded gate <= 1; their terms meet zero rows)
+                        for i in T.Parallel(C):
+                            g_sh[sl, i] = gamma[cs + T.min(i, n - 1), bh]
+                            eg_sh[sl, i] = T.exp2(gamma[cs + T.min(i, n - 1), bh] * LOG2E)
+                            er_sh[sl, i] = T.exp2((gamma[cs + n - 1, bh] - gamma[cs + T.min(i, n - 1), bh]) * LOG2E)
+                            b_sh[sl, i] = T.if_then_else(i < n, beta[cs + T.min(i, n - 1), bh], 0.0)
+                        T.barrier_arrive(g_rdy[sl])
+
+    return gdn_bwd_walk_ws
+
+
+# every hand-off between warpgroups goes through the phase and ready barriers (the planner's bar.sync inside a
+# warpgroup's branch can share one named-barrier id across warpgroups and hang: ``bwd_dqkwg``'s note)
+build_bwd_walk_ws.pass_configs = {"tl.disable_thread_storage_sync": True}
+
+
+# which kernel walks where both apply (K = V <= 128): "ws" (warp-specialised) or "plain" (one step after another)
+KERNEL = "ws"
+KERNELS = ("ws", "plain")
+
+
+def builder(K: int, V: int):
+    """The walk kernel's builder for head dims K, V (``KERNEL`` where the warp-specialised one applies)."""
+    if KERNEL not in KERNELS:
+        raise ValueError(f"bwd_walk.KERNEL must be one of {KERNELS}; got {KERNEL!r}")
+    return build_bwd_walk_ws if KERNEL == "ws" and ws_supported(K, V) else build_bwd_walk
+
+
 def bwd_walk(q, k, v, do, v_new, h, ag, gamma, beta, dht, walks, *, scale: float, store_dh0: bool):
     """Every gradient of the chunk backward in one walk per (walk, value head).
 
@@ -297,7 +723,7 @@ def bwd_walk(q, k, v, do, v_new, h, ag, gamma, beta, dht, walks, *, scale: float
     Tn, Hk, K = k.shape
     Hv, V = v.shape[1], v.shape[2]
     W = walks.shape[0]
-    kernel = toolkit.compile_kernel(build_bwd_walk, Hk, Hv, K, V, toolkit.tl_dtype(q.dtype), float(scale),
+    kernel = toolkit.compile_kernel(builder(K, V), Hk, Hv, K, V, toolkit.tl_dtype(q.dtype), float(scale),
                                     dht is not None, store_dh0)
     dq = toolkit.empty((Tn, Hv, K), torch.float32, q.device)
     dk = toolkit.empty((Tn, Hv, K), torch.float32, q.device)
