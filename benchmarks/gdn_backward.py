@@ -210,9 +210,6 @@ def run_row(cfg, stages=False, ab=(), skip=()) -> dict:
     grads = {}
     runs = {name: fn for name, fn in arms(q, k, v, g, beta, h0, cu).items() if name not in skip}
     if ab:
-        unknown = set(ab) - set(AB_ARMS)
-        if unknown:
-            raise SystemExit(f"gdn_backward: --ab names {sorted(unknown)}; the arms are {sorted(AB_ARMS)}")
         runs.update({name: runs["ours"] for name, (module, attr, value) in AB_ARMS.items()
                      if name in ab and getattr(ab_module(module), attr) != value})
     for name, fn in runs.items():
@@ -320,6 +317,9 @@ def main(argv=None) -> None:
     parser.add_argument("--jobs", type=int, default=1, help="processes compiling kernels (--precompile-only)")
     parser.add_argument("--stages", action="store_true", help="also time the backward's stages alone (internal)")
     args = parser.parse_args(argv)
+    unknown = sorted({a for a in args.ab.split(",") if a} - set(AB_ARMS))
+    if unknown:
+        parser.error(f"--ab names {unknown}; the arms are {sorted(AB_ARMS)}")
     if not args.no_qla_fix:
         force_qla_buffer_init_fix()
     suite = [fwd.SUITE[int(i)] for i in args.configs.split(",")] if args.configs else list(fwd.SUITE)

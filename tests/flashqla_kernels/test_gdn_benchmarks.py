@@ -110,6 +110,13 @@ def test_backward_benchmark_report_renders_rows_errors_the_geomean_the_ab_arms_a
     assert bwd.floor_ms(16, 32, 8192, 1)[1] == pytest.approx(3 * 128 * 32 * bwd.fwd.FLOP_PER_CHUNK_HEAD / 700e12 * 1e3)
 
 
+def test_backward_benchmark_rejects_an_unknown_ab_arm_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        _gdn_backward().main(["--ab", "ours_walk,ours_fast", "--precompile-only"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--ab names ['ours_fast']" in err and "ours_walk" in err
+
+
 def test_the_flashqla_fix_adds_the_pass_config_to_every_jit(monkeypatch):
     tilelang = pytest.importorskip("tilelang")
     seen = []

@@ -70,9 +70,9 @@ def _check(builder, args):
     assert not re.search(r"threadIdx\.x\) == \d+\) \{\s*if \(tl::tl_shuffle_elect", src), f"{builder.__name__}{args}"
     name = builder.__name__
     if name in ("build_chunk_states", "build_bwd_dh", "build_bwd_dqkwg", "build_bwd_dqkwg_group", "build_bwd_wy",
-                "build_bwd_wy_group", "build_bwd_walk", "build_bwd_walk_ws"):
+                "build_bwd_wy_group", "build_bwd_walk"):
         assert "wgmma" in src, f"{name}{args}: its GEMMs should run on warpgroup MMA"
-    if name in ("build_bwd_dqkwg_group", "build_bwd_walk_ws"):
+    if name == "build_bwd_dqkwg_group":
         # its warpgroups hand off through mbarriers only: a planner-inserted bar.sync shared one named-barrier id
         # across warpgroups and hung the kernel
         assert "__sync_thread_partial" not in src, f"{name}{args}: a named bar.sync inside a warpgroup's branch"
@@ -153,8 +153,7 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
     # inputs: only those may go unasked
     assert {b.__name__ for b, _ in want - set(asked)} <= {
         "build_chunk_states", "build_segment_states", "build_chunk_fwd", "build_bwd_dqkwg", "build_bwd_dqkwg_group",
-        "build_bwd_wy", "build_bwd_wy_group", "build_gva_bwd", "build_channels_first_to_tokens", "build_bwd_walk",
-        "build_bwd_walk_ws"}
+        "build_bwd_wy", "build_bwd_wy_group", "build_gva_bwd", "build_channels_first_to_tokens", "build_bwd_walk"}
 
 
 @pytest.mark.parametrize("layout", [QWEN[0], (2, 4, 64, 64, "float16", True, False, False),
@@ -185,13 +184,10 @@ def test_fused_walk_launcher_compiles_only_listed_specialisations(layout, monkey
             assert not x[:, -5:].any(), "the padded tail's gradients must be exactly 0"
     want = {(b, a) for b, a in backward.kernel_specs(Hk, Hv, Kp, Vp, dtype, l2, has_h0, has_dht, scale=K ** -0.5)}
     names = {b.__name__ for b, _ in asked}
-    assert set(asked) <= want and names & {"build_bwd_walk", "build_bwd_walk_ws"}
+    assert set(asked) <= want and "build_bwd_walk" in names
     assert not names & {"build_bwd_dqkwg", "build_bwd_dqkwg_group", "build_bwd_wy", "build_bwd_wy_group"}
-    walks = {a for b, a in asked if b.__name__.startswith("build_bwd_walk")}
+    walks = {a for b, a in asked if b.__name__ == "build_bwd_walk"}
     assert {a[6] for a in walks} == ({has_dht, True}) and {a[7] for a in walks} == {has_h0}
-    # the warp-specialised walk where it applies (K = V <= 128), else the plain one
-    assert {b.__name__ for b, _ in asked if b.__name__.startswith("build_bwd_walk")} == {
-        "build_bwd_walk_ws" if Kp == Vp else "build_bwd_walk"}
 
 
 def test_gpu_test_cases_are_all_precompiled():

@@ -270,10 +270,8 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
             (bwd_wy.build_bwd_wy_group, (Hk, Hv, K, V, dtype, l2norm)),
         ]
     if bwd_walk.supported(K, V):
-        # the fused walk from dht (or zeros), and from the segments' end gradients; both kernels of KERNEL's choice
-        builders = {bwd_walk.build_bwd_walk} | ({bwd_walk.build_bwd_walk_ws} if bwd_walk.ws_supported(K, V) else set())
-        specs += [(b, (Hk, Hv, K, V, dtype, scale, d, has_h0)) for b in sorted(builders, key=lambda b: b.__name__)
-                  for d in sorted({has_dht, True})]
+        # the fused walk from dht (or zeros), and from the segments' end gradients
+        specs += [(bwd_walk.build_bwd_walk, (Hk, Hv, K, V, dtype, scale, d, has_h0)) for d in sorted({has_dht, True})]
     specs += [
         # context parallelism of the dh walk: the maps, the reverse scan, the two passes
         (segment_states.build_segment_states, (Hk, Hv, K, V, bDV, dtype, False, True)),
