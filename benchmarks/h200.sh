@@ -30,8 +30,9 @@
 #                picks suite configs), with the shared-memory bank conflicts of each kernel (the forward's stages keep
 #                the L1 / shared-memory pipe busiest); NCU_FLASHQLA=1 profiles FlashQLA's forward kernels of the same
 #                rows beside ours; needs a Firecracker machine (on gVisor ncu cannot read counters)
-#   gdn-bwd      benchmarks/gdn_backward.py: forward + backward of the public op beside FLA and FlashQLA (GDN_BWD_ARGS=
-#                "--rows anchors" narrows it)
+#   gdn-bwd      benchmarks/gdn_backward.py: forward + backward of the public op beside FLA and FlashQLA, FlashQLA's JIT
+#                kernels compiled on 10 processes first (GDN_BWD_ARGS="--rows anchors" narrows it, "--skip-fla" leaves
+#                out FLA, whose autotune takes minutes without a carried Triton cache)
 #   train-tests  the training step's GPU tests: the cross-entropy kernels against float64, the LM loss against
 #                transformers' under bf16 autocast, no host sync
 #   train        benchmarks/train_step.py: finetune's step on the 2B shape, transformers (FLA) / FlashQLA's op / ours
@@ -135,7 +136,7 @@ for p in "$@"; do
                        -p no:cacheprovider ${BWD_TESTS_K:+-k '$BWD_TESTS_K'} tests/flashqla_kernels/test_hopper_bwd_gpu.py \
                        tests/flashqla_kernels/test_dispatch_gpu.py" ;;
         gdn-bwd) phase gdn-bwd "${GDN_BWD_S:-420}" bash -c "python3 benchmarks/gdn_backward.py --precompile-only \
-                     --jobs 14 ${GDN_BWD_ARGS:-}; python3 benchmarks/gdn_backward.py --out '$OUT' \
+                     --jobs 14 ${GDN_BWD_ARGS:-}; python3 benchmarks/gdn_backward.py --out '$OUT' --warm-flashqla 10 \
                      --budget-s $(( ${GDN_BWD_S:-420} - 60 )) ${GDN_BWD_ARGS:-}" ;;
         ncu) phase ncu "${NCU_S:-150}" bash -c "\$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1) \
                  --clock-control none --section SpeedOfLight --section Occupancy --section SchedulerStats \

@@ -117,6 +117,12 @@ def test_backward_benchmark_rejects_an_unknown_ab_arm_in_one_line(capsys):
     assert "--ab names ['ours_fast']" in err and "ours_walk" in err
 
 
+def test_backward_warm_up_reports_a_row_that_fails_instead_of_raising():
+    # a worker that cannot run the row (here: no GPU, or no FlashQLA) names the row and its error; the run goes on
+    err = _gdn_backward()._warm_flashqla_one((2, 4, 64, 1), False)
+    assert err.startswith("(2, 4, 64, 1): ") and len(err) <= 300
+
+
 def test_the_flashqla_fix_adds_the_pass_config_to_every_jit(monkeypatch):
     tilelang = pytest.importorskip("tilelang")
     seen = []

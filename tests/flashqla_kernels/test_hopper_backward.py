@@ -359,3 +359,68 @@ def test_launcher_reads_the_forwards_saved_states_as_recomputed(emulated_backwar
         torch.testing.assert_close(x, ref, rtol=0, atol=0, msg=label)
     with pytest.raises(ValueError, match="states must be the forward's"):
         backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, states=(h[:-1], v_new), **kw)
+
+
+def _walk(q, k, v, do, v_new, h, ag, gamma, beta, dht, walks, *, scale, store_dh0):
+    """``bwd_walk.bwd_walk``'s contract: ``reference_bwd.chunk_bwd_step_ref`` walked back over every walk's chunks
+    per value head from ``dht`` (or zeros), on the saved states h; dq and dk per value head."""
+    T, Hk, K = k.shape
+    Hv, V = v.shape[1], v.shape[2]
+    dq, dk = (torch.full((T, Hv, K), float("nan"), dtype=k.dtype) for _ in range(2))
+    dv = torch.full_like(v, float("nan"))
+    dbeta, dg = (torch.full((T, Hv), float("nan"), dtype=k.dtype) for _ in range(2))
+    dh0 = torch.full((walks.shape[0], Hv, K, V), float("nan"), dtype=k.dtype) if store_dh0 else None
+    for w, (s, e, c0) in enumerate(walks.tolist()):
+        chunks = _chunks(s, e)
+        for hv in range(Hv):
+            hk = hv * Hk // Hv
+            dS = dht[w, hv].to(k.dtype) if dht is not None else torch.zeros(K, V, dtype=k.dtype)
+            for i in reversed(range(len(chunks))):
+                cs, ce = chunks[i]
+                out = reference_bwd.chunk_bwd_step_ref(
+                    q[cs:ce, hk], k[cs:ce, hk], v[cs:ce, hv], gamma[cs:ce, hv], beta[cs:ce, hv], h[c0 + i, hv], dS,
+                    do[cs:ce, hv], scale)
+                dq[cs:ce, hv], dk[cs:ce, hv], dv[cs:ce, hv], dg[cs:ce, hv], dbeta[cs:ce, hv], dS = out
+            if store_dh0:
+                dh0[w, hv] = dS
+    return dq, dk, dv, dbeta, dg, dh0
+
+
+@pytest.mark.parametrize("segment_chunks", [0, 1, 3])
+@pytest.mark.parametrize("l2norm,K,V,Hk,Hv,with_dht", [(True, 64, 64, 1, 2, True), (False, 48, 40, 2, 4, True),
+                                                       (True, 64, 64, 2, 2, False)])
+def test_fused_walk_launcher_composes_into_the_reference_backward(emulated_backward, segment_chunks, l2norm, K, V, Hk,
+                                                                  Hv, with_dht, monkeypatch):
+    """``backward.WALK``: the launcher's wiring of the fused walk (the recomputed states, each segment's end gradient
+    from the maps and the reverse scan, dh0 from each sequence's first segment, the GVA sum and l2norm backward of
+    dq and dk, padded head dims and tail) with the walk replaced by its float64 step gives
+    ``chunk_gated_delta_rule_bwd_ref``'s gradients, and the staged dqkwg and WY stages never run."""
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, bwd_walk, bwd_wy
+
+    monkeypatch.setattr(backward, "WALK", True)
+    monkeypatch.setattr(bwd_walk, "bwd_walk", _walk)
+    for module, name in ((bwd_dqkwg, "bwd_dqkwg"), (bwd_dqkwg, "bwd_dqkwg_group"), (bwd_wy, "bwd_wy"),
+                         (bwd_wy, "bwd_wy_group")):
+        monkeypatch.setattr(module, name, lambda *a, **kw: pytest.fail("a staged stage ran under WALK"))
+    gen = torch.Generator().manual_seed(5)
+    lens, pad = [1, 130, 64, 200], 5
+    T = sum(lens) + pad
+    rand = (lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64))
+    q, k = rand(1, T, Hk, K), rand(1, T, Hk, K)
+    if not l2norm:
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    v, do = rand(1, T, Hv, V), rand(1, T, Hv, V)
+    g = torch.nn.functional.logsigmoid(rand(1, T, Hv)) / 4
+    beta = torch.sigmoid(rand(1, T, Hv))
+    h0 = rand(len(lens), Hv, K, V)
+    dht = rand(len(lens), Hv, K, V) if with_dht else None
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    got = backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
+                                              use_qk_l2norm_in_kernel=l2norm, segment_chunks=segment_chunks)
+    want = reference_bwd.chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do, dht, initial_state=h0,
+                                                        use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu)
+    for label, x, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        assert x.shape == ref.shape, label
+        torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5, msg=f"{label} differs from the reference")
+    for x in got[:5]:
+        assert not x[:, sum(lens):].any(), "the padded tail's gradients must be exactly 0"
