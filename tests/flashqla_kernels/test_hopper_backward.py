@@ -257,6 +257,24 @@ def emulated_backward(emulated_stages, monkeypatch):
     monkeypatch.setattr(chunk_bwd, "gva_bwd", _gva)
 
 
+def _launcher_case(seed, l2norm, K, V, Hk, Hv):
+    """Ragged float64 inputs for the launcher tests (a length-1 sequence, a padded tail): (q, k, v, g, beta, do, h0,
+    dht, cu, tokens in sequences); q and k unit rows unless the op normalises them."""
+    gen = torch.Generator().manual_seed(seed)
+    lens, pad = [1, 130, 64, 200], 5
+    T = sum(lens) + pad
+    rand = (lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64))
+    q, k = rand(1, T, Hk, K), rand(1, T, Hk, K)
+    if not l2norm:
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    v, do = rand(1, T, Hv, V), rand(1, T, Hv, V)
+    g = torch.nn.functional.logsigmoid(rand(1, T, Hv)) / 4
+    beta = torch.sigmoid(rand(1, T, Hv))
+    h0, dht = rand(len(lens), Hv, K, V), rand(len(lens), Hv, K, V)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, g, beta, do, h0, dht, cu, sum(lens)
+
+
 @pytest.mark.parametrize("kernel", ["blocked", "group"])
 @pytest.mark.parametrize("segment_chunks", [0, 1, 3])
 @pytest.mark.parametrize("l2norm,K,V,Hk,Hv", [(True, 64, 64, 1, 2), (False, 48, 40, 2, 4)])
@@ -269,18 +287,7 @@ def test_launcher_composes_the_stages_into_the_reference_backward(emulated_backw
     from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg
 
     monkeypatch.setattr(bwd_dqkwg, "KERNEL", kernel)
-    gen = torch.Generator().manual_seed(3)
-    lens, pad = [1, 130, 64, 200], 5
-    T = sum(lens) + pad
-    rand = (lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64))
-    q, k = rand(1, T, Hk, K), rand(1, T, Hk, K)
-    if not l2norm:
-        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
-    v, do = rand(1, T, Hv, V), rand(1, T, Hv, V)
-    g = torch.nn.functional.logsigmoid(rand(1, T, Hv)) / 4
-    beta = torch.sigmoid(rand(1, T, Hv))
-    h0, dht = rand(len(lens), Hv, K, V), rand(len(lens), Hv, K, V)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v, g, beta, do, h0, dht, cu, _ = _launcher_case(3, l2norm, K, V, Hk, Hv)
     got = backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
                                               use_qk_l2norm_in_kernel=l2norm, segment_chunks=segment_chunks)
     want = reference_bwd.chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do, dht, initial_state=h0,
@@ -402,19 +409,8 @@ def test_fused_walk_launcher_composes_into_the_reference_backward(emulated_backw
     for module, name in ((bwd_dqkwg, "bwd_dqkwg"), (bwd_dqkwg, "bwd_dqkwg_group"), (bwd_wy, "bwd_wy"),
                          (bwd_wy, "bwd_wy_group")):
         monkeypatch.setattr(module, name, lambda *a, **kw: pytest.fail("a staged stage ran under WALK"))
-    gen = torch.Generator().manual_seed(5)
-    lens, pad = [1, 130, 64, 200], 5
-    T = sum(lens) + pad
-    rand = (lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64))
-    q, k = rand(1, T, Hk, K), rand(1, T, Hk, K)
-    if not l2norm:
-        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
-    v, do = rand(1, T, Hv, V), rand(1, T, Hv, V)
-    g = torch.nn.functional.logsigmoid(rand(1, T, Hv)) / 4
-    beta = torch.sigmoid(rand(1, T, Hv))
-    h0 = rand(len(lens), Hv, K, V)
-    dht = rand(len(lens), Hv, K, V) if with_dht else None
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v, g, beta, do, h0, dht, cu, n = _launcher_case(5, l2norm, K, V, Hk, Hv)
+    dht = dht if with_dht else None
     got = backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
                                               use_qk_l2norm_in_kernel=l2norm, segment_chunks=segment_chunks)
     want = reference_bwd.chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do, dht, initial_state=h0,
@@ -423,4 +419,4 @@ def test_fused_walk_launcher_composes_into_the_reference_backward(emulated_backw
         assert x.shape == ref.shape, label
         torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5, msg=f"{label} differs from the reference")
     for x in got[:5]:
-        assert not x[:, sum(lens):].any(), "the padded tail's gradients must be exactly 0"
+        assert not x[:, n:].any(), "the padded tail's gradients must be exactly 0"

@@ -109,10 +109,9 @@ def _cpu_inputs(Hk, Hv, K, V, dtype, lens, pad, dense_batch=None):
     return q, k, v, g, beta, do, N, cu
 
 
-@pytest.mark.parametrize("layout", [QWEN[0], *EXTRA_LAYOUTS, (2, 4, 96, 40, "bfloat16", True, True, False)])
-def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatch):
-    """The launcher run on CPU tensors with the compiler replaced by a recorder: what it asks for is
-    ``kernel_specs`` of its (padded) layout, so ``precompile`` builds what a GPU run loads."""
+def _recording_launcher(layout, monkeypatch):
+    """The compiler replaced by a recorder (every kernel a no-op) and CPU inputs of ``layout``: (the list of
+    (builder, args) asked for, (q, k, v, g, beta, do, N, cu, h0, dht), the padded head dims)."""
     pytest.importorskip("tilelang")
     from flashqla_kernels import toolkit
 
@@ -123,7 +122,15 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
     q, k, v, g, beta, do, N, cu = _cpu_inputs(Hk, Hv, K, V, dtype, [1, 70, 130], pad=5)
     h0 = torch.randn(N, Hv, K, V) if has_h0 else None
     dht = torch.randn(N, Hv, K, V) if has_dht else None
-    Kp, Vp = (backward.forward.padded_head_dim(d) for d in (K, V))
+    return asked, (q, k, v, g, beta, do, N, cu, h0, dht), tuple(backward.forward.padded_head_dim(d) for d in (K, V))
+
+
+@pytest.mark.parametrize("layout", [QWEN[0], *EXTRA_LAYOUTS, (2, 4, 96, 40, "bfloat16", True, True, False)])
+def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatch):
+    """The launcher run on CPU tensors with the compiler replaced by a recorder: what it asks for is
+    ``kernel_specs`` of its (padded) layout, so ``precompile`` builds what a GPU run loads."""
+    asked, (q, k, v, g, beta, do, N, cu, h0, dht), (Kp, Vp) = _recording_launcher(layout, monkeypatch)
+    Hk, Hv, K, V, dtype, l2, has_h0, has_dht = layout
     # whole sequences (the plan's choice at this size), then forced 1-chunk segments (context parallelism)
     for segment_chunks in (None, 1):
         dq, dk, dv, dg, dbeta, dh0 = backward.chunk_gated_delta_rule_bwd(
@@ -161,18 +168,9 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
 def test_fused_walk_launcher_compiles_only_listed_specialisations(layout, monkeypatch):
     """With ``backward.WALK`` on, the launcher runs the walk (whole sequences and segments), asks only for
     ``kernel_specs``' kernels, and never for the dqkwg and WY stages it replaces."""
-    pytest.importorskip("tilelang")
-    from flashqla_kernels import toolkit
-
-    asked = []
-    monkeypatch.setattr(toolkit, "compile_kernel", lambda builder, *args: asked.append((builder, args)) or (
-        lambda *tensors: None))
+    asked, (q, k, v, g, beta, do, N, cu, h0, dht), (Kp, Vp) = _recording_launcher(layout, monkeypatch)
     monkeypatch.setattr(backward, "WALK", True)
     Hk, Hv, K, V, dtype, l2, has_h0, has_dht = layout
-    q, k, v, g, beta, do, N, cu = _cpu_inputs(Hk, Hv, K, V, dtype, [1, 70, 130], pad=5)
-    h0 = torch.randn(N, Hv, K, V) if has_h0 else None
-    dht = torch.randn(N, Hv, K, V) if has_dht else None
-    Kp, Vp = (backward.forward.padded_head_dim(d) for d in (K, V))
     for segment_chunks in (None, 1):
         dq, dk, dv, dg, dbeta, dh0 = backward.chunk_gated_delta_rule_bwd(
             q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2,
