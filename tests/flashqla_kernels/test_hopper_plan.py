@@ -175,3 +175,10 @@ def test_wide_slices_only_where_the_segment_maps_cover_the_key_dim():
     # K = 64 with 128-wide slices would launch K // bDV = 0 map blocks
     assert not plan.wide_slices_pay(64, long_seq, 32, 64, 128, 132)
     assert plan.block_dv(long_seq, 32, 64, 128, 132) == 64
+
+
+def test_chunk_counts_count_partial_chunks_and_are_cached():
+    cu = (0, 1, 65, 200, 200 + 64 * 3)
+    assert plan.chunk_counts(cu) == (1, 1, 3, 3)
+    # the launchers ask once a call with the offsets host_offsets keeps: the second call is a cache hit
+    assert plan.chunk_counts(cu) is plan.chunk_counts(tuple(cu))

@@ -139,8 +139,10 @@ def _tables(cu: tuple[int, ...], L: int, has_init: bool):
     return chunks, segs, maps, seqs, seg_chunk0
 
 
+@functools.lru_cache(maxsize=16)
 def chunk_counts(cu: tuple[int, ...]) -> tuple[int, ...]:
-    """Chunks of every sequence packed with offsets ``cu`` [N+1] (a partial chunk counts as one)."""
+    """Chunks of every sequence packed with offsets ``cu`` [N+1] (a partial chunk counts as one). Cached: the
+    launchers ask once a call, and every layer of a model passes the same offsets."""
     return tuple(-(-(e - s) // CHUNK) for s, e in zip(cu, cu[1:]))
 
 
