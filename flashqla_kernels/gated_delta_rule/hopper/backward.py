@@ -24,7 +24,8 @@ import torch
 from flashqla_kernels.gated_delta_rule.hopper import forward, plan
 
 # The fused walk (``bwd_walk``: every gradient in one walk per (walk, value head), nothing but the saved states read
-# back) for K, V <= 128, instead of the dh, dqkwg and WY stages. Off until it has passed the GPU suite.
+# back) for K, V <= 128, instead of the dh, dqkwg and WY stages. It passes the GPU suite but is not yet faster than
+# those stages (``bwd_walk``'s docstring), so it is off.
 WALK = False
 
 # (Hk, Hv, K, V, dtype, use_qk_l2norm_in_kernel, has initial_state, has dht) of every case of the GPU test, all with
@@ -146,11 +147,7 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
         (qn, rq), (kn, rk) = chunk_bwd.l2norm_fwd(q3, chunks), chunk_bwd.l2norm_fwd(k3, chunks)
     gamma, ag, _ = kkt_solve.kkt_solve(kn, g3, b3, chunks, Hv)
     if walk:
-        NC = chunks.shape[0]
-        if states is not None:
-            h, v_new = states[0][:NC], states[1]
-        else:
-            h, v_new = recompute_states(kn, v3, ag, gamma, b3, h0, NC, fpl, bdv)
+        h, v_new = saved_or_recomputed(states, kn, v3, ag, gamma, b3, h0, chunks.shape[0], fpl, bdv)
         d_end = dht if not pl.segment_chunks else segment_end_grads(qn, kn, v3, do3, ag, gamma, b3, dht, pl, scale)
         dq_v, dk_v, dv, dbeta, dg, dh0 = bwd_walk.bwd_walk(qn, kn, v3, do3, v_new, h, ag, gamma, b3, d_end, pl.walks,
                                                            scale=scale, store_dh0=h0 is not None)
@@ -195,11 +192,7 @@ def sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, b
     from flashqla_kernels.gated_delta_rule.hopper import bwd_dh
 
     NC = pl.chunks.shape[0]
-    if states is not None:
-        # the forward's h has a row for every chunk its shape-only bound allows; the stages take exactly NC
-        h, v_new = states[0][:NC], states[1]
-    else:
-        h, v_new = recompute_states(kn, v3, ag, gamma, b3, h0, NC, fpl, bdv)
+    h, v_new = saved_or_recomputed(states, kn, v3, ag, gamma, b3, h0, NC, fpl, bdv)
     if not pl.segment_chunks:
         dh, du, dh0 = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, dht, pl.walks, NC, scale=scale,
                                     store_dh0=h0 is not None)
@@ -208,6 +201,14 @@ def sequential_stages(qn, kn, v3, do3, ag, gamma, b3, h0, dht, pl, scale, fpl, b
     dh, du, d_start = bwd_dh.bwd_dh(qn, kn, do3, ag, gamma, d_end, pl.walks, NC, scale=scale,
                                     store_dh0=h0 is not None)
     return h, v_new, dh, du, (None if h0 is None else d_start.index_select(0, pl.first))
+
+
+def saved_or_recomputed(states, kn, v3, ag, gamma, b3, h0, num_chunks, fpl, bdv):
+    """(h [NC, Hv, K, V], v_new): the forward's saved ``states`` (its h has a row for every chunk its shape-only bound
+    allows; the stages take exactly NC), or ``recompute_states``' when None."""
+    if states is not None:
+        return states[0][:num_chunks], states[1]
+    return recompute_states(kn, v3, ag, gamma, b3, h0, num_chunks, fpl, bdv)
 
 
 def segment_end_grads(qn, kn, v3, do3, ag, gamma, b3, dht, pl, scale):
