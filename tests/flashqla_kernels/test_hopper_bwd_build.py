@@ -76,6 +76,11 @@ def _check(builder, args):
         # its warpgroups hand off through mbarriers only: a planner-inserted bar.sync shared one named-barrier id
         # across warpgroups and hung the kernel
         assert "__sync_thread_partial" not in src, f"{name}{args}: a named bar.sync inside a warpgroup's branch"
+    if name == "build_bwd_walk":
+        # the consumers sync among their 256 threads only: a whole-CTA barrier after the roles split (the one
+        # allowed is after the mbarriers' init) would wait for the producer, which never reaches it
+        assert src.count("__syncthreads()") == 1, f"{name}{args}: a whole-CTA barrier inside a role"
+        assert "__sync_thread_partial(3, 256)" in src, f"{name}{args}: the consumers' syncs"
     # the grouped kernels' fp32 running sums, read and written in accumulator layout, each thread its own elements:
     # rows padded to shift 8 banks, so those accesses are at most 2-way (unpadded: 8-way). The one row-major copy
     # from dk_part into dka_sh, once a chunk, stays 4-way.

@@ -16,24 +16,30 @@ Per chunk, last to first (``chunk_bwd``'s notation; C = 64 rows, rows past a rag
                     dKK K + dKK^T K, dv = diag(beta) A^T du, dbeta, dgamma; then dg = the reverse cumsum of dgamma
 
 Every product runs on the input dtype with fp32 accumulation, as in the staged kernels; the carried dS' never leaves
-fp32. Grid (Hv, walks), 256 threads, one step after another (TileLang places the syncs). dq and dk leave per value
-head in fp32 for ``chunk_bwd.gva_bwd`` (the key head's sum in head order and the l2norm backward).
+fp32. Grid (Hv, walks), 384 threads: two consumer warpgroups run the step above one product after another (TileLang
+places their syncs, named barriers over the 256 of them), and a producer warpgroup refills each input tile by TMA
+as soon as its last reader in the chunk before has released it (an mbarrier a tile: v_new after dk's state part,
+S after dw, dO after K^T Y, X after the inverse, q after A^T dw, v after the v-dots, k at the end of the step), the
+gates a chunk ahead in a two-slot ring. Each tile is held once, so the chunk's loads overlap the previous chunk's tail instead of stalling
+its start. dq and dk leave per value head in fp32 for ``chunk_bwd.gva_bwd`` (the key head's sum in head order and
+the l2norm backward).
 
-Measured (internal, the kernels alone on the saved states, 16/32 8192x4): 2.82 ms on an H200 (22 us a chunk step,
-128 walks) against 3.08 for the staged dh, dqkwg and WY kernels it replaces, plus 0.34 for its GVA pass; 3.00 ms
-on an H100 against 3.27. The ~30 products of a step wait on each other and on the loads, so the tensor cores idle
-most of the step: this is why ``backward.WALK`` is off. A warp-specialised form (three warpgroups in lockstep
-phases, a TMA producer refilling each input tile after its last reader) measured slower still (4.37 ms on the
-H200): ``docs/perf-notes.md`` has what it did and where the step's time must come from.
+Measured (internal, the kernels alone on the saved states, 16/32 8192x4, H100): 2.35 ms (18.4 us a chunk step, 128
+walks) plus 0.45 for its GVA pass, against 3.26 for the staged dh, dqkwg and WY kernels it replaces. The same step
+with synchronous loads on 256 threads took 3.00 ms (23.4 us). A step is about 28 MFLOP of products (5-6 us at one
+SM's rate); they still wait on one another. A warp-specialised form (three warpgroups in lockstep phases) measured
+slower (34 us a step on the H200): ``docs/perf-notes.md`` has what it did.
 """
 import tilelang.language as T
 import torch
 
 from flashqla_kernels import toolkit
 from flashqla_kernels.gated_delta_rule.hopper.bwd_wy import ROW_BATCH, through_inverse
-from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import C, LOG2E, load_rows, store_rows
+from flashqla_kernels.gated_delta_rule.hopper.chunk_bwd import C, LOG2E, store_rows
+from flashqla_kernels.gated_delta_rule.hopper.chunk_fwd import set_nreg
 
-THREADS = 256
+THREADS = 384  # two consumer warpgroups and the producer
+NREG_CONSUMER, NREG_PRODUCER = 232, 40
 
 
 def supported(K: int, V: int) -> bool:
@@ -42,7 +48,7 @@ def supported(K: int, V: int) -> bool:
 
 
 def build_bwd_walk(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: float, has_dht: bool, store_dh0: bool):
-    """The walk kernel: grid (Hv, walks), 256 threads; ``has_dht``: start from ``dht`` (else zeros); ``store_dh0``:
+    """The walk kernel: grid (Hv, walks), 384 threads; ``has_dht``: start from ``dht`` (else zeros); ``store_dh0``:
     write the gradient of each walk's start state."""
     if not supported(K, V):
         raise ValueError(f"the fused backward walk holds K and V whole: K, V <= 128, got {K}, {V}")
@@ -52,6 +58,18 @@ def build_bwd_walk(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: float, h
     num_walks = T.dynamic("num_walks")
     num_dht = T.dynamic("num_dht")
     num_dh0 = T.dynamic("num_dh0")
+
+    @T.macro
+    def load_tile(src, dst, cs, n, head, width, bar):
+        # a chunk's rows of src[:, head, :] into dst [C, width]: TMA for a full chunk, masked loads row by row for a
+        # ragged one (rows past its end are 0)
+        if n == C:
+            T.tma_copy(src[cs:cs + C, head, :], dst, barrier=bar)
+        else:
+            for i in T.serial(C):
+                for j in T.Parallel(width):
+                    dst[i, j] = T.if_then_else(i < n, src[cs + T.min(i, n - 1), head, j], T.cast(0, dst.dtype))
+            T.fence_proxy_async()
 
     @T.prim_func
     def gdn_bwd_walk(
@@ -113,177 +131,253 @@ def build_bwd_walk(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: float, h
             rowf_sh = T.alloc_shared((C,), "float32")
             cole_sh = T.alloc_shared((C,), "float32")
             db_out = T.alloc_shared((C,), "float32")
+            gring = T.alloc_shared((2, 4, C), "float32", scope="shared")
+            rdy_qk = T.alloc_barrier(arrive_count=32)
+            rdy_s = T.alloc_barrier(arrive_count=32)
+            rdy_vd = T.alloc_barrier(arrive_count=32)
+            rdy_x = T.alloc_barrier(arrive_count=32)
+            rdy_v = T.alloc_barrier(arrive_count=32)
+            free_q = T.alloc_barrier(arrive_count=256)
+            free_k = T.alloc_barrier(arrive_count=256)
+            free_s = T.alloc_barrier(arrive_count=256)
+            free_vn = T.alloc_barrier(arrive_count=256)
+            free_do = T.alloc_barrier(arrive_count=256)
+            free_x = T.alloc_barrier(arrive_count=256)
+            free_v = T.alloc_barrier(arrive_count=256)
+            g_rdy = T.alloc_barrier(arrive_count=[32] * 2)
+            g_free = T.alloc_barrier(arrive_count=[256] * 2)
 
-            ds_f = T.alloc_fragment((K, V), "float32")
-            sd_f = T.alloc_fragment((K, V), "float32")
-            red_k = T.alloc_fragment((K,), "float32")
-            cv_f = T.alloc_fragment((C, V), "float32")
-            ck_f = T.alloc_fragment((C, K), "float32")
-            dk_f = T.alloc_fragment((C, K), "float32")
-            cc_f = T.alloc_fragment((C, C), "float32")
-            kk_f = T.alloc_fragment((C, C), "float32")
-            da_f = T.alloc_fragment((C, C), "float32")
-            a_f = T.alloc_fragment((C, C), "float32")
-            red = T.alloc_fragment((C,), "float32")
-            red_v = T.alloc_fragment((C,), "float32")
-            red_cc = T.alloc_fragment((C,), "float32")
-            red_col = T.alloc_fragment((C,), "float32")
-            tot = T.alloc_local((1,), "float32")
+            if tx < 256:
+                set_nreg(NREG_CONSUMER)
+                ds_f = T.alloc_fragment((K, V), "float32")
+                sd_f = T.alloc_fragment((K, V), "float32")
+                red_k = T.alloc_fragment((K,), "float32")
+                cv_f = T.alloc_fragment((C, V), "float32")
+                ck_f = T.alloc_fragment((C, K), "float32")
+                dk_f = T.alloc_fragment((C, K), "float32")
+                cc_f = T.alloc_fragment((C, C), "float32")
+                kk_f = T.alloc_fragment((C, C), "float32")
+                da_f = T.alloc_fragment((C, C), "float32")
+                a_f = T.alloc_fragment((C, C), "float32")
+                red = T.alloc_fragment((C,), "float32")
+                red_v = T.alloc_fragment((C,), "float32")
+                red_cc = T.alloc_fragment((C,), "float32")
+                red_col = T.alloc_fragment((C,), "float32")
+                tot = T.alloc_local((1,), "float32")
 
-            if has_dht:
-                T.copy(dht[bn, bh, :, :], ds_f)
-            else:
-                T.clear(ds_f)
-            for it in T.serial(n_it):
-                cs = bos + (n_it - 1 - it) * C
-                n = T.min(eos - cs, C)
-                if n == C:
-                    T.copy(q[cs:cs + C, hk, :], q_sh)
-                    T.copy(k[cs:cs + C, hk, :], k_sh)
-                    T.copy(v[cs:cs + C, bh, :], v_sh)
-                    T.copy(do[cs:cs + C, bh, :], do_sh)
-                    T.copy(v_new[cs:cs + C, bh, :], vn_sh)
-                    T.copy(ag[cs:cs + C, bh, :], x_sh)
+                if has_dht:
+                    T.copy(dht[bn, bh, :, :], ds_f)
                 else:
-                    load_rows(q, q_sh, cs, n, hk, 0, K)
-                    load_rows(k, k_sh, cs, n, hk, 0, K)
-                    load_rows(v, v_sh, cs, n, bh, 0, V)
-                    load_rows(do, do_sh, cs, n, bh, 0, V)
-                    load_rows(v_new, vn_sh, cs, n, bh, 0, V)
-                    load_rows(ag, x_sh, cs, n, bh, 0, C)
-                T.copy(h[c0 + n_it - 1 - it, bh, :, :], s_sh)
-                # padded rows repeat the last valid gamma (every padded gate <= 1; their terms meet zero rows)
-                for i in T.Parallel(C):
-                    g_sh[i] = gamma[cs + T.min(i, n - 1), bh]
-                    eg_sh[i] = T.exp2(gamma[cs + T.min(i, n - 1), bh] * LOG2E)
-                    er_sh[i] = T.exp2((gamma[cs + n - 1, bh] - gamma[cs + T.min(i, n - 1), bh]) * LOG2E)
-                    b_sh[i] = T.if_then_else(i < n, beta[cs + T.min(i, n - 1), bh], 0.0)
-                T.copy(ds_f, ds_sh)
-                for i, j in T.Parallel(C, C):
-                    xb_sh[i, j] = x_sh[i, j]
+                    T.clear(ds_f)
+                for it in T.serial(n_it):
+                    cs = bos + (n_it - 1 - it) * C
+                    n = T.min(eos - cs, C)
+                    sl = it % 2
+                    T.barrier_wait(g_rdy[sl], (it // 2) % 2)
+                    for i in T.Parallel(C):
+                        g_sh[i] = gring[sl, 0, i]
+                        eg_sh[i] = gring[sl, 1, i]
+                        er_sh[i] = gring[sl, 2, i]
+                        b_sh[i] = gring[sl, 3, i]
+                    T.barrier_arrive(g_free[sl])
+                    T.barrier_wait(rdy_x, it % 2)
+                    T.barrier_wait(rdy_s, it % 2)
+                    T.barrier_wait(rdy_qk, it % 2)
+                    T.barrier_wait(rdy_vd, it % 2)
+                    T.copy(ds_f, ds_sh)
+                    for i, j in T.Parallel(C, C):
+                        xb_sh[i, j] = x_sh[i, j]
 
-                # <S, dS'> from the fp32 dS' in registers: the rows' sums, added below in a fixed order
-                for i, j in T.Parallel(K, V):
-                    sd_f[i, j] = ds_f[i, j] * s_sh[i, j]
-                T.reduce_sum(sd_f, red_k, dim=1)
-                for i in T.Parallel(K):
-                    tr_sh[i] = red_k[i]
+                    # <S, dS'> from the fp32 dS' in registers: the rows' sums, added below in a fixed order
+                    for i, j in T.Parallel(K, V):
+                        sd_f[i, j] = ds_f[i, j] * s_sh[i, j]
+                    T.reduce_sum(sd_f, red_k, dim=1)
+                    for i in T.Parallel(K):
+                        tr_sh[i] = red_k[i]
 
-                # Pt = scale (K Q^T) * Gamma^T on j >= i
-                T.gemm(k_sh, q_sh, cc_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    t_sh[i, j] = T.if_then_else(
-                        j >= i, cc_f[i, j] * T.exp2((g_sh[j] - g_sh[i]) * LOG2E) * scale, 0.0)
-                # dv_new = diag(r) K dS' + Pt dO
-                T.gemm(k_sh, ds_sh, cv_f, clear_accum=True)
-                for i, j in T.Parallel(C, V):
-                    cv_f[i, j] = cv_f[i, j] * er_sh[i]
-                T.gemm(t_sh, do_sh, cv_f)
-                T.copy(cv_f, dvn_sh)
-                # dP = scale (dO v_new^T) * Gamma on j <= i
-                T.gemm(do_sh, vn_sh, cc_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    t_sh[i, j] = T.if_then_else(
-                        j <= i, cc_f[i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E) * scale, 0.0)
-                # dk = diag(r) v_new dS'^T + dP^T Q; the state part's k-dots go to the last token
-                T.gemm(vn_sh, ds_sh, dk_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, K):
-                    dk_f[i, j] = dk_f[i, j] * er_sh[i]
-                for i, j in T.Parallel(C, K):
-                    ck_f[i, j] = dk_f[i, j] * k_sh[i, j]
-                T.reduce_sum(ck_f, red, dim=1, batch=ROW_BATCH)
-                for i in T.Parallel(C):
-                    st_sh[i] = red[i]
-                T.gemm(t_sh, q_sh, dk_f, transpose_A=True)
-                # dq = scale diag(e) dO S^T + dP K
-                T.gemm(do_sh, s_sh, ck_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, K):
-                    ck_f[i, j] = ck_f[i, j] * eg_sh[i] * scale
-                T.gemm(t_sh, k_sh, ck_f)
-                store_rows(ck_f, dq, cs, n, bh, 0, K)
-                # dgamma_i = dq_i.q_i - dk_i.k_i, the last token adding e_C <S, dS'> + the state part's k-dots (every
-                # thread sums them in the same fixed order; rows past a ragged end are 0)
-                for i, j in T.Parallel(C, K):
-                    ck_f[i, j] = ck_f[i, j] * q_sh[i, j] - dk_f[i, j] * k_sh[i, j]
-                T.reduce_sum(ck_f, red, dim=1, batch=ROW_BATCH)
-                tot[0] = 0.0
-                for i in T.serial(C):
-                    tot[0] += st_sh[i]
-                for i in T.serial(K):
-                    tot[0] += eg_sh[C - 1] * tr_sh[i]
-                for i in T.Parallel(C):
-                    dgq_sh[i] = red[i] + T.if_then_else(i == n - 1, tot[0], 0.0)
+                    # Pt = scale (K Q^T) * Gamma^T on j >= i
+                    T.gemm(k_sh, q_sh, cc_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        t_sh[i, j] = T.if_then_else(
+                            j >= i, cc_f[i, j] * T.exp2((g_sh[j] - g_sh[i]) * LOG2E) * scale, 0.0)
+                    # dv_new = diag(r) K dS' + Pt dO
+                    T.gemm(k_sh, ds_sh, cv_f, clear_accum=True)
+                    for i, j in T.Parallel(C, V):
+                        cv_f[i, j] = cv_f[i, j] * er_sh[i]
+                    T.gemm(t_sh, do_sh, cv_f)
+                    T.copy(cv_f, dvn_sh)
+                    # dP = scale (dO v_new^T) * Gamma on j <= i
+                    T.gemm(do_sh, vn_sh, cc_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        t_sh[i, j] = T.if_then_else(
+                            j <= i, cc_f[i, j] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E) * scale, 0.0)
+                    # dk = diag(r) v_new dS'^T + dP^T Q; the state part's k-dots go to the last token
+                    T.gemm(vn_sh, ds_sh, dk_f, transpose_B=True, clear_accum=True)
+                    T.barrier_arrive(free_vn)
+                    for i, j in T.Parallel(C, K):
+                        dk_f[i, j] = dk_f[i, j] * er_sh[i]
+                    for i, j in T.Parallel(C, K):
+                        ck_f[i, j] = dk_f[i, j] * k_sh[i, j]
+                    T.reduce_sum(ck_f, red, dim=1, batch=ROW_BATCH)
+                    for i in T.Parallel(C):
+                        st_sh[i] = red[i]
+                    T.gemm(t_sh, q_sh, dk_f, transpose_A=True)
+                    # dq = scale diag(e) dO S^T + dP K
+                    T.gemm(do_sh, s_sh, ck_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, K):
+                        ck_f[i, j] = ck_f[i, j] * eg_sh[i] * scale
+                    T.gemm(t_sh, k_sh, ck_f)
+                    store_rows(ck_f, dq, cs, n, bh, 0, K)
+                    # dgamma_i = dq_i.q_i - dk_i.k_i, the last token adding e_C <S, dS'> + the state part's k-dots
+                    # (every thread sums them in the same fixed order; rows past a ragged end are 0)
+                    for i, j in T.Parallel(C, K):
+                        ck_f[i, j] = ck_f[i, j] * q_sh[i, j] - dk_f[i, j] * k_sh[i, j]
+                    T.reduce_sum(ck_f, red, dim=1, batch=ROW_BATCH)
+                    tot[0] = 0.0
+                    for i in T.serial(C):
+                        tot[0] += st_sh[i]
+                    for i in T.serial(K):
+                        tot[0] += eg_sh[C - 1] * tr_sh[i]
+                    for i in T.Parallel(C):
+                        dgq_sh[i] = red[i] + T.if_then_else(i == n - 1, tot[0], 0.0)
 
-                # dS = e_C dS' + Q^T Doe + K^T Y, Doe = scale diag(e) dO and then Y = -diag(e) X^T dv_new in dO's
-                # tile (dO has no reader left in this chunk)
-                for i, j in T.Parallel(C, V):
-                    do_sh[i, j] = do_sh[i, j] * eg_sh[i] * scale
-                for i, j in T.Parallel(K, V):
-                    ds_f[i, j] = ds_f[i, j] * eg_sh[C - 1]
-                T.gemm(q_sh, do_sh, ds_f, transpose_A=True)
-                T.gemm(xb_sh, dvn_sh, cv_f, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(C, V):
-                    do_sh[i, j] = -eg_sh[i] * cv_f[i, j]
-                T.gemm(k_sh, do_sh, ds_f, transpose_A=True)
+                    # dS = e_C dS' + Q^T Doe + K^T Y, Doe = scale diag(e) dO and then Y = -diag(e) X^T dv_new in dO's
+                    # tile (dO has no reader left in this chunk)
+                    for i, j in T.Parallel(C, V):
+                        do_sh[i, j] = do_sh[i, j] * eg_sh[i] * scale
+                    for i, j in T.Parallel(K, V):
+                        ds_f[i, j] = ds_f[i, j] * eg_sh[C - 1]
+                    T.gemm(q_sh, do_sh, ds_f, transpose_A=True)
+                    T.gemm(xb_sh, dvn_sh, cv_f, transpose_A=True, clear_accum=True)
+                    for i, j in T.Parallel(C, V):
+                        do_sh[i, j] = -eg_sh[i] * cv_f[i, j]
+                    T.gemm(k_sh, do_sh, ds_f, transpose_A=True)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(free_do)
 
-                # dw = -dv_new S^T, into q's tile (q has no reader left in this chunk)
-                T.gemm(dvn_sh, s_sh, ck_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, K):
-                    q_sh[i, j] = -ck_f[i, j]
-                # WY: dA = dw (diag(beta e) K)^T + du (diag(beta) V)^T on the chunk's rows and columns
-                T.gemm(k_sh, k_sh, kk_f, transpose_B=True, clear_accum=True)
-                T.gemm(q_sh, k_sh, da_f, transpose_B=True, clear_accum=True)
-                T.gemm(dvn_sh, v_sh, cc_f, transpose_B=True, clear_accum=True)
-                for i, j in T.Parallel(C, C):
-                    da_f[i, j] = T.if_then_else(i < n, T.if_then_else(
-                        j < n, (da_f[i, j] * eg_sh[j] + cc_f[i, j]) * b_sh[j], 0.0), 0.0)
-                through_inverse(x_sh, kkg_sh, a_sh, t_sh, kk_f, da_f, a_f, g_sh, b_sh, rowf_sh, cole_sh, red_cc,
-                                red_col, n)
-                # dKK = diag(beta) dM * Gamma
-                for i, j in T.Parallel(C, C):
-                    t_sh[i, j] = T.if_then_else(j < i, da_f[i, j] * b_sh[i] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
-                # A^T dw: dk += diag(beta e) A^T dw, and its k-dots
-                T.gemm(a_sh, q_sh, ck_f, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(C, K):
-                    dk_f[i, j] = dk_f[i, j] + ck_f[i, j] * b_sh[i] * eg_sh[i]
-                for i, j in T.Parallel(C, K):
-                    ck_f[i, j] = ck_f[i, j] * k_sh[i, j]
-                T.reduce_sum(ck_f, red, dim=1, batch=ROW_BATCH)
-                # A^T du: dv = diag(beta) A^T du, and its v-dots
-                T.gemm(a_sh, dvn_sh, cv_f, transpose_A=True, clear_accum=True)
-                for i, j in T.Parallel(C, V):
-                    if i < n:
-                        dv[cs + i, bh, j] = cv_f[i, j] * b_sh[i]
-                for i, j in T.Parallel(C, V):
-                    cv_f[i, j] = cv_f[i, j] * v_sh[i, j]
-                T.reduce_sum(cv_f, red_v, dim=1, batch=ROW_BATCH)
-                # dk += dKK K + dKK^T K
-                T.gemm(t_sh, k_sh, dk_f)
-                T.gemm(t_sh, k_sh, dk_f, transpose_A=True)
-                store_rows(dk_f, dk, cs, n, bh, 0, K)
+                    # dw = -dv_new S^T, into q's tile (q has no reader left in this chunk)
+                    T.gemm(dvn_sh, s_sh, ck_f, transpose_B=True, clear_accum=True)
+                    T.barrier_arrive(free_s)
+                    for i, j in T.Parallel(C, K):
+                        q_sh[i, j] = -ck_f[i, j]
+                    # WY: dA = dw (diag(beta e) K)^T + du (diag(beta) V)^T on the chunk's rows and columns
+                    T.gemm(k_sh, k_sh, kk_f, transpose_B=True, clear_accum=True)
+                    T.gemm(q_sh, k_sh, da_f, transpose_B=True, clear_accum=True)
+                    T.barrier_wait(rdy_v, it % 2)
+                    T.gemm(dvn_sh, v_sh, cc_f, transpose_B=True, clear_accum=True)
+                    for i, j in T.Parallel(C, C):
+                        da_f[i, j] = T.if_then_else(i < n, T.if_then_else(
+                            j < n, (da_f[i, j] * eg_sh[j] + cc_f[i, j]) * b_sh[j], 0.0), 0.0)
+                    through_inverse(x_sh, kkg_sh, a_sh, t_sh, kk_f, da_f, a_f, g_sh, b_sh, rowf_sh, cole_sh, red_cc,
+                                    red_col, n)
+                    T.barrier_arrive(free_x)
+                    # dKK = diag(beta) dM * Gamma
+                    for i, j in T.Parallel(C, C):
+                        t_sh[i, j] = T.if_then_else(
+                            j < i, da_f[i, j] * b_sh[i] * T.exp2((g_sh[i] - g_sh[j]) * LOG2E), 0.0)
+                    # A^T dw: dk += diag(beta e) A^T dw, and its k-dots
+                    T.gemm(a_sh, q_sh, ck_f, transpose_A=True, clear_accum=True)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(free_q)
+                    for i, j in T.Parallel(C, K):
+                        dk_f[i, j] = dk_f[i, j] + ck_f[i, j] * b_sh[i] * eg_sh[i]
+                    for i, j in T.Parallel(C, K):
+                        ck_f[i, j] = ck_f[i, j] * k_sh[i, j]
+                    T.reduce_sum(ck_f, red, dim=1, batch=ROW_BATCH)
+                    # A^T du: dv = diag(beta) A^T du, and its v-dots
+                    T.gemm(a_sh, dvn_sh, cv_f, transpose_A=True, clear_accum=True)
+                    for i, j in T.Parallel(C, V):
+                        if i < n:
+                            dv[cs + i, bh, j] = cv_f[i, j] * b_sh[i]
+                    for i, j in T.Parallel(C, V):
+                        cv_f[i, j] = cv_f[i, j] * v_sh[i, j]
+                    T.reduce_sum(cv_f, red_v, dim=1, batch=ROW_BATCH)
+                    T.barrier_arrive(free_v)
+                    # dk += dKK K + dKK^T K
+                    T.gemm(t_sh, k_sh, dk_f)
+                    T.gemm(t_sh, k_sh, dk_f, transpose_A=True)
+                    T.barrier_arrive(free_k)
+                    store_rows(dk_f, dk, cs, n, bh, 0, K)
 
-                # dbeta, and dg: the reverse cumsum within the chunk of every dgamma part (one thread a token, a
-                # warp's shuffle scan: fixed order)
-                for i in T.Parallel(C):
-                    db_out[i] = red[i] * eg_sh[i] + red_v[i] + rowf_sh[i]
-                    st_sh[i] = T.if_then_else(i < n, dgq_sh[i] + red[i] * eg_sh[i] * b_sh[i] + b_sh[i] * rowf_sh[i]
-                                              - cole_sh[i], 0.0)
-                T.sync_threads()
-                if tx < n:
-                    dbeta[cs + tx, bh] = db_out[tx]
-                T.cumsum(st_sh, dim=0, reverse=True)
-                if tx < n:
-                    dg[cs + tx, bh] = st_sh[tx]
-                T.sync_threads()
+                    # dbeta, and dg: the reverse cumsum within the chunk of every dgamma part (one thread a token, a
+                    # warp's shuffle scan: fixed order)
+                    for i in T.Parallel(C):
+                        db_out[i] = red[i] * eg_sh[i] + red_v[i] + rowf_sh[i]
+                        st_sh[i] = T.if_then_else(i < n, dgq_sh[i] + red[i] * eg_sh[i] * b_sh[i] + b_sh[i] * rowf_sh[i]
+                                                  - cole_sh[i], 0.0)
+                    T.sync_threads(1, 256)
+                    if tx < n:
+                        dbeta[cs + tx, bh] = db_out[tx]
+                        # dg_i = the sum of the chunk's dgamma over rows j >= i, one thread a row (fixed order)
+                        tot[0] = 0.0
+                        for j in T.serial(C):
+                            if j >= tx:
+                                tot[0] += st_sh[j]
+                        dg[cs + tx, bh] = tot[0]
+                    T.sync_threads(1, 256)
 
-            if store_dh0:
-                T.copy(ds_f, dh0[bn, bh, :, :])
+                if store_dh0:
+                    T.copy(ds_f, dh0[bn, bh, :, :])
+
+            else:
+                set_nreg(NREG_PRODUCER)
+                if tx < 256 + 32:
+                    for it in T.serial(n_it):
+                        cs = bos + (n_it - 1 - it) * C
+                        n = T.min(eos - cs, C)
+                        if it > 0:
+                            T.barrier_wait(free_s, (it - 1) % 2)
+                        T.tma_copy(h[c0 + n_it - 1 - it, bh, :, :], s_sh, barrier=rdy_s)
+                        T.barrier_arrive(rdy_s)
+                        if it > 0:
+                            T.barrier_wait(free_q, (it - 1) % 2)
+                        load_tile(q, q_sh, cs, n, hk, K, rdy_qk)
+                        if it > 0:
+                            T.barrier_wait(free_k, (it - 1) % 2)
+                        load_tile(k, k_sh, cs, n, hk, K, rdy_qk)
+                        T.barrier_arrive(rdy_qk)
+                elif tx < 256 + 64:
+                    for it in T.serial(n_it):
+                        cs = bos + (n_it - 1 - it) * C
+                        n = T.min(eos - cs, C)
+                        if it > 0:
+                            T.barrier_wait(free_vn, (it - 1) % 2)
+                        load_tile(v_new, vn_sh, cs, n, bh, V, rdy_vd)
+                        if it > 0:
+                            T.barrier_wait(free_do, (it - 1) % 2)
+                        load_tile(do, do_sh, cs, n, bh, V, rdy_vd)
+                        T.barrier_arrive(rdy_vd)
+                elif tx < 256 + 96:
+                    for it in T.serial(n_it):
+                        cs = bos + (n_it - 1 - it) * C
+                        n = T.min(eos - cs, C)
+                        if it > 0:
+                            T.barrier_wait(free_x, (it - 1) % 2)
+                        load_tile(ag, x_sh, cs, n, bh, C, rdy_x)
+                        T.barrier_arrive(rdy_x)
+                        if it > 0:
+                            T.barrier_wait(free_v, (it - 1) % 2)
+                        load_tile(v, v_sh, cs, n, bh, V, rdy_v)
+                        T.barrier_arrive(rdy_v)
+                else:
+                    for it in T.serial(n_it):
+                        sl = it % 2
+                        cs = bos + (n_it - 1 - it) * C
+                        n = T.min(eos - cs, C)
+                        T.barrier_wait(g_free[sl], (it // 2 + 1) % 2)
+                        # padded rows repeat the last valid gamma (every padded gate <= 1; their terms meet zero rows)
+                        for i in T.Parallel(C):
+                            gring[sl, 0, i] = gamma[cs + T.min(i, n - 1), bh]
+                            gring[sl, 1, i] = T.exp2(gamma[cs + T.min(i, n - 1), bh] * LOG2E)
+                            gring[sl, 2, i] = T.exp2((gamma[cs + n - 1, bh] - gamma[cs + T.min(i, n - 1), bh]) * LOG2E)
+                            gring[sl, 3, i] = T.if_then_else(i < n, beta[cs + T.min(i, n - 1), bh], 0.0)
+                        T.barrier_arrive(g_rdy[sl])
 
     return gdn_bwd_walk
 
 
 # fixed-order sums everywhere, no atomics: the walk repeats bit for bit
-build_bwd_walk.pass_configs = {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": True}
+build_bwd_walk.pass_configs = {"tl.disable_warp_specialized": True}
 
 
 def bwd_walk(q, k, v, do, v_new, h, ag, gamma, beta, dht, walks, *, scale: float, store_dh0: bool):
