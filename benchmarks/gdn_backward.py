@@ -99,6 +99,7 @@ AB_ARMS = {
     "ours_per_value_head": ("bwd_dqkwg", "KERNEL", "blocked"),
     "ours_recomputed_states": ("custom_op", "SAVE_STATES", False),
     "ours_walk": ("backward", "WALK", True),
+    "ours_staged": ("backward", "WALK", False),
 }
 
 

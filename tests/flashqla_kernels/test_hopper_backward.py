@@ -168,6 +168,43 @@ def test_backward_split_rule(seq_chunks, Hv, want):
     assert plan.choose_bwd_segment_chunks(seq_chunks, Hv, 2, 132) == want
 
 
+@pytest.mark.parametrize("seq_chunks,Hv,walk", [
+    ([128], 32, True),        # 16/32 8192x1: 32 walks, split 4 ways; the walk measured faster
+    ([512], 32, True),        # 16/32 32768x1
+    ([64] * 8, 32, True),     # 16/32 4096x8: 256 walks, whole
+    ([512], 8, False),        # 4/8 32768x1: 8 walks would be cut 16 ways; the stages measured faster
+    ([64] * 2, 16, True),     # the 2B layer's micro-batch, 16/16 2 x 4096
+    ([64] * 2, 4, False),     # 8 walks
+])
+def test_backward_walk_rule(seq_chunks, Hv, walk):
+    assert plan.walk_pays(seq_chunks, Hv, 132) is walk
+    assert plan.walk_pays(seq_chunks, Hv, 0)  # no GPU to fill: the walk, whose float64 step the CPU tests check
+
+
+def test_launcher_picks_the_walk_by_the_rule_unless_forced(emulated_backward, monkeypatch):
+    """``WALK`` None follows ``plan.walk_pays``; True and False force either path."""
+    from flashqla_kernels.gated_delta_rule.hopper import bwd_walk
+
+    class WalkRan(Exception):
+        pass
+
+    def walk(*a, **kw):
+        raise WalkRan
+
+    q, k, v, g, beta, do, h0, dht, cu, _ = _launcher_case(0, False, 4, 3, 1, 2)
+    monkeypatch.setattr(bwd_walk, "bwd_walk", walk)
+    for setting, pays, want in ((None, True, "walk"), (None, False, "staged"), (True, False, "walk"),
+                                (False, True, "staged")):
+        monkeypatch.setattr(backward, "WALK", setting)
+        monkeypatch.setattr(plan, "walk_pays", lambda *a, p=pays: p)
+        try:
+            backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu)
+            ran = "staged"
+        except WalkRan:
+            ran = "walk"
+        assert ran == want, (setting, pays)
+
+
 # The chunk-parallel stages, each on one chunk through its float64 stage reference (a lone chunk is one sequence).
 
 def _one(x, cs, ce):
@@ -248,6 +285,7 @@ def emulated_backward(emulated_stages, monkeypatch):
     from flashqla_kernels.gated_delta_rule.hopper import bwd_dqkwg, bwd_wy, chunk_bwd, forward, kkt_solve
 
     monkeypatch.setattr(forward, "unsupported_reason", lambda *a: None)  # float64 CPU inputs into the launcher
+    monkeypatch.setattr(backward, "WALK", False)  # the staged path (the fused walk's own test turns it on)
     monkeypatch.setattr(kkt_solve, "kkt_solve", _kkt_solve)
     monkeypatch.setattr(bwd_dqkwg, "bwd_dqkwg", _dqkwg)
     monkeypatch.setattr(bwd_dqkwg, "bwd_dqkwg_group", _dqkwg_group)

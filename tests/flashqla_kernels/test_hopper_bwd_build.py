@@ -136,6 +136,7 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
     ``kernel_specs`` of its (padded) layout, so ``precompile`` builds what a GPU run loads."""
     asked, (q, k, v, g, beta, do, N, cu, h0, dht), (Kp, Vp) = _recording_launcher(layout, monkeypatch)
     Hk, Hv, K, V, dtype, l2, has_h0, has_dht = layout
+    monkeypatch.setattr(backward, "WALK", False)  # the staged stages (the walk's own test below)
     # whole sequences (the plan's choice at this size), then forced 1-chunk segments (context parallelism)
     for segment_chunks in (None, 1):
         dq, dk, dv, dg, dbeta, dh0 = backward.chunk_gated_delta_rule_bwd(

@@ -3,7 +3,7 @@ the backward stages (``chunk_bwd``'s docstring has the math of each):
 
     [l2norm fwd] -> kkt_solve -> states -> dh -> dqkwg -> wy (+ dg) -> gva [+ l2norm bwd]
 
-or, with ``WALK`` on and K, V <= 128, the dh, dqkwg and WY stages as one fused walk (``bwd_walk``):
+or, for K, V <= 128 where ``WALK`` picks it, the dh, dqkwg and WY stages as one fused walk (``bwd_walk``):
 
     [l2norm fwd] -> kkt_solve -> states -> walk (dq, dk per value head, dv, dbeta, dg, dh0) -> gva [+ l2norm bwd]
 
@@ -24,9 +24,9 @@ import torch
 from flashqla_kernels.gated_delta_rule.hopper import forward, plan
 
 # The fused walk (``bwd_walk``: every gradient in one walk per (walk, value head), nothing but the saved states read
-# back) for K, V <= 128, instead of the dh, dqkwg and WY stages. It passes the GPU suite but is not yet faster than
-# those stages (``bwd_walk``'s docstring), so it is off.
-WALK = False
+# back) for K, V <= 128, instead of the dh, dqkwg and WY stages. None: where it measured faster
+# (``plan.walk_pays``: enough sequences x value heads); True / False: always / never.
+WALK: bool | None = None
 
 # (Hk, Hv, K, V, dtype, use_qk_l2norm_in_kernel, has initial_state, has dht) of every case of the GPU test, all with
 # the default scale K^-0.5
@@ -119,7 +119,7 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
     cu = list(range(0, B * Tn + 1, Tn)) if cu_seqlens is None else checks.host_offsets(cu_seqlens)
     seq_chunks = plan.chunk_counts(tuple(cu))
     sms = plan.num_sms(q.device) if q.is_cuda else 0
-    walk = WALK and bwd_walk.supported(K, V)
+    walk = bwd_walk.supported(K, V) and (plan.walk_pays(seq_chunks, Hv, sms) if WALK is None else WALK)
     L = segment_chunks
     if L is None:
         # the fused walk owns all of V; the dh walk a V slice
@@ -273,6 +273,8 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
     if bwd_walk.supported(K, V):
         # the fused walk from dht (or zeros), and from the segments' end gradients
         specs += [(bwd_walk.build_bwd_walk, (Hk, Hv, K, V, dtype, scale, d, has_h0)) for d in sorted({has_dht, True})]
+        # its dq and dk per value head arrive in the input dtype
+        specs += [(chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, False, dtype))]
     specs += [
         # context parallelism of the dh walk: the maps, the reverse scan, the two passes
         (segment_states.build_segment_states, (Hk, Hv, K, V, bDV, dtype, False, True)),

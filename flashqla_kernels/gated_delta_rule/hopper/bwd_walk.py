@@ -21,8 +21,8 @@ places their syncs, named barriers over the 256 of them), and a producer warpgro
 as soon as its last reader in the chunk before has released it (an mbarrier a tile: v_new after dk's state part,
 S after dw, dO after K^T Y, X after the inverse, q after A^T dw, v after the v-dots, k at the end of the step), the
 gates a chunk ahead in a two-slot ring. Each tile is held once, so the chunk's loads overlap the previous chunk's tail instead of stalling
-its start. dq and dk leave per value head in fp32 for ``chunk_bwd.gva_bwd`` (the key head's sum in head order and
-the l2norm backward).
+its start. dq and dk leave per value head in the input dtype for ``chunk_bwd.gva_bwd`` (the key head's sum in fp32,
+in head order, and the l2norm backward): half the bytes of fp32 partials, each rounded once.
 
 Measured (internal, the kernels alone on the saved states, 16/32 8192x4, H100): 2.35 ms (18.4 us a chunk step, 128
 walks) plus 0.45 for its GVA pass, against 3.26 for the staged dh, dqkwg and WY kernels it replaces. The same step
@@ -84,8 +84,8 @@ def build_bwd_walk(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: float, h
         beta: T.Tensor((num_tokens, Hv), "float32"),
         dht: T.Tensor((num_dht, Hv, K, V), "float32"),
         walks: T.Tensor((num_walks, 3), "int32"),
-        dq: T.Tensor((num_tokens, Hv, K), "float32"),
-        dk: T.Tensor((num_tokens, Hv, K), "float32"),
+        dq: T.Tensor((num_tokens, Hv, K), dtype),
+        dk: T.Tensor((num_tokens, Hv, K), dtype),
         dv: T.Tensor((num_tokens, Hv, V), dtype),
         dbeta: T.Tensor((num_tokens, Hv), "float32"),
         dg: T.Tensor((num_tokens, Hv), "float32"),
@@ -391,8 +391,8 @@ def bwd_walk(q, k, v, do, v_new, h, ag, gamma, beta, dht, walks, *, scale: float
         scale: the output scale. store_dh0: return the gradient of each walk's start state.
 
     Returns:
-        (dq [T, Hv, K] fp32 and dk [T, Hv, K] fp32 per value head (``chunk_bwd.gva_bwd`` sums them), dv [T, Hv, V] in
-        v's dtype, dbeta [T, Hv] fp32, dg [T, Hv] fp32 the gradient of the raw g, dh0 [W, Hv, K, V] fp32 or None).
+        (dq [T, Hv, K] and dk [T, Hv, K] per value head in q's dtype (``chunk_bwd.gva_bwd`` sums them in fp32), dv
+        [T, Hv, V] in v's dtype, dbeta [T, Hv] fp32, dg [T, Hv] fp32 the gradient of the raw g, dh0 [W, Hv, K, V] fp32 or None).
         Rows outside every walk are not written.
     """
     Tn, Hk, K = k.shape
@@ -400,8 +400,8 @@ def bwd_walk(q, k, v, do, v_new, h, ag, gamma, beta, dht, walks, *, scale: float
     W = walks.shape[0]
     kernel = toolkit.compile_kernel(build_bwd_walk, Hk, Hv, K, V, toolkit.tl_dtype(q.dtype), float(scale),
                                     dht is not None, store_dh0)
-    dq = toolkit.empty((Tn, Hv, K), torch.float32, q.device)
-    dk = toolkit.empty((Tn, Hv, K), torch.float32, q.device)
+    dq = toolkit.empty((Tn, Hv, K), q.dtype, q.device)
+    dk = toolkit.empty((Tn, Hv, K), q.dtype, q.device)
     dv = toolkit.empty((Tn, Hv, V), v.dtype, q.device)
     dbeta = toolkit.empty((Tn, Hv), torch.float32, q.device)
     dg = toolkit.empty((Tn, Hv), torch.float32, q.device)

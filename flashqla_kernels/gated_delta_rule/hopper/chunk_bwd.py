@@ -137,10 +137,10 @@ def build_l2norm_fwd(Hk: int, K: int, dtype: str):
     return gdn_bwd_l2norm_fwd
 
 
-def build_gva_bwd(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool, two_sources: bool):
+def build_gva_bwd(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool, two_sources: bool, parts: str = "float32"):
     """The GVA reduction (and l2norm backward): grid (chunks, Hk), 256 threads. ``two_sources``: the per-value-head
     gradient is ``a + b`` (dk: the dqkwg and WY parts), else ``a``; ``l2norm``: apply the l2norm backward with the
-    raw ``x`` and its factor ``r``."""
+    raw ``x`` and its factor ``r``; ``parts``: the dtype of ``a`` and ``b`` (summed in fp32 either way)."""
     group = Hv // Hk
     num_tokens = T.dynamic("num_tokens")
     num_chunks = T.dynamic("num_chunks")
@@ -149,8 +149,8 @@ def build_gva_bwd(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool, two_source
 
     @T.prim_func
     def gdn_bwd_gva(
-        a: T.Tensor((num_tokens, Hv, K), "float32"),
-        b: T.Tensor((num_b, Hv, K), "float32"),
+        a: T.Tensor((num_tokens, Hv, K), parts),
+        b: T.Tensor((num_b, Hv, K), parts),
         x: T.Tensor((num_x, Hk, K), dtype),
         r: T.Tensor((num_x, Hk), "float32"),
         chunks: T.Tensor((num_chunks, 2), "int32"),
@@ -165,10 +165,10 @@ def build_gva_bwd(Hk: int, Hv: int, K: int, dtype: str, l2norm: bool, two_source
             for h in T.serial(group):
                 for i, j in T.Parallel(C, K):
                     if two_sources:
-                        acc[i, j] += (a[cs + T.min(i, n - 1), hk * group + h, j]
-                                      + b[cs + T.min(i, n - 1), hk * group + h, j])
+                        acc[i, j] += (T.cast(a[cs + T.min(i, n - 1), hk * group + h, j], "float32")
+                                      + T.cast(b[cs + T.min(i, n - 1), hk * group + h, j], "float32"))
                     else:
-                        acc[i, j] += a[cs + T.min(i, n - 1), hk * group + h, j]
+                        acc[i, j] += T.cast(a[cs + T.min(i, n - 1), hk * group + h, j], "float32")
             if l2norm:
                 # y . dy with y = r x recomputed from the raw rows, then dx = r (dy - (y . dy) y)
                 sq = T.alloc_fragment((C, K), "float32")
@@ -202,7 +202,8 @@ def gva_bwd(a: torch.Tensor, b: torch.Tensor | None, chunks: torch.Tensor, Hk: i
     """Sum per-value-head gradients over each key head's group, then the l2norm backward when ``x`` is given.
 
     Args:
-        a, b: [T, Hv, K] fp32 per-value-head gradients (b may be None). chunks: [NC, 2] int32. Hk: key heads.
+        a, b: [T, Hv, K] per-value-head gradients, fp32 or (the fused walk's) in the output dtype (b may be None).
+        chunks: [NC, 2] int32. Hk: key heads.
         dtype: the output dtype. x: [T, Hk, K] the raw (unnormalised) q or k, with r [T, Hk] fp32 its factor, or None.
 
     Returns:
@@ -210,9 +211,10 @@ def gva_bwd(a: torch.Tensor, b: torch.Tensor | None, chunks: torch.Tensor, Hk: i
     """
     Tn, Hv, K = a.shape
     l2norm = x is not None
-    kernel = toolkit.compile_kernel(build_gva_bwd, Hk, Hv, K, toolkit.tl_dtype(dtype), l2norm, b is not None)
+    parts = () if a.dtype == torch.float32 else (toolkit.tl_dtype(a.dtype),)
+    kernel = toolkit.compile_kernel(build_gva_bwd, Hk, Hv, K, toolkit.tl_dtype(dtype), l2norm, b is not None, *parts)
     if b is None:
-        b = toolkit.unread((1, Hv, K), torch.float32, a.device)
+        b = toolkit.unread((1, Hv, K), a.dtype, a.device)
     if x is None:
         x, r = toolkit.unread((1, Hk, K), dtype, a.device), toolkit.unread((1, Hk), torch.float32, a.device)
     dx = toolkit.empty((Tn, Hk, K), dtype, a.device)

@@ -199,6 +199,21 @@ BWD_CTAS_PER_SM = 1
 BWD_MIN_SEGMENT_CHUNKS = 16
 
 
+# The backward's fused walk (one CTA per walk with all of V, 18 us a chunk step on an H100) against the dh, dqkwg and
+# WY stages (chunk-parallel, per key head): the walk wins while the sequences' walks need a split of at most a few
+# segments each. Through the public op on an H100 (fwd + bwd, ms, stages / walk): 16/32 8192x1 1.77 / 1.48,
+# 16/32 32768x1 4.99 / 4.51, 16/32 4096x8 4.55 / 3.95, but 4/8 32768x1 1.43 / 1.74 (8 walks cut into 16 segments
+# each: the segments' first dh pass and scan, then 32 steps a segment, against chunk-parallel stages over 4 key
+# heads).
+WALK_MIN_WALKS_PER_SM = 1 / 8
+
+
+def walk_pays(seq_chunks: list[int], Hv: int, num_sms: int) -> bool:
+    """Whether the backward's fused walk is the faster path: (sequences x value heads) walks before any split fill
+    at least ``WALK_MIN_WALKS_PER_SM`` of the SMs (``num_sms`` 0, no GPU: always)."""
+    return len(seq_chunks) * Hv >= WALK_MIN_WALKS_PER_SM * num_sms
+
+
 @dataclass(frozen=True)
 class BwdPlan:
     """The backward's tables (int32 on the device, ``first`` int64).
