@@ -25,10 +25,11 @@ its start. dq and dk leave per value head in the input dtype for ``chunk_bwd.gva
 in head order, and the l2norm backward): half the bytes of fp32 partials, each rounded once.
 
 Measured (internal, the kernels alone on the saved states, 16/32 8192x4, H100): 2.35 ms (18.4 us a chunk step, 128
-walks) plus 0.45 for its GVA pass, against 3.26 for the staged dh, dqkwg and WY kernels it replaces. The same step
+walks) plus 0.28 for its GVA pass, against 3.26 for the staged dh, dqkwg and WY kernels it replaces. The same step
 with synchronous loads on 256 threads took 3.00 ms (23.4 us). A step is about 28 MFLOP of products (5-6 us at one
-SM's rate); they still wait on one another. A warp-specialised form (three warpgroups in lockstep phases) measured
-slower (34 us a step on the H200): ``docs/perf-notes.md`` has what it did.
+SM's rate); they still wait on one another, and issuing independent ones together (one wait for two or three)
+measured slower (more spills). A warp-specialised form (three warpgroups in lockstep phases) measured slower still
+(34 us a step on the H200): ``docs/perf-notes.md`` has what each did.
 """
 import tilelang.language as T
 import torch
