@@ -201,10 +201,11 @@ BWD_MIN_SEGMENT_CHUNKS = 16
 
 # The backward's fused walk (one CTA per walk with all of V, 18 us a chunk step on an H100) against the dh, dqkwg and
 # WY stages (chunk-parallel, per key head): the walk wins while the sequences' walks need a split of at most a few
-# segments each. Through the public op on an H100 (fwd + bwd, ms, stages / walk): 16/32 8192x1 1.77 / 1.48,
-# 16/32 32768x1 4.99 / 4.51, 16/32 4096x8 4.55 / 3.95, but 4/8 32768x1 1.43 / 1.74 (8 walks cut into 16 segments
-# each: the segments' first dh pass and scan, then 32 steps a segment, against chunk-parallel stages over 4 key
-# heads).
+# segments each. Through the public op on an H100 (fwd + bwd, ms, stages / walk, two runs): 16/32 32768x1
+# 4.99 / 4.51 and 4.99 / 4.45, 16/32 4096x8 4.55 / 3.95 and 4.54 / 3.92, but 4/8 32768x1 1.43 / 1.74 (8 walks cut
+# into 16 segments each: the segments' first dh pass and scan, then 32 steps a segment, against chunk-parallel
+# stages over 4 key heads). 16/32 8192x1 (the same 32 walks, a quarter as long) is a tie: 1.77 / 1.48, then
+# 1.35 / 1.65.
 WALK_MIN_WALKS_PER_SM = 1 / 8
 
 
