@@ -169,8 +169,8 @@ def test_backward_split_rule(seq_chunks, Hv, want):
 
 
 @pytest.mark.parametrize("seq_chunks,Hv,walk", [
-    ([128], 32, True),        # 16/32 8192x1: 32 walks, split 4 ways; the walk measured faster
-    ([512], 32, True),        # 16/32 32768x1
+    ([128], 32, True),        # 16/32 8192x1: 32 walks, split 4 ways (a tie between runs)
+    ([512], 32, True),        # 16/32 32768x1: the walk measured faster
     ([64] * 8, 32, True),     # 16/32 4096x8: 256 walks, whole
     ([512], 8, False),        # 4/8 32768x1: 8 walks would be cut 16 ways; the stages measured faster
     ([64] * 2, 16, True),     # the 2B layer's micro-batch, 16/16 2 x 4096
