@@ -295,6 +295,20 @@ def emulated_backward(emulated_stages, monkeypatch):
     monkeypatch.setattr(chunk_bwd, "gva_bwd", _gva)
 
 
+def _launcher_matches_reference(q, k, v, g, beta, do, dht, h0, cu, l2norm, segment_chunks):
+    """The launcher's gradients against ``chunk_gated_delta_rule_bwd_ref``'s; returns them."""
+    got = backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
+                                              use_qk_l2norm_in_kernel=l2norm, segment_chunks=segment_chunks)
+    want = reference_bwd.chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do, dht, initial_state=h0,
+                                                        use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu)
+    for label, x, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        assert x.shape == ref.shape, label
+        # the launcher hands the kernels g, beta and the states in fp32: agreement to fp32 rounding, where a wiring
+        # mistake is off by O(1)
+        torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5, msg=f"{label} differs from the reference")
+    return got
+
+
 def _launcher_case(seed, l2norm, K, V, Hk, Hv):
     """Ragged float64 inputs for the launcher tests (a length-1 sequence, a padded tail): (q, k, v, g, beta, do, h0,
     dht, cu, tokens in sequences); q and k unit rows unless the op normalises them."""
@@ -326,15 +340,7 @@ def test_launcher_composes_the_stages_into_the_reference_backward(emulated_backw
 
     monkeypatch.setattr(bwd_dqkwg, "KERNEL", kernel)
     q, k, v, g, beta, do, h0, dht, cu, _ = _launcher_case(3, l2norm, K, V, Hk, Hv)
-    got = backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
-                                              use_qk_l2norm_in_kernel=l2norm, segment_chunks=segment_chunks)
-    want = reference_bwd.chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do, dht, initial_state=h0,
-                                                        use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu)
-    for label, x, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
-        assert x.shape == ref.shape, label
-        # the launcher hands the kernels g, beta and the states in fp32: agreement to fp32 rounding, where a wiring
-        # mistake is off by O(1)
-        torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5, msg=f"{label} differs from the reference")
+    _launcher_matches_reference(q, k, v, g, beta, do, dht, h0, cu, l2norm, segment_chunks)
 
 
 def test_grouped_wy_kernel_algebra_reproduces_the_reference_with_foreign_rows_in_its_tiles():
@@ -449,12 +455,6 @@ def test_fused_walk_launcher_composes_into_the_reference_backward(emulated_backw
         monkeypatch.setattr(module, name, lambda *a, **kw: pytest.fail("a staged stage ran under WALK"))
     q, k, v, g, beta, do, h0, dht, cu, n = _launcher_case(5, l2norm, K, V, Hk, Hv)
     dht = dht if with_dht else None
-    got = backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, initial_state=h0, cu_seqlens=cu,
-                                              use_qk_l2norm_in_kernel=l2norm, segment_chunks=segment_chunks)
-    want = reference_bwd.chunk_gated_delta_rule_bwd_ref(q, k, v, g, beta, do, dht, initial_state=h0,
-                                                        use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu)
-    for label, x, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
-        assert x.shape == ref.shape, label
-        torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5, msg=f"{label} differs from the reference")
+    got = _launcher_matches_reference(q, k, v, g, beta, do, dht, h0, cu, l2norm, segment_chunks)
     for x in got[:5]:
         assert not x[:, n:].any(), "the padded tail's gradients must be exactly 0"

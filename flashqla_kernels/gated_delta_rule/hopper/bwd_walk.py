@@ -72,6 +72,13 @@ def build_bwd_walk(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: float, h
                     dst[i, j] = T.if_then_else(i < n, src[cs + T.min(i, n - 1), head, j], T.cast(0, dst.dtype))
             T.fence_proxy_async()
 
+    @T.macro
+    def refill(free, it, src, dst, cs, n, head, width, bar):
+        # the chunk's tile into a single-held buffer once its last reader in the chunk before has released it
+        if it > 0:
+            T.barrier_wait(free, (it - 1) % 2)
+        load_tile(src, dst, cs, n, head, width, bar)
+
     @T.prim_func
     def gdn_bwd_walk(
         q: T.Tensor((num_tokens, Hk, K), dtype),
@@ -330,35 +337,23 @@ def build_bwd_walk(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: float, h
                             T.barrier_wait(free_s, (it - 1) % 2)
                         T.tma_copy(h[c0 + n_it - 1 - it, bh, :, :], s_sh, barrier=rdy_s)
                         T.barrier_arrive(rdy_s)
-                        if it > 0:
-                            T.barrier_wait(free_q, (it - 1) % 2)
-                        load_tile(q, q_sh, cs, n, hk, K, rdy_qk)
-                        if it > 0:
-                            T.barrier_wait(free_k, (it - 1) % 2)
-                        load_tile(k, k_sh, cs, n, hk, K, rdy_qk)
+                        refill(free_q, it, q, q_sh, cs, n, hk, K, rdy_qk)
+                        refill(free_k, it, k, k_sh, cs, n, hk, K, rdy_qk)
                         T.barrier_arrive(rdy_qk)
                 elif tx < 256 + 64:
                     for it in T.serial(n_it):
                         cs = bos + (n_it - 1 - it) * C
                         n = T.min(eos - cs, C)
-                        if it > 0:
-                            T.barrier_wait(free_vn, (it - 1) % 2)
-                        load_tile(v_new, vn_sh, cs, n, bh, V, rdy_vd)
-                        if it > 0:
-                            T.barrier_wait(free_do, (it - 1) % 2)
-                        load_tile(do, do_sh, cs, n, bh, V, rdy_vd)
+                        refill(free_vn, it, v_new, vn_sh, cs, n, bh, V, rdy_vd)
+                        refill(free_do, it, do, do_sh, cs, n, bh, V, rdy_vd)
                         T.barrier_arrive(rdy_vd)
                 elif tx < 256 + 96:
                     for it in T.serial(n_it):
                         cs = bos + (n_it - 1 - it) * C
                         n = T.min(eos - cs, C)
-                        if it > 0:
-                            T.barrier_wait(free_x, (it - 1) % 2)
-                        load_tile(ag, x_sh, cs, n, bh, C, rdy_x)
+                        refill(free_x, it, ag, x_sh, cs, n, bh, C, rdy_x)
                         T.barrier_arrive(rdy_x)
-                        if it > 0:
-                            T.barrier_wait(free_v, (it - 1) % 2)
-                        load_tile(v, v_sh, cs, n, bh, V, rdy_v)
+                        refill(free_v, it, v, v_sh, cs, n, bh, V, rdy_v)
                         T.barrier_arrive(rdy_v)
                 else:
                     for it in T.serial(n_it):
