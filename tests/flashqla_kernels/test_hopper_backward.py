@@ -382,9 +382,10 @@ def test_grouped_wy_kernel_algebra_reproduces_the_reference_with_foreign_rows_in
 
 @pytest.mark.parametrize("segment_chunks", [0, 1])
 def test_launcher_reads_the_forwards_saved_states_as_recomputed(emulated_backward, segment_chunks, monkeypatch):
-    """``states``: the forward's h (with its spare rows past the last chunk, as ``forward.saved_chunks`` sizes it)
-    and v_new replace the recompute; the gradients are those of the recomputing launcher, which is not called."""
-    from flashqla_kernels.gated_delta_rule.hopper import forward
+    """``states``: the forward's h (with its spare rows past the last chunk, as ``forward.saved_chunks`` sizes it),
+    v_new, gamma and Ag replace the recompute; the gradients are those of the recomputing launcher, neither of whose
+    recomputes (kkt_solve, the states) is called."""
+    from flashqla_kernels.gated_delta_rule.hopper import forward, kkt_solve
 
     gen = torch.Generator().manual_seed(4)
     lens, pad, Hk, Hv, K, V = [1, 130, 64, 70], 3, 1, 2, 64, 64
@@ -397,19 +398,22 @@ def test_launcher_reads_the_forwards_saved_states_as_recomputed(emulated_backwar
     h0, dht = rand(len(lens), Hv, K, V), rand(len(lens), Hv, K, V)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     kw = dict(initial_state=h0, cu_seqlens=cu, segment_chunks=segment_chunks)
-    recomputed = []
-    real = backward.recompute_states
+    recomputed, solved = [], []
+    real, real_kkt = backward.recompute_states, kkt_solve.kkt_solve
     monkeypatch.setattr(backward, "recompute_states", lambda *a: recomputed.append(real(*a)) or recomputed[-1])
+    monkeypatch.setattr(kkt_solve, "kkt_solve", lambda *a: solved.append(real_kkt(*a)) or solved[-1])
     want = backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, **kw)
     (h, v_new), = recomputed
+    (gamma, ag, _), = solved
     saved = torch.full((forward.saved_chunks(1, T, len(lens)), Hv, K, V), float("nan"), dtype=h.dtype)
     saved[:h.shape[0]] = h
-    got = backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, states=(saved, v_new), **kw)
-    assert len(recomputed) == 1, "the saved states were recomputed"
+    got = backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, states=(saved, v_new, gamma, ag), **kw)
+    assert len(recomputed) == 1 and len(solved) == 1, "the saved states were recomputed"
     for label, x, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         torch.testing.assert_close(x, ref, rtol=0, atol=0, msg=label)
-    with pytest.raises(ValueError, match="states must be the forward's"):
-        backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, states=(h[:-1], v_new), **kw)
+    for bad in ((h[:-1], v_new, gamma, ag), (saved, v_new), (saved, v_new, gamma, ag[:, :1]), (saved, v_new, None, ag)):
+        with pytest.raises(ValueError, match="states must be the forward's"):
+            backward.chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht, states=bad, **kw)
 
 
 def _walk(q, k, v, do, v_new, h, ag, gamma, beta, dht, walks, *, scale, store_dh0):

@@ -158,7 +158,9 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
         out = backward.forward.chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, initial_state=h0, output_final_state=has_dht, use_qk_l2norm_in_kernel=l2,
             cu_seqlens=cu, segment_chunks=segment_chunks, save_states=True)
-        assert len(out) == 4 and out[2].shape[1:] == (Hv, Kp, Vp) and out[3].shape == (q.shape[0] * q.shape[1], Hv, Vp)
+        rows = q.shape[0] * q.shape[1]
+        assert len(out) == 6 and out[2].shape[1:] == (Hv, Kp, Vp) and out[3].shape == (rows, Hv, Vp)
+        assert out[4].shape == (rows, Hv) and out[5].shape == (rows, Hv, 64)  # gamma and Ag
     saving = {(b, a) for b, a in set(asked) - recompute if b.__name__ == "build_chunk_fwd"}
     assert saving and all(a[9] is True for _, a in saving) and saving <= want  # save_states
     # the forward's plan picks one of the V slices listed for the states, bwd_dqkwg.KERNEL between the

@@ -150,7 +150,7 @@ def test_context_parallel_backward_matches_float64_reference(name, segment_chunk
                          + [("qwen_layout_l2norm_varlen", 2), ("ragged_gva2_l2norm_padded_tail", 1)])
 def test_states_saved_by_the_forward_give_the_reference_gradients(name, segment_chunks):
     """The backward on the states the forward saved (``save_states``: h and v_new written by the forward's own
-    step, split into segments as the forward's plan splits them) against the backward that recomputes them and the
+    step, split into segments as the forward's plan splits them, and its kkt_solve's gamma and Ag) against the backward that recomputes them and the
     float64 reference; saving leaves the forward's outputs bit-identical."""
     case = q, k, v, g, beta, do, dht, h0, cu, l2 = _case(name)
 
@@ -160,7 +160,7 @@ def test_states_saved_by_the_forward_give_the_reference_gradients(name, segment_
                                                   segment_chunks=segment_chunks, save_states=save)
 
     with toolkit.poisoned_outputs():
-        o, ht, h, v_new = fwd(True)
+        o, ht, *_ = fwd(True)
         o_plain, ht_plain = fwd(False)
     assert torch.equal(o, o_plain) and torch.equal(ht, ht_plain), f"{name}: saving the states changed the forward"
 

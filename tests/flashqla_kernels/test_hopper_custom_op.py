@@ -25,7 +25,8 @@ def _fwd_stand_in(q, k, v, g, beta, *, scale, initial_state, output_final_state,
     B, T, Hv = q.shape[0], q.shape[1], v.shape[2]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     Kp, Vp = forward.padded_head_dim(k.shape[3]), forward.padded_head_dim(v.shape[3])
-    return o, ht, torch.full((forward.saved_chunks(B, T, N), Hv, Kp, Vp), 0.5), torch.full((B * T, Hv, Vp), 0.25)
+    return (o, ht, torch.full((forward.saved_chunks(B, T, N), Hv, Kp, Vp), 0.5), torch.full((B * T, Hv, Vp), 0.25),
+            torch.full((B * T, Hv), -0.5), torch.full((B * T, Hv, 64), 0.125, dtype=torch.float16))
 
 
 def _bwd_stand_in(q, k, v, g, beta, do, dht, *, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
@@ -90,7 +91,8 @@ def test_gradients_through_the_custom_op_equal_autograd_of_the_torch_path(kernel
     assert (kernels_on_cpu["fwd"], kernels_on_cpu["bwd"]) == (1, 1)
     # the states the forward saved reach the backward as they were
     saved, states = kernels_on_cpu["saved"], kernels_on_cpu["states"]
-    assert len(saved) == 2 and states is not None and all(torch.equal(a, b) for a, b in zip(saved, states))
+    assert len(saved) == 4 and states is not None and len(states) == 4
+    assert all(torch.equal(a, b) for a, b in zip(saved, states))
     o_t, ht_t, grads_t = _grads(chunk_gated_delta_rule_torch, tensors, cu, do, dht)
     torch.testing.assert_close(o, o_t)
     torch.testing.assert_close(ht, ht_t)

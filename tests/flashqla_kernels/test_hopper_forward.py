@@ -431,7 +431,7 @@ def test_launcher_saves_every_chunks_entering_state(torch_stages, segment_chunks
     kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
               segment_chunks=segment_chunks)
     with toolkit.poisoned_outputs():  # rows no chunk writes come back 0, not the NaN they were allocated with
-        o, ht, h, v_new = forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, save_states=True, **kw)
+        o, ht, h, v_new, gamma, ag = forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, save_states=True, **kw)
     o_plain, ht_plain = forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, **kw)
     assert torch.equal(o, o_plain) and torch.equal(ht, ht_plain)
     # saved at the kernel head dims (16 and 8 run zero-padded to 64): the padding stays zero
@@ -452,3 +452,9 @@ def test_launcher_saves_every_chunks_entering_state(torch_stages, segment_chunks
     # the spare rows (the shape-only bound on the chunk count) and the padded tail's v_new: zero, not left unwritten
     assert c < h.shape[0] and not h[c:].any()
     assert not v_new[sum(lens):].any() and not v_new.isnan().any()
+    # kkt_solve's gamma (the chunk-local cumsum of g) and Ag, kept for the backward: the padded tail's rows zero too
+    assert gamma.shape == (T, Hv) and ag.shape == (T, Hv, 64)
+    for s, e in zip(cu.tolist(), cu.tolist()[1:]):
+        for cs in range(s, e, 64):
+            torch.testing.assert_close(gamma[cs:min(cs + 64, e)], g[0, cs:min(cs + 64, e)].cumsum(0).to(gamma.dtype))
+    assert not gamma[sum(lens):].any() and not ag[sum(lens):].any() and not ag.isnan().any()

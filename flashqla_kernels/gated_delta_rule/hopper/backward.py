@@ -7,11 +7,11 @@ or, for K, V <= 128 where ``WALK`` picks it, the dh, dqkwg and WY stages as one 
 
     [l2norm fwd] -> kkt_solve -> states -> walk (dq, dk per value head, dv, dbeta, dg, dh0) -> gva [+ l2norm bwd]
 
-Saved versus recomputed: the backward takes the forward's inputs (q, k, v, g, beta, h0) and recomputes gamma,
-X = Ag (the forward's ``kkt_solve``) and the normalised q / k. The per-chunk states h and v_new come from the
-forward when it saved them (``states``: the forward's ``save_states``, which the custom op asks for under grad;
-their stores ride on the forward's own step) and are otherwise recomputed on that step (``chunk_fwd.chunk_states``,
-over the forward's plan and split). The public op reaches it through the custom op's autograd formula
+Saved versus recomputed: the backward takes the forward's inputs (q, k, v, g, beta, h0) and recomputes the
+normalised q / k. The per-chunk states h and v_new, gamma and X = Ag come from the forward when it saved them
+(``states``: the forward's ``save_states``, which the custom op asks for under grad; the states' stores ride on the
+forward's own step, gamma and Ag are its ``kkt_solve``'s outputs kept) and are otherwise recomputed (``kkt_solve``,
+then ``chunk_fwd.chunk_states`` over the forward's plan and split). The public op reaches it through the custom op's autograd formula
 (``custom_op.py``); ``tests/flashqla_kernels/test_hopper_bwd_gpu.py`` checks it on an sm_90 GPU.
 
 Imports torch only; the stage modules (and tilelang) load on the first call. ``precompile()`` compiles every
@@ -52,8 +52,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
         segment_chunks: intra-card context parallelism of the sequential stages: None (default) picks by
             ``plan.choose_bwd_segment_chunks`` for the dh walk and by the forward's rule for the recomputed states,
             0 never splits, L > 0 forces L-chunk segments on both (tests, benchmarks).
-        states: None (recompute them), or (h, v_new) as the forward returns them with ``save_states`` on the same
-            inputs: the per-chunk states and v_new are then read instead of recomputed.
+        states: None (recompute them), or (h, v_new, gamma, Ag) as the forward returns them with ``save_states``
+            on the same inputs: the per-chunk states, v_new and kkt_solve's outputs are then read instead of
+            recomputed.
 
     Returns:
         (dq [B, T, Hk, K] in q's dtype, dk [B, T, Hk, K] in k's, dv [B, T, Hv, V] in v's, dg [B, T, Hv] in g's,
@@ -75,12 +76,14 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, do, dht=None, *, scale=None, in
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     Kp, Vp = forward.padded_head_dim(K), forward.padded_head_dim(V)
     if states is not None:
-        h, v_new = states
-        if (h.dim() != 4 or h.shape[0] < forward.saved_chunks(B, Tn, N) or tuple(h.shape[1:]) != (Hv, Kp, Vp)
-                or tuple(v_new.shape) != (B * Tn, Hv, Vp)):
-            raise ValueError(f"states must be the forward's (h, v_new) for these inputs: h [>= "
-                             f"{forward.saved_chunks(B, Tn, N)}, {Hv}, {Kp}, {Vp}], v_new [{B * Tn}, {Hv}, {Vp}]; got "
-                             f"{tuple(h.shape)}, {tuple(v_new.shape)}")
+        got = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in states)
+        want = ((B * Tn, Hv, Vp), (B * Tn, Hv), (B * Tn, Hv, plan.CHUNK))
+        if (len(states) != 4 or not all(isinstance(x, torch.Tensor) for x in states) or states[0].dim() != 4
+                or states[0].shape[0] < forward.saved_chunks(B, Tn, N) or tuple(states[0].shape[1:]) != (Hv, Kp, Vp)
+                or got[1:] != want):
+            raise ValueError(f"states must be the forward's (h, v_new, gamma, Ag) with save_states=True on these "
+                             f"inputs: h [>= {forward.saved_chunks(B, Tn, N)}, {Hv}, {Kp}, {Vp}], then "
+                             f"{', '.join(str(list(w)) for w in want)}; got {got}")
     if not isinstance(do, torch.Tensor) or do.shape != v.shape:
         raise ValueError(f"do must be the gradient of o, [B, T, Hv, V] = {tuple(v.shape)}; got "
                          f"{tuple(do.shape) if isinstance(do, torch.Tensor) else type(do).__name__}")
@@ -145,7 +148,10 @@ def _launch(q, k, v, g, beta, do, dht, scale, initial_state, cu_seqlens, l2norm,
         # normalised once for all stages (in q's dtype, as FLA's l2norm writes them); the factors serve the l2norm
         # backward at the end
         (qn, rq), (kn, rk) = chunk_bwd.l2norm_fwd(q3, chunks), chunk_bwd.l2norm_fwd(k3, chunks)
-    gamma, ag, _ = kkt_solve.kkt_solve(kn, g3, b3, chunks, Hv)
+    if states is not None:
+        gamma, ag = states[2], states[3]
+    else:
+        gamma, ag, _ = kkt_solve.kkt_solve(kn, g3, b3, chunks, Hv)
     if walk:
         h, v_new = saved_or_recomputed(states, kn, v3, ag, gamma, b3, h0, chunks.shape[0], fpl, bdv)
         d_end = dht if not pl.segment_chunks else segment_end_grads(qn, kn, v3, do3, ag, gamma, b3, dht, pl, scale)

@@ -92,15 +92,17 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
             splits, L > 0 forces L-chunk segments (tests and benchmarks).
         block_v: None (default) takes the plan's V slice per CTA (``plan.block_dv``); 32, 64 or 128 forces that
             width where K <= 128 (benchmarks).
-        save_states: also return what the backward would otherwise recompute (``backward``'s ``states``).
+        save_states: also return what the backward would otherwise recompute (``backward``'s ``states``): the
+            per-chunk states and v_new, and kkt_solve's gamma and Ag.
         checked: the caller has run ``unsupported_reason`` on these inputs and it returned None (the public op's
             dispatcher does): skip running it again.
 
     Returns:
         (o [B, T, Hv, V] in q's dtype, final state [N, Hv, K, V] fp32 or None); with ``save_states`` also
         (h [saved_chunks(B, T, N), Hv, Kp, Vp], the state entering every chunk, and v_new [B T, Hv, Vp]), both in q's
-        dtype at the kernel head dims Kp, Vp (``padded_head_dim``); h's rows past the last chunk and v_new's
-        padded tail are 0.
+        dtype at the kernel head dims Kp, Vp (``padded_head_dim``), then (gamma [B T, Hv] fp32, the chunk-local
+        cumsum of g, and Ag [B T, Hv, 64] fp16, ``kkt_solve``'s); h's rows past the last chunk and the padded tail's
+        rows of the others are 0.
 
     Raises:
         ValueError: inputs the kernels cannot take (``unsupported_reason``).
@@ -120,7 +122,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, scale=None, initial_state=No
                   else torch.zeros((N, Hv, K, V), dtype=torch.float32, device=q.device))
         if save_states:
             return (v.new_empty(v.shape), ht, q.new_empty((saved_chunks(B, Tn, N), Hv, Kp, Vp)),
-                    q.new_empty((0, Hv, Vp)))
+                    q.new_empty((0, Hv, Vp)), q.new_empty((0, Hv), dtype=torch.float32),
+                    q.new_empty((0, Hv, plan.CHUNK), dtype=torch.float16))
         return v.new_empty(v.shape), ht
     if (Kp, Vp) == (K, V):
         return _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -196,5 +199,7 @@ def _launch(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l
     if h.shape[0] > num_chunks:
         h[num_chunks:].zero_()
     if cu[-1] < B * Tn:
-        v_new[cu[-1]:].zero_()
-    return o.view(B, Tn, Hv, V), ht, h, v_new
+        for x in (v_new, gamma, ag):
+            x[cu[-1]:].zero_()
+    # gamma and Ag too: the backward skips its kkt_solve (they cost 132 bytes a token and value head)
+    return o.view(B, Tn, Hv, V), ht, h, v_new, gamma, ag
