@@ -157,7 +157,9 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     import triton.testing
 
     from flashqla_kernels.gated_delta_rule import checks
-    from flashqla_kernels.gated_delta_rule.hopper import backward, bwd_dh, bwd_dqkwg, bwd_wy, chunk_bwd, kkt_solve, plan
+    from flashqla_kernels.gated_delta_rule.hopper import (
+        backward, bwd_dh, bwd_dqkwg, bwd_walk, bwd_wy, chunk_bwd, kkt_solve, plan,
+    )
 
     Hk, Kd = q.shape[2], q.shape[3]
     Hv, Vd = v.shape[2], v.shape[3]
@@ -197,7 +199,29 @@ def stage_ms(q, k, v, g, beta, h0, cu, do, dht) -> dict:
     from flashqla_kernels.gated_delta_rule.hopper import forward
 
     qd, kd, vd, gd, bd = (x.detach() for x in (q, k, v, g, beta))
+    walk = {}
+    if bwd_walk.supported(Kd, Vd):
+        # the fused walk on these states over its own split (one CTA a value head), its segments' exact end
+        # gradients, and its GVA pass on the input-dtype partials
+        wpl = plan.make_bwd_plan(tuple(cu_host), plan.choose_bwd_segment_chunks(seq_chunks, Hv, 1, sms), q.device)
+
+        def ends():
+            return backward.segment_end_grads(q3, k3, v3, do3, ag, gamma, b3, dht, wpl, scale)
+
+        d_end = ends() if wpl.segment_chunks else dht
+
+        def run_walk():
+            return bwd_walk.bwd_walk(q3, k3, v3, do3, v_new, h, ag, gamma, b3, d_end, wpl.walks, scale=scale,
+                                     store_dh0=True)
+
+        dq_w, dk_w = run_walk()[:2]
+        walk = {"walk segment_chunks": wpl.segment_chunks,
+                "walk: segment end grads": bench(ends) if wpl.segment_chunks else 0.0,
+                "walk": bench(run_walk),
+                "walk: gva": bench(lambda: (chunk_bwd.gva_bwd(dq_w, None, wpl.chunks, Hk, q.dtype),
+                                            chunk_bwd.gva_bwd(dk_w, None, wpl.chunks, Hk, q.dtype)))}
     return {
+        **walk,
         "segment_chunks": L,
         # the forward as the custom op runs it under grad, without and with the states saved for the backward
         "forward": bench(lambda: forward.chunk_gated_delta_rule_fwd(qd, kd, vd, gd, bd, initial_state=h0,
