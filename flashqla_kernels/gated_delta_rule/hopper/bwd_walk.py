@@ -172,7 +172,6 @@ def build_bwd_walk(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: float, h
                 red_cc = T.alloc_fragment((C,), "float32")
                 red_col = T.alloc_fragment((C,), "float32")
                 tot = T.alloc_local((1,), "float32")
-                part = T.alloc_local((4,), "float32")
 
                 if has_dht:
                     T.copy(dht[bn, bh, :, :], ds_f)
@@ -242,16 +241,11 @@ def build_bwd_walk(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: float, h
                     for i, j in T.Parallel(C, K):
                         ck_f[i, j] = ck_f[i, j] * q_sh[i, j] - dk_f[i, j] * k_sh[i, j]
                     T.reduce_sum(ck_f, red, dim=1, batch=ROW_BATCH)
-                    # on four partial sums in a fixed order: a dependent chain a quarter as long
-                    for u in T.unroll(4):
-                        part[u] = 0.0
-                    for i in T.serial(C // 4):
-                        for u in T.unroll(4):
-                            part[u] += st_sh[i * 4 + u]
-                    for i in T.serial(K // 4):
-                        for u in T.unroll(4):
-                            part[u] += eg_sh[C - 1] * tr_sh[i * 4 + u]
-                    tot[0] = (part[0] + part[1]) + (part[2] + part[3])
+                    tot[0] = 0.0
+                    for i in T.serial(C):
+                        tot[0] += st_sh[i]
+                    for i in T.serial(K):
+                        tot[0] += eg_sh[C - 1] * tr_sh[i]
                     for i in T.Parallel(C):
                         dgq_sh[i] = red[i] + T.if_then_else(i == n - 1, tot[0], 0.0)
 
@@ -319,12 +313,15 @@ def build_bwd_walk(Hk: int, Hv: int, K: int, V: int, dtype: str, scale: float, h
                         db_out[i] = red[i] * eg_sh[i] + red_v[i] + rowf_sh[i]
                         st_sh[i] = T.if_then_else(i < n, dgq_sh[i] + red[i] * eg_sh[i] * b_sh[i] + b_sh[i] * rowf_sh[i]
                                                   - cole_sh[i], 0.0)
-                    # dg_i = the sum of the chunk's dgamma over rows j >= i: one warp's shuffle scan (fixed order)
-                    T.cumsum(st_sh, dim=0, reverse=True)
                     T.sync_threads(1, 256)
                     if tx < n:
                         dbeta[cs + tx, bh] = db_out[tx]
-                        dg[cs + tx, bh] = st_sh[tx]
+                        # dg_i = the sum of the chunk's dgamma over rows j >= i, one thread a row (fixed order)
+                        tot[0] = 0.0
+                        for j in T.serial(C):
+                            if j >= tx:
+                                tot[0] += st_sh[j]
+                        dg[cs + tx, bh] = tot[0]
                     T.sync_threads(1, 256)
 
                 if store_dh0:
