@@ -11,8 +11,8 @@ Saved versus recomputed: the backward takes the forward's inputs (q, k, v, g, be
 normalised q / k. The per-chunk states h and v_new, gamma and X = Ag come from the forward when it saved them
 (``states``: the forward's ``save_states``, which the custom op asks for under grad; the states' stores ride on the
 forward's own step, gamma and Ag are its ``kkt_solve``'s outputs kept) and are otherwise recomputed (``kkt_solve``,
-then ``chunk_fwd.chunk_states`` over the forward's plan and split). The public op reaches it through the custom op's autograd formula
-(``custom_op.py``); ``tests/flashqla_kernels/test_hopper_bwd_gpu.py`` checks it on an sm_90 GPU.
+then ``chunk_fwd.chunk_states`` over the forward's plan and split). The public op reaches it through the custom op's
+autograd formula (``custom_op.py``); ``tests/flashqla_kernels/test_hopper_bwd_gpu.py`` checks it on an sm_90 GPU.
 
 Imports torch only; the stage modules (and tilelang) load on the first call. ``precompile()`` compiles every
 specialisation the GPU test runs (``TESTED_LAYOUTS``), so TileLang's disk cache can be filled on a CPU machine.

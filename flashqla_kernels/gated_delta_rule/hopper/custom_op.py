@@ -10,12 +10,12 @@ backward graph.
 Saved for the backward: the forward's inputs (q, k, v, g, beta, initial_state, cu_seqlens), from which the
 backward would recompute the per-chunk states h and v_new (as FlashQLA does), and with ``SAVE_STATES`` on (the
 default) those states themselves: the forward's chunk step writes them beside o (``chunk_fwd``'s ``save_states``) and
-the backward skips its states pass (``backward``'s docstring). gamma and Ag (``kkt_solve``'s outputs, which the
-forward computes anyway) are kept with them, so the backward skips its kkt_solve too. On the H200 that made forward + backward 1.25x faster
-at 16/32 8192x1 and 1-2% faster on the 32K-token rows, with bit-identical gradients. Saving costs memory until the
-backward: h is [chunks, Hv, K, V] in q's dtype, K V / 32 bytes a token and value head (1 KB at K = V = 128; 268 MB
-for 32K tokens of 32 heads), v_new [T, Hv, V], gamma and Ag 132 bytes a token and value head. Set ``SAVE_STATES = False`` where that memory matters more.
-Not twice differentiable.
+the backward skips its states pass (``backward``'s docstring). On the H200 that made forward + backward 1.25x faster
+at 16/32 8192x1 and 1-2% faster on the 32K-token rows, with bit-identical gradients. gamma and Ag (``kkt_solve``'s
+outputs, which the forward computes anyway) are kept with them, so the backward skips its kkt_solve too. Saving
+costs memory until the backward: h is [chunks, Hv, K, V] in q's dtype, K V / 32 bytes a token and value head (1 KB
+at K = V = 128; 268 MB for 32K tokens of 32 heads), v_new [T, Hv, V], gamma and Ag 132 bytes a token and value
+head. Set ``SAVE_STATES = False`` where that memory matters more. Not twice differentiable.
 
 The public op (``api.chunk_gated_delta_rule``) calls these under grad and under ``torch.compile``; an eager call
 without grad calls the launcher directly (the dispatcher's Python costs more than the op on short inputs).
@@ -135,5 +135,5 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale: float, initial_state=None
     save = SAVE_STATES and torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
     o, ht, *_ = _forward_op(q, k, v, g, beta, initial_state, cu_seqlens, float(scale), bool(output_final_state),
-                              bool(use_qk_l2norm_in_kernel), save)
+                            bool(use_qk_l2norm_in_kernel), save)
     return o, (ht if output_final_state else None)
