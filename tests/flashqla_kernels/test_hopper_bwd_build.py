@@ -70,7 +70,7 @@ def _check(builder, args):
     assert not re.search(r"threadIdx\.x\) == \d+\) \{\s*if \(tl::tl_shuffle_elect", src), f"{builder.__name__}{args}"
     name = builder.__name__
     if name in ("build_chunk_states", "build_bwd_dh", "build_bwd_dqkwg", "build_bwd_dqkwg_group", "build_bwd_wy",
-                "build_bwd_wy_group", "build_bwd_walk"):
+                "build_bwd_wy_group", "build_bwd_walk", "build_bwd_walk_ws"):
         assert "wgmma" in src, f"{name}{args}: its GEMMs should run on warpgroup MMA"
     if name == "build_bwd_dqkwg_group":
         # its warpgroups hand off through mbarriers only: a planner-inserted bar.sync shared one named-barrier id
@@ -81,6 +81,15 @@ def _check(builder, args):
         # allowed is after the mbarriers' init) would wait for the producer, which never reaches it
         assert src.count("__syncthreads()") == 1, f"{name}{args}: a whole-CTA barrier inside a role"
         assert "__sync_thread_partial(3, 256)" in src, f"{name}{args}: the consumers' syncs"
+    if name == "build_bwd_walk_ws":
+        # each consumer warpgroup syncs its own 128 threads on its own named barrier (S 1, A 2, B 3), and nothing
+        # else: a planner's bar.sync inside a role, or one shared across roles, would hang the walk
+        assert src.count("__syncthreads()") == 1, f"{name}{args}: a whole-CTA barrier inside a role"
+        assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", src)) == {
+            ("1", "128"), ("2", "128"), ("3", "128")}, f"{name}{args}: the roles' own syncs"
+        # the tiles fit one CTA (227 KB with the static arrays and barriers)
+        offsets = [int(x) for x in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
+        assert offsets and max(offsets) + 8192 <= 232448 - 3072, f"{name}{args}: {max(offsets)}"
     # the grouped kernels' fp32 running sums, read and written in accumulator layout, each thread its own elements:
     # rows padded to shift 8 banks, so those accesses are at most 2-way (unpadded: 8-way). The one row-major copy
     # from dk_part into dka_sh, once a chunk, stays 4-way.
@@ -168,7 +177,8 @@ def test_launcher_compiles_exactly_the_listed_specialisations(layout, monkeypatc
     # inputs: only those may go unasked
     assert {b.__name__ for b, _ in want - set(asked)} <= {
         "build_chunk_states", "build_segment_states", "build_chunk_fwd", "build_bwd_dqkwg", "build_bwd_dqkwg_group",
-        "build_bwd_wy", "build_bwd_wy_group", "build_gva_bwd", "build_channels_first_to_tokens", "build_bwd_walk"}
+        "build_bwd_wy", "build_bwd_wy_group", "build_gva_bwd", "build_channels_first_to_tokens", "build_bwd_walk",
+        "build_bwd_walk_ws"}
 
 
 @pytest.mark.parametrize("layout", [QWEN[0], (2, 4, 64, 64, "float16", True, False, False),

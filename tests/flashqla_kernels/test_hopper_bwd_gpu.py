@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flashqla_kernels import toolkit
-from flashqla_kernels.gated_delta_rule.hopper import backward, forward
+from flashqla_kernels.gated_delta_rule.hopper import backward, bwd_walk, forward
 from flashqla_kernels.gated_delta_rule.reference import l2norm
 from flashqla_kernels.gated_delta_rule.reference_bwd import (
     chunk_bwd_dh_ref, chunk_bwd_dqkwg_ref, chunk_bwd_dv_local_ref, chunk_bwd_recompute_ref, chunk_bwd_wy_ref,
@@ -196,11 +196,14 @@ WALK_CASES = [(n, None) for n in sorted(CASES) if CASES[n][2] <= 128 and CASES[n
     ("qwen_layout_l2norm_varlen", 2), ("ragged_gva2_l2norm_padded_tail", 1), ("gva1_fp16_l2norm_no_h0", 1)]
 
 
+@pytest.mark.parametrize("kernel", ["plain", "ws"])
 @pytest.mark.parametrize("name,segment_chunks", WALK_CASES)
-def test_fused_walk_gives_the_reference_gradients(name, segment_chunks, monkeypatch):
-    """The fused walk (``backward.WALK``: dh, dqkwg and WY in one walk per (walk, value head)) on the states the
-    forward saved, against the staged kernels on the same states and the float64 reference: FLA's tolerances, every
-    element written, two runs bit-identical; whole sequences and split into segments."""
+def test_fused_walk_gives_the_reference_gradients(name, segment_chunks, kernel, monkeypatch):
+    """The fused walk (``backward.WALK``: dh, dqkwg and WY in one walk per (walk, value head)), each of
+    ``bwd_walk.KERNELS``' kernels, on the states the forward saved, against the staged kernels on the same states and
+    the float64 reference: FLA's tolerances, every element written, two runs bit-identical; whole sequences and split
+    into segments."""
+    monkeypatch.setattr(bwd_walk, "KERNEL", kernel)
     case = q, k, v, g, beta, do, dht, h0, cu, l2 = _case(name)
     states = forward.chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                 use_qk_l2norm_in_kernel=l2, cu_seqlens=cu,

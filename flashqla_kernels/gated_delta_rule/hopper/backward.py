@@ -278,7 +278,9 @@ def kernel_specs(Hk: int, Hv: int, K: int, V: int, dtype: str, l2norm: bool, has
         ]
     if bwd_walk.supported(K, V):
         # the fused walk from dht (or zeros), and from the segments' end gradients
-        specs += [(bwd_walk.build_bwd_walk, (Hk, Hv, K, V, dtype, scale, d, has_h0)) for d in sorted({has_dht, True})]
+        # (both of ``bwd_walk.KERNELS``' kernels)
+        specs += [(b, (Hk, Hv, K, V, dtype, scale, d, has_h0)) for d in sorted({has_dht, True})
+                  for b in (bwd_walk.build_bwd_walk, bwd_walk.build_bwd_walk_ws)]
         # its dq and dk per value head arrive in the input dtype
         specs += [(chunk_bwd.build_gva_bwd, (Hk, Hv, K, dtype, l2norm, False, dtype))]
     specs += [
