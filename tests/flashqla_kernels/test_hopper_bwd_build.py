@@ -87,7 +87,8 @@ def _check(builder, args):
         assert src.count("__syncthreads()") == 1, f"{name}{args}: a whole-CTA barrier inside a role"
         assert set(re.findall(r"__sync_thread_partial\((\d+), (\d+)\)", src)) == {
             ("1", "128"), ("2", "128"), ("3", "128")}, f"{name}{args}: the roles' own syncs"
-        # the tiles fit one CTA (227 KB with the static arrays and barriers)
+        # the tiles fit one CTA (227 KB with the static arrays and barriers); the planner lays them out largest first,
+        # so the last is a [C, C] one of 8 KB
         offsets = [int(x) for x in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
         assert offsets and max(offsets) + 8192 <= 232448 - 3072, f"{name}{args}: {max(offsets)}"
     # the grouped kernels' fp32 running sums, read and written in accumulator layout, each thread its own elements:
