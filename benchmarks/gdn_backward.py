@@ -100,14 +100,15 @@ AB_ARMS = {
     "ours_recomputed_states": ("custom_op", "SAVE_STATES", False),
     "ours_walk": ("backward", "WALK", True),
     "ours_staged": ("backward", "WALK", False),
+    "ours_walk_ws": ("bwd_walk", "KERNEL", "ws"),
 }
 
 
 def ab_module(name: str):
     """The module an ``AB_ARMS`` entry names."""
-    from flashqla_kernels.gated_delta_rule.hopper import backward, bwd_dqkwg, custom_op
+    from flashqla_kernels.gated_delta_rule.hopper import backward, bwd_dqkwg, bwd_walk, custom_op
 
-    return {"backward": backward, "bwd_dqkwg": bwd_dqkwg, "custom_op": custom_op}[name]
+    return {"backward": backward, "bwd_dqkwg": bwd_dqkwg, "bwd_walk": bwd_walk, "custom_op": custom_op}[name]
 
 
 # --stages: the segment lengths (chunks) the sequential stages are also timed at (0: whole sequences)
