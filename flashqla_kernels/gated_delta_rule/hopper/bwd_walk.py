@@ -402,6 +402,7 @@ build_bwd_walk.pass_configs = {"tl.disable_warp_specialized": True}
 # ds_sh, dv_new, dw, dP (B's), A, KKg, one [C, C] tile for Pt, then X in the input dtype, then P, and one for dA, then
 # dKK (read by B). Each warpgroup syncs its own 128 threads on its own named barrier.
 WS_THREADS = 512
+# setmaxnreg (the four sum to 512): dS' is 128 of S's registers, and S spills at 152; A and B fit 160 (ptxas)
 WS_NREG_S, WS_NREG_A, WS_NREG_B, WS_NREG_PRODUCER = 160, 160, 160, 32
 
 
